@@ -1,0 +1,1 @@
+"""Triton kernels of vllm-lowrank (installed as ``vllm_lowrank.triton_kernels``)."""

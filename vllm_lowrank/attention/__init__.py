@@ -1,0 +1,1 @@
+"""Latent attention: the layer, the vLLM backend and the CPU torch path."""

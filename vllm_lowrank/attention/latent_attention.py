@@ -1,0 +1,209 @@
+r"""Attention computed from cached latents (pre-RoPE key latents, folded values).
+
+Derivation (one layer, one head group ``g`` of ``G`` KV heads; ``x_t`` the layer
+input of token ``t``; ``R_t`` RoPE at position ``t``; ``d`` the head dim)::
+
+    latents (cached, per token):   c^k_t = x_t A_k[g]   (r_k)    c^v_t = x_t A_v[g]   (r_v)
+    key of KV head j in g:         k_{t,j} = R_t (c^k_t B_k[g][:, j])            (Palu sec. 3.1.2)
+    scores of query head i -> j:   s_{i,t} = q_i . k_{t,j} * scale    (q_i already RoPE'd)
+    probabilities:                 p_{i,t} = softmax_t(s_{i,t})  over t <= pos(query)
+    value output (latent space):   o_i = sum_t p_{i,t} c^v_t                       (r_v)
+    layer output:                  y = sum_i o_i (B_v[g][:, j] W_O^{(i)})          (Palu eq. 6)
+
+The last product is the folded ``o_proj`` (:mod:`vllm_lowrank.factorization.fold`),
+so attention itself returns ``o`` of width ``sum_i r_v[group(i)]`` and never
+rebuilds values. Keys must be rebuilt because RoPE sits between ``B_k`` and the
+query: ``q^T R_t B_k^T`` depends on ``t``, so ``B_k`` cannot be folded into the
+query (unlike MLA, whose RoPE part is separate). Rebuilding costs
+``2 * r_k * G * d`` FLOP per cached token and group, shared by the
+``G * num_heads / num_kv_heads`` query heads of the group.
+
+Shapes (vLLM's paged cache, one "head slot" per token)::
+
+    kv_cache      [num_blocks, 1, block_size, Rk + Rv]   (model dtype)
+    slot_mapping  [num_tokens]           int64, -1 for padding
+    block_table   [num_reqs, max_blocks] int32
+    query         [num_tokens, num_heads, d]  (post-RoPE)
+    output        [num_tokens, out_width]
+
+This module is the CPU path: vectorized torch over the decode batch (one
+gather, one GEMM per group for the key rebuild, one SDPA call per group) and
+per prefill request (prefill chunks are few and long). Prefill reads the keys
+and values back from the cache, exactly as decode will, so prompt
+log-probabilities measure the compressed model. CUDA tensors go to the kernels
+in :mod:`vllm_lowrank.triton_kernels` instead (dispatch in the backend).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_lowrank.attention.rope import RopeTable
+from vllm_lowrank.factorization.plan import LayerPlan
+
+PREFILL_QUERY_CHUNK = 1024
+"""Query rows per SDPA call in prefill: bounds the score buffer to
+``heads x 1024 x context`` float32."""
+
+
+def write_latents(
+    kv_cache: torch.Tensor,
+    k_latent: torch.Tensor,
+    v_latent: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter this step's latents into their paged slots.
+
+    Args:
+        kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]``.
+        k_latent: ``[num_tokens, Rk]`` (or ``[num_tokens, 1, Rk]``).
+        v_latent: ``[num_tokens, Rv]``.
+        slot_mapping: ``[num_tokens]`` int64 ``block * block_size + offset``;
+            negative entries (padding) are skipped.
+    """
+    n = slot_mapping.shape[0]
+    block_size = kv_cache.shape[2]
+    rows = torch.cat(
+        (k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)), dim=-1
+    ).to(kv_cache.dtype)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        rows, slot_mapping = rows[valid], slot_mapping[valid]
+    slot_mapping = slot_mapping.long()
+    kv_cache[slot_mapping // block_size, 0, slot_mapping % block_size] = rows
+
+
+def gather_latents(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+) -> torch.Tensor:
+    """Read positions ``0..length-1`` of each request from the paged cache.
+
+    Args:
+        kv_cache: ``[num_blocks, 1, block_size, C]``.
+        block_table: ``[num_reqs, max_blocks]`` (rows of the requests to read).
+        length: Positions to read (entries past a request's length are garbage
+            and must be masked by the caller).
+
+    Returns:
+        ``[num_reqs, length, C]`` in the cache dtype.
+    """
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(length, device=kv_cache.device)
+    blocks = block_table[:, pos // block_size].long()  # [B, L]
+    return kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
+
+
+def _attend(
+    plan: LayerPlan,
+    k_up: torch.Tensor,
+    rope: RopeTable,
+    scale: float,
+    query: torch.Tensor,
+    latents: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of ``query`` over ``latents`` for every head group.
+
+    Args:
+        plan: Layer plan (groups and ranks).
+        k_up: ``[Rk, kv_width]`` float32 block-diagonal key up-projection.
+        rope: RoPE table.
+        scale: Softmax scale.
+        query: ``[B, Q, H, d]`` float32, post-RoPE.
+        latents: ``[B, L, Rk + Rv]`` (any float dtype), positions ``0..L-1``.
+        mask: ``[B, Q, L]`` bool, True where query ``q`` may attend position ``l``.
+
+    Returns:
+        ``[B, Q, out_width]`` float32.
+    """
+    b, q_len, _, d = query.shape
+    length = latents.shape[1]
+    lat = latents.float()
+    positions = torch.arange(length, device=lat.device)
+    rk = plan.k_width
+    hg, gs = plan.heads_per_group, plan.group_size
+    gw = plan.group_width
+    attn_mask = mask[:, None, :, :]  # [B, 1, Q, L]
+    outs = []
+    for g, (k_off, v_off) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+        r_k, r_v = plan.k_ranks[g], plan.v_ranks[g]
+        c_k = lat[:, :, k_off : k_off + r_k]
+        b_k = k_up[k_off : k_off + r_k, g * gw : (g + 1) * gw]
+        keys = (c_k @ b_k).view(b, length, gs, d)
+        keys = rope.apply(keys, positions).transpose(1, 2)  # [B, G, L, d]
+        values = lat[:, :, rk + v_off : rk + v_off + r_v]
+        values = values[:, None].expand(b, gs, length, r_v)  # shared by the group
+        q_g = query[:, :, g * hg : (g + 1) * hg].transpose(1, 2)  # [B, Hg, Q, d]
+        o = F.scaled_dot_product_attention(
+            q_g, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=True
+        )  # [B, Hg, Q, r_v]
+        outs.append(o.transpose(1, 2).reshape(b, q_len, hg * r_v))
+    return torch.cat(outs, dim=-1)
+
+
+def decode_attention(
+    plan: LayerPlan,
+    k_up: torch.Tensor,
+    rope: RopeTable,
+    scale: float,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """One new token per request, batched.
+
+    Args:
+        query: ``[B, H, d]`` post-RoPE (token at position ``seq_len - 1``).
+        block_table: ``[B, max_blocks]``; seq_lens: ``[B]`` (including this token).
+        max_seq_len: ``max(seq_lens)`` (host int).
+
+    Returns:
+        ``[B, out_width]`` float32.
+    """
+    latents = gather_latents(kv_cache, block_table, max_seq_len)
+    pos = torch.arange(max_seq_len, device=query.device)
+    mask = (pos[None, :] < seq_lens[:, None].to(pos.device))[:, None, :]  # [B, 1, L]
+    out = _attend(plan, k_up, rope, scale, query.float()[:, None], latents, mask)
+    return out[:, 0]
+
+
+def prefill_attention(
+    plan: LayerPlan,
+    k_up: torch.Tensor,
+    rope: RopeTable,
+    scale: float,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    seq_len: int,
+) -> torch.Tensor:
+    """A chunk of ``Q`` new tokens of one request (positions ``seq_len-Q ..
+    seq_len-1``), causal, over everything cached so far (prefix-cache hits and
+    earlier chunks included).
+
+    Args:
+        query: ``[Q, H, d]`` post-RoPE.
+        block_table_row: ``[max_blocks]``.
+        seq_len: Tokens of the request after this chunk.
+
+    Returns:
+        ``[Q, out_width]`` float32.
+    """
+    q_len = query.shape[0]
+    latents = gather_latents(kv_cache, block_table_row[None], seq_len)
+    pos = torch.arange(seq_len, device=query.device)
+    outs = []
+    for start in range(0, q_len, PREFILL_QUERY_CHUNK):
+        stop = min(q_len, start + PREFILL_QUERY_CHUNK)
+        q_pos = torch.arange(seq_len - q_len + start, seq_len - q_len + stop,
+                             device=query.device)
+        mask = (pos[None, :] <= q_pos[:, None])[None]  # [1, Qc, L]
+        end = int(q_pos[-1]) + 1
+        outs.append(
+            _attend(plan, k_up, rope, scale, query[None, start:stop].float(),
+                    latents[:, :end], mask[..., :end])[0]
+        )
+    return torch.cat(outs, dim=0)

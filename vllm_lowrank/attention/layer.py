@@ -1,0 +1,108 @@
+"""The latent attention layer: vLLM ``Attention`` whose cache holds latents.
+
+It reuses vLLM's ``Attention`` registration (static forward context, custom-op
+dispatch, cache binding) and changes three things:
+
+- the backend is always :class:`~vllm_lowrank.attention.backend.LatentAttentionBackend`;
+- :meth:`get_kv_cache_spec` describes one head slot of ``Rk + Rv`` elements per
+  token, so vLLM allocates only the latent bytes (ranks may differ per layer:
+  vLLM groups such layers in one ``UniformTypeKVCacheSpecs``);
+- :meth:`forward` takes the query and the two latents and returns the attention
+  output in the value latent space (``[T, out_width]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.utils.torch_utils import _encode_layer_name
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from vllm_lowrank.attention.backend import LatentAttentionBackend
+from vllm_lowrank.attention.rope import RopeTable, rope_table_for
+from vllm_lowrank.factorization.plan import LayerPlan
+
+
+class LatentAttention(Attention):
+    """Attention over a paged latent cache.
+
+    Args:
+        plan: Head groups and ranks of this layer.
+        scale: Softmax scale (``head_dim ** -0.5`` for Llama).
+        rotary: The model's rotary module (its cos/sin table rotates the
+            rebuilt keys).
+        cache_config, quant_config, prefix: As for vLLM's ``Attention``.
+
+    Buffers:
+        k_up: ``[Rk, num_kv_heads * head_dim]`` float32 block-diagonal key
+            up-projection, filled at weight loading.
+    """
+
+    def __init__(self, plan: LayerPlan, scale: float, rotary, cache_config=None,
+                 quant_config=None, prefix: str = "") -> None:
+        shape = plan.shape
+        super().__init__(
+            num_heads=shape.num_heads,
+            head_size=shape.head_dim,
+            scale=scale,
+            num_kv_heads=shape.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            prefix=prefix,
+            attn_backend=LatentAttentionBackend,
+        )
+        self.plan = plan
+        self.register_buffer(
+            "k_up", torch.zeros(plan.k_width, shape.kv_width, dtype=torch.float32),
+            persistent=False,
+        )
+        # A plain attribute, not a submodule: the rotary module belongs to the
+        # attention block and is shared across layers.
+        self.__dict__["_rotary"] = rotary
+
+    def rope_table(self, device: torch.device) -> RopeTable:
+        """float32 RoPE table of this layer's rotary module on ``device``."""
+        return rope_table_for(self._rotary, device)
+
+    def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
+        """One head slot per token holding ``[c_k | c_v]`` (``Rk + Rv`` elements)."""
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.plan.k_width,
+            head_size_v=self.plan.v_width,
+            dtype=self.kv_cache_torch_dtype,
+        )
+
+    def forward(self, query: torch.Tensor, k_latent: torch.Tensor,
+                v_latent: torch.Tensor) -> torch.Tensor:
+        """Cache the latents, attend, return ``[T, out_width]``.
+
+        Args:
+            query: ``[T, num_heads * head_dim]`` post-RoPE queries.
+            k_latent: ``[T, Rk]`` key latents (pre-RoPE).
+            v_latent: ``[T, Rv]`` value latents.
+        """
+        num_tokens = query.shape[0]
+        output = torch.empty(num_tokens, self.plan.out_width, dtype=query.dtype,
+                             device=query.device)
+        query = query.view(-1, self.num_heads, self.head_size)
+        key = k_latent.view(-1, 1, self.plan.k_width)
+        value = v_latent.view(-1, 1, self.plan.v_width)
+        if self.use_direct_call:
+            from vllm.model_executor.layers.attention.attention import (
+                unified_attention_with_output,
+                unified_kv_cache_update,
+            )
+
+            dep = unified_kv_cache_update(key, value, self.layer_name)
+            unified_attention_with_output(query, key, value, output, self.layer_name,
+                                          kv_cache_dummy_dep=dep)
+        else:
+            encoded = _encode_layer_name(self.layer_name)
+            dep = torch.ops.vllm.unified_kv_cache_update(key, value, encoded)
+            torch.ops.vllm.unified_attention_with_output(
+                query, key, value, output, encoded, kv_cache_dummy_dep=dep
+            )
+        return output

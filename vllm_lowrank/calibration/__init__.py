@@ -1,0 +1,1 @@
+"""Calibration on real text and the on-disk compression artifact."""

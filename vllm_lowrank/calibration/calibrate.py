@@ -1,0 +1,189 @@
+"""Calibrate bases for a model: statistics on real text -> artifact.
+
+``calibrate_model`` loads the Hugging Face checkpoint (float32, eager attention),
+collects :mod:`~vllm_lowrank.calibration.collect` statistics on calibration text
+and solves, for every layer, side and head group, the closed form of
+:mod:`vllm_lowrank.factorization.bases` for the chosen ``method``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from vllm_lowrank.calibration import artifact as art
+from vllm_lowrank.calibration import text as texts
+from vllm_lowrank.calibration.collect import LayerStats, collect_stats
+from vllm_lowrank.config import METHODS, LowRankConfigError
+from vllm_lowrank.factorization.bases import (
+    GroupBasis,
+    output_aware_basis,
+    rope_query_metric,
+    value_output_metric,
+)
+
+logger = logging.getLogger("vllm.lowrank")
+
+CALIBRATION_VERSION = 1
+"""Bumped whenever the statistics or closed forms change (invalidates cached
+``artifact="auto"`` results)."""
+WINDOW = 1024
+"""Tokens per calibration window: distances up to 1023 inform the RoPE metric."""
+
+
+def load_hf_model(model_path: str):
+    """Hugging Face causal LM (float32, eager attention) and tokenizer.
+
+    Raises:
+        LowRankConfigError: the path is not a loadable checkpoint.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="eager"
+        )
+    except (OSError, ValueError) as e:
+        raise LowRankConfigError(f"cannot load {model_path!r} for calibration: {e}") from None
+    model.eval()
+    return model, tok
+
+
+def _blockdiag(blocks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.block_diag(*blocks)
+
+
+def layer_bases(
+    method: str,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    w_o: torch.Tensor,
+    stats: LayerStats | None,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    group_size: int,
+    inv_freq: torch.Tensor | None,
+    neox: bool = True,
+) -> tuple[list[GroupBasis], list[GroupBasis]]:
+    """Bases of one layer for every head group.
+
+    Args:
+        method: One of :data:`~vllm_lowrank.config.METHODS`.
+        w_k, w_v: ``[num_kv_heads * head_dim, hidden]`` (``nn.Linear`` weights).
+        w_o: ``[hidden, num_heads * head_dim]``.
+        stats: Calibration statistics (unused for ``svd``).
+        inv_freq: ``[rot/2]`` RoPE inverse frequencies (``kq`` only).
+
+    Returns:
+        ``(k_bases, v_bases)``, one per head group.
+    """
+    qpk = num_heads // num_kv_heads
+    gw = group_size * head_dim
+    sx = None if method == "svd" else stats.sx
+    k_metric = v_metric = None
+    if method == "kq":
+        k_blocks, v_blocks = [], []
+        for j in range(num_kv_heads):
+            heads = range(j * qpk, (j + 1) * qpk)
+            k_blocks.append(sum(
+                rope_query_metric(stats.sq[i], inv_freq, stats.dist[i], neox) for i in heads
+            ))
+            v_blocks.append(value_output_metric(
+                [w_o[:, i * head_dim:(i + 1) * head_dim].T.float() for i in heads]
+            ))
+        k_metric, v_metric = k_blocks, v_blocks
+    out = []
+    for w, metric in ((w_k, k_metric), (w_v, v_metric)):
+        bases = []
+        for g in range(num_kv_heads // group_size):
+            wg = w[g * gw:(g + 1) * gw].float().T
+            t = None if metric is None else _blockdiag(metric[g * group_size:(g + 1) * group_size])
+            bases.append(output_aware_basis(wg, sx, t))
+        out.append(bases)
+    return out[0], out[1]
+
+
+def calibrate_model(
+    model_path: str,
+    *,
+    method: str = "kq",
+    group_size: int | None = None,
+    num_tokens: int = 16384,
+    documents: list[str] | None = None,
+    text_description: str | None = None,
+) -> art.Artifact:
+    """Calibrate every layer of ``model_path``.
+
+    Args:
+        model_path: Hugging Face checkpoint directory.
+        method: ``svd``, ``whitened`` or ``kq``.
+        group_size: KV heads per group (``None``: all of a layer).
+        num_tokens: Calibration tokens (rounded down to whole windows of
+            :data:`WINDOW`).
+        documents: Calibration texts; default: the calibration split of the
+            Wikipedia (gensim excerpt) text.
+        text_description: Recorded in the manifest for user texts.
+
+    Returns:
+        The artifact (not yet saved).
+
+    Raises:
+        LowRankConfigError: unknown method, unloadable model, too little text.
+    """
+    if method not in METHODS:
+        raise LowRankConfigError(f"method={method!r} is not one of {list(METHODS)}")
+    t0 = time.time()
+    model, tok = load_hf_model(model_path)
+    cfg = model.config
+    num_heads = cfg.num_attention_heads
+    num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    g = group_size or num_kv
+    if num_kv % g:
+        raise LowRankConfigError(f"group_size={g} does not divide {num_kv} KV heads")
+    num_windows = max(1, num_tokens // WINDOW)
+    if documents is None:
+        documents = texts.wikipedia_split("calibration")
+        text_description = ("Wikipedia (gensim 4.4.0 excerpt), even-index articles "
+                            "(calibration split)")
+    stats = None
+    if method != "svd":
+        windows = texts.token_windows(tok, documents, num_windows, WINDOW)
+        stats = collect_stats(model, windows)
+    inv_freq = getattr(model.model, "rotary_emb", None)
+    inv_freq = None if inv_freq is None else inv_freq.inv_freq.detach().float()
+    state = dict(model.state_dict())
+    layers = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        layers[i] = layer_bases(
+            method, state[p + "k_proj.weight"], state[p + "v_proj.weight"],
+            state[p + "o_proj.weight"], None if stats is None else stats[i],
+            num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
+            group_size=g, inv_freq=inv_freq,
+        )
+    manifest = art.new_manifest(
+        model_id=getattr(cfg, "_name_or_path", None) or model_path,
+        architecture=cfg.architectures[0],
+        shape={"hidden_size": cfg.hidden_size, "num_heads": num_heads,
+               "num_kv_heads": num_kv, "head_dim": head_dim},
+        num_layers=cfg.num_hidden_layers,
+        fingerprint=art.model_fingerprint(state.items()),
+        method=method,
+        group_size=g,
+        calibration={
+            "text": text_description or "user text",
+            "tokens": 0 if stats is None else num_windows * WINDOW,
+            "window": WINDOW,
+            "seconds": round(time.time() - t0, 1),
+            "calibration_version": CALIBRATION_VERSION,
+        },
+    )
+    logger.info("vllm-lowrank: calibrated %s (%s, group %d) in %.1f s", model_path,
+                method, g, time.time() - t0)
+    return art.Artifact(manifest=manifest, bases=layers)

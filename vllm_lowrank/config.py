@@ -1,0 +1,257 @@
+"""The ``--kv-compression-config`` settings: parsing, validation and defaults.
+
+One frozen dataclass, :class:`LowRankConfig`, carries every user-facing knob. It
+travels to every vLLM process inside ``VllmConfig.additional_config`` under the
+key :data:`ADDITIONAL_CONFIG_KEY`, as a plain JSON dict, so it is part of vLLM's
+compile-cache hash and survives process spawning.
+
+Terms used throughout the package:
+
+- *latent*: the rank-``r`` vector ``x @ A`` cached per token instead of the full
+  key or value heads.
+- *head group* (G-LRD, Palu sec. 3.2.3): ``group_size`` consecutive KV heads that
+  share one latent. ``group_size=1`` is per-head (M-LRD), ``group_size`` equal to
+  the layer's KV heads is joint (J-LRD).
+- *ratio*: the fraction of the K+V cache width kept, ``sum(r_k + r_v) /
+  (2 * num_kv_heads * head_dim)`` per layer, before rank rounding.
+- *compression ratio*: original KV bytes per token / stored bytes per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+ADDITIONAL_CONFIG_KEY = "kv_compression"
+"""Key of this plugin's settings inside ``VllmConfig.additional_config``."""
+
+MODES = ("none", "lowrank")
+METHODS = ("svd", "whitened", "kq")
+RANK_ALLOCATIONS = ("uniform", "energy")
+RANK_MULTIPLE = 8
+"""Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
+(``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
+for every packed bit width."""
+
+
+class LowRankConfigError(ValueError):
+    """A ``--kv-compression`` setting is invalid; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankConfig:
+    """Settings of the latent KV cache.
+
+    Attributes:
+        mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
+        ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
+            ``1.0`` keeps full rank (exact up to rounding).
+        group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
+            heads of the layer (of the tensor-parallel shard); must divide the
+            number of KV heads.
+        ranks: Optional per-layer override ``{layer_index: (r_k, r_v)}``: total
+            key and value latent width of the layer, split evenly over its head
+            groups. Layers not listed follow ``ratio``.
+        method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
+            (activation-aware SVD) or ``"kq"`` (attention-output-aware bases).
+            See :mod:`vllm_lowrank.factorization.bases`.
+        rank_allocation: ``"uniform"`` (same rank everywhere) or ``"energy"``
+            (one global byte budget spread by explained energy).
+        artifact: Path of a calibration artifact directory, ``"auto"`` (use the
+            cached artifact for this model and settings, calibrating once on the
+            default text if there is none) or ``"none"`` (no calibration: weight
+            SVD, logged).
+        calibration_tokens: Tokens of calibration text for ``artifact="auto"``.
+    """
+
+    mode: str = "none"
+    ratio: float = 0.5
+    group_size: int | None = None
+    ranks: Mapping[int, tuple[int, int]] | None = None
+    method: str = "kq"
+    rank_allocation: str = "energy"
+    artifact: str = "auto"
+    calibration_tokens: int = 16384
+
+    @property
+    def enabled(self) -> bool:
+        """True when the latent cache is on."""
+        return self.mode == "lowrank"
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when the bases depend on calibration activations."""
+        return self.method != "svd" or self.rank_allocation != "uniform"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (``ranks`` keys become strings)."""
+        d = dataclasses.asdict(self)
+        if self.ranks is not None:
+            d["ranks"] = {str(k): list(v) for k, v in self.ranks.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> LowRankConfig:
+        """Build and validate a config from a JSON-like mapping.
+
+        Raises:
+            LowRankConfigError: unknown key, wrong type or value out of range.
+        """
+        if not isinstance(raw, Mapping):
+            raise LowRankConfigError(
+                f"--kv-compression-config must be a JSON object, got "
+                f"{type(raw).__name__}; e.g. '{{\"ratio\": 0.5}}'"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise LowRankConfigError(
+                f"unknown --kv-compression-config key(s) {unknown}; "
+                f"valid keys: {sorted(known)}"
+            )
+        kwargs = dict(raw)
+        if "ranks" in kwargs and kwargs["ranks"] is not None:
+            kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
+        if "ratio" in kwargs:
+            kwargs["ratio"] = _number("ratio", kwargs["ratio"])
+        for key in ("group_size", "calibration_tokens"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = _integer(key, kwargs[key])
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Check every field on its own (model-dependent checks live in
+        :func:`vllm_lowrank.models.adapters.check_model`).
+
+        Raises:
+            LowRankConfigError: with the offending value and the accepted range.
+        """
+        _choice("mode", self.mode, MODES)
+        if not 0.0 < self.ratio <= 1.0:
+            raise LowRankConfigError(
+                f"ratio={self.ratio} is out of range: it is the fraction of the K+V "
+                "cache width kept and must satisfy 0 < ratio <= 1 (e.g. 0.5 for 2x)"
+            )
+        if self.group_size is not None and self.group_size < 1:
+            raise LowRankConfigError(
+                f"group_size={self.group_size} must be >= 1 (1 = per KV head) or "
+                "null (all KV heads of a layer)"
+            )
+        _choice("method", self.method, METHODS)
+        _choice("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        if not isinstance(self.artifact, str) or not self.artifact:
+            raise LowRankConfigError(
+                "artifact must be a directory path, \"auto\" or \"none\""
+            )
+        if self.calibration_tokens < 512:
+            raise LowRankConfigError(
+                f"calibration_tokens={self.calibration_tokens} is too small; use "
+                ">= 512 (default 16384)"
+            )
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LowRankConfigError(
+            f"{key}={value!r} is not supported; choose one of {list(choices)}"
+        )
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LowRankConfigError(f"{key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _integer(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LowRankConfigError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def _parse_ranks(raw: Any) -> dict[int, tuple[int, int]]:
+    if not isinstance(raw, Mapping):
+        raise LowRankConfigError(
+            "ranks must be an object {\"<layer>\": [r_k, r_v]}, e.g. "
+            "{\"0\": [64, 128]}"
+        )
+    out: dict[int, tuple[int, int]] = {}
+    for key, value in raw.items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise LowRankConfigError(
+                f"ranks key {key!r} is not a layer index"
+            ) from None
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            raise LowRankConfigError(
+                f"ranks[{key!r}] must be a pair of integers [r_k, r_v], got {value!r}"
+            )
+        out[layer] = (int(value[0]), int(value[1]))
+    return out
+
+
+def parse_config_text(text: str) -> dict[str, Any]:
+    """Parse ``--kv-compression-config``: inline JSON or a path to a JSON file.
+
+    Raises:
+        LowRankConfigError: unreadable file or malformed JSON (with position).
+    """
+    stripped = text.strip()
+    source = "inline JSON"
+    if not stripped.startswith("{"):
+        if not os.path.isfile(stripped):
+            raise LowRankConfigError(
+                f"--kv-compression-config {text!r} is neither inline JSON (it must "
+                "start with '{') nor an existing JSON file"
+            )
+        source = stripped
+        with open(stripped, encoding="utf-8") as f:
+            stripped = f.read()
+    try:
+        value = json.loads(stripped)
+    except json.JSONDecodeError as e:
+        raise LowRankConfigError(
+            f"--kv-compression-config ({source}) is malformed JSON: {e.msg} at line "
+            f"{e.lineno} column {e.colno}"
+        ) from None
+    if not isinstance(value, dict):
+        raise LowRankConfigError(
+            f"--kv-compression-config ({source}) must be a JSON object, got "
+            f"{type(value).__name__}"
+        )
+    return value
+
+
+def config_from_additional(additional_config: Mapping[str, Any] | None) -> LowRankConfig:
+    """The plugin settings carried by ``VllmConfig.additional_config``.
+
+    Missing key means compression off.
+
+    Raises:
+        LowRankConfigError: the stored settings are invalid.
+    """
+    raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if raw is None:
+        return LowRankConfig()
+    if isinstance(raw, str):
+        # `--additional-config '{"kv_compression": "lowrank"}'` shorthand.
+        _choice("kv_compression", raw, MODES)
+        return LowRankConfig(mode=raw)
+    raw = dict(raw)
+    raw.setdefault("mode", "lowrank")
+    return LowRankConfig.from_dict(raw)
+
+
+def config_from_vllm(vllm_config: Any) -> LowRankConfig:
+    """Shorthand for ``config_from_additional(vllm_config.additional_config)``."""
+    return config_from_additional(getattr(vllm_config, "additional_config", None))

@@ -1,0 +1,1 @@
+"""Low-rank factorization of key/value projections: plans, bases, ranks, folding."""

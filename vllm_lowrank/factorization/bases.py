@@ -1,0 +1,226 @@
+"""Closed-form low-rank bases for the key and value projections.
+
+One head group's key (or value) projection is ``W`` (``hidden x n``, ``n =
+group_size * head_dim``, applied as ``x @ W``). We look for ``A`` (``hidden x r``)
+and ``B`` (``r x n``) so that the cached latent ``c = x @ A`` rebuilds
+``x @ A @ B ~ x @ W``. All three methods minimise one objective,
+
+    min_{A, B}  || X (W - A B) M ||_F^2                                   (1)
+
+over calibration inputs ``X`` (``tokens x hidden``, with second moment
+``S_x = X^T X``) and an output metric ``T = M M^T`` (``n x n``) that says which
+errors in the rebuilt heads matter. With ``S_x = L L^T`` (Cholesky) and
+``Z = L^T W M = U S V^T`` (SVD), the minimiser is
+
+    A = L^{-T} U_r,        B = U_r^T L^T W                                (2)
+
+and the objective left at rank ``r`` is ``sum_{i > r} s_i^2`` (Eckart-Young on
+``Z``; proof: ``||X Y||_F = ||L^T Y||_F`` for any ``Y``, and ``X A B M =
+X L^{-T} U_r U_r^T Z``). The latent ``x A`` is white on the calibration data
+(``A^T S_x A = I``), which also makes it easy to quantize.
+
+The methods differ only in ``S_x`` and ``T``:
+
+- ``svd``: ``S_x = I``, ``T = I``: plain SVD of the weight (Palu eq. 4).
+- ``whitened``: ``S_x`` from calibration, ``T = I``: truncation-aware SVD with
+  Cholesky whitening (SVD-LLM eq. 5-7; Palu appendix K).
+- ``kq``: ``S_x`` from calibration and an attention-aware ``T``:
+    * keys: the error that matters is in the scores ``q^T R_{m-n} k`` (RoPE:
+      ``R``), so ``T_k = sum_{i in group} E_delta[R_delta Sigma_{q_i}
+      R_delta^T]`` (:func:`rope_query_metric`), with ``Sigma_{q_i}`` the pre-RoPE
+      second moment of query head ``i`` and ``delta`` the query-key distance
+      weighted by calibration attention. This is the K Q^T objective of Lesens,
+      Rakhshan & Rabusseau (2025, "Approximating the attention matrix" and
+      "Compatibility with GQA"), written in weight space, made RoPE-aware, and
+      summing the squared errors of the group's query heads (the slides' GQA
+      theorem sums the queries instead).
+    * values: the V-O criterion ``min ||V C D^T W_O - V W_O||`` of the same
+      slides: ``T_v = sum_{i reading kv head j} W_O^{(i)} W_O^{(i)T}``
+      (:func:`value_output_metric`), i.e. errors are measured after ``o_proj``.
+
+At full rank (``r = n``) any basis is exact; :func:`factors_for_rank` then
+returns the identity basis (``A = W``, ``B = I``), so the cached latent equals
+the key or value bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class GroupBasis:
+    """Full, ordered basis of one side (K or V) of one head group.
+
+    Attributes:
+        a: ``[hidden, k]`` float32 down-projection (columns ordered by energy).
+        b: ``[k, n]`` float32 up-projection.
+        energy: ``[k]`` float32, objective (1) removed by each component
+            (descending); ``k = min(hidden, n)``.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    energy: torch.Tensor
+
+    @property
+    def full_width(self) -> int:
+        """``n``, the group's full K or V width."""
+        return self.b.shape[1]
+
+
+def _sym_sqrt(t: torch.Tensor) -> torch.Tensor:
+    """Symmetric PSD square root (negative eigenvalues from rounding clamped)."""
+    evals, evecs = torch.linalg.eigh(t)
+    return (evecs * evals.clamp_min(0).sqrt()) @ evecs.T
+
+
+def _cholesky(s: torch.Tensor) -> torch.Tensor:
+    """Lower Cholesky factor of ``s``, with the smallest diagonal damping
+    (1e-6 .. 1e-1 of the mean diagonal) that makes it positive definite."""
+    scale = s.diagonal().mean().clamp_min(1e-30)
+    eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
+    for damp in (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1):
+        chol, info = torch.linalg.cholesky_ex(s + damp * scale * eye)
+        if int(info) == 0:
+            return chol
+    raise ValueError("calibration second moment is not positive semi-definite")
+
+
+def output_aware_basis(
+    w: torch.Tensor,
+    sx: torch.Tensor | None = None,
+    t: torch.Tensor | None = None,
+) -> GroupBasis:
+    """Solve objective (1) of the module docstring for every rank at once.
+
+    Args:
+        w: ``[hidden, n]`` projection of one head group (``x @ w``).
+        sx: ``[hidden, hidden]`` input second moment ``X^T X``; ``None`` = identity.
+        t: ``[n, n]`` PSD output metric; ``None`` = identity.
+
+    Returns:
+        The ordered basis; truncate with :func:`factors_for_rank`.
+
+    Raises:
+        ValueError: ``sx`` is not PSD even after damping, or shapes disagree.
+    """
+    w64 = w.detach().to(torch.float64)
+    hidden, n = w64.shape
+    if sx is not None and sx.shape != (hidden, hidden):
+        raise ValueError(f"sx has shape {tuple(sx.shape)}, expected {(hidden, hidden)}")
+    if t is not None and t.shape != (n, n):
+        raise ValueError(f"t has shape {tuple(t.shape)}, expected {(n, n)}")
+    lt = None if sx is None else _cholesky(sx.to(torch.float64)).T  # L^T
+    z = w64 if lt is None else lt @ w64
+    if t is not None:
+        z = z @ _sym_sqrt(t.to(torch.float64))
+    u, s, _ = torch.linalg.svd(z, full_matrices=False)
+    a = u if lt is None else torch.linalg.solve_triangular(lt, u, upper=True)
+    b = u.T @ (w64 if lt is None else lt @ w64)
+    return GroupBasis(a=a.float(), b=b.float(), energy=(s**2).float())
+
+
+def factors_for_rank(
+    basis: GroupBasis, rank: int, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A [hidden, rank], B [rank, n])`` float32.
+
+    At full rank (``rank == n``) this is the identity basis ``(w, I)``, so the
+    cached latent equals the key or value exactly.
+
+    Args:
+        basis: Ordered basis of the group.
+        rank: Kept components.
+        w: ``[hidden, n]`` the group's original projection.
+
+    Raises:
+        ValueError: ``rank`` outside ``1..n``.
+    """
+    n = basis.full_width
+    if not 1 <= rank <= n:
+        raise ValueError(f"rank {rank} outside 1..{n}")
+    if rank == n:
+        return w.detach().float().clone(), torch.eye(n, dtype=torch.float32)
+    if rank > basis.a.shape[1]:
+        raise ValueError(f"rank {rank} exceeds the basis size {basis.a.shape[1]}")
+    return basis.a[:, :rank].contiguous(), basis.b[:rank].contiguous()
+
+
+def rotate_half_matrix(dim: int, neox: bool) -> torch.Tensor:
+    """``P`` with ``P @ x = rotate_half(x)`` (neox: ``[-x2, x1]``; gptj:
+    interleaved pairs ``(-x_{2i+1}, x_{2i})``), float64 ``[dim, dim]``."""
+    p = torch.zeros(dim, dim, dtype=torch.float64)
+    half = dim // 2
+    for i in range(half):
+        if neox:
+            lo, hi = i, i + half
+        else:
+            lo, hi = 2 * i, 2 * i + 1
+        p[lo, hi] = -1.0
+        p[hi, lo] = 1.0
+    return p
+
+
+def rope_query_metric(
+    sigma_q: torch.Tensor,
+    inv_freq: torch.Tensor,
+    distance_weights: torch.Tensor,
+    neox: bool = True,
+) -> torch.Tensor:
+    """``E_delta[R_delta Sigma_q R_delta^T]``: the metric of key errors seen
+    through RoPE'd scores (module docstring, keys of ``kq``).
+
+    With ``R = diag(c) + diag(s) P`` (``c, s`` the cos/sin of each dimension's
+    angle ``delta * inv_freq``, ``P`` the rotate-half matrix):
+
+        E[R S R^T] = S*E[c c^T] + (S P^T)*E[c s^T] + (P S)*E[s c^T] + (P S P^T)*E[s s^T]
+
+    with ``*`` elementwise; dimensions past ``2 * len(inv_freq)`` are not rotated.
+
+    Args:
+        sigma_q: ``[d, d]`` pre-RoPE query second moment (sum over the heads).
+        inv_freq: ``[rot/2]`` RoPE inverse frequencies (radians per position).
+        distance_weights: ``[L]`` non-negative weight of query-key distance
+            ``delta = 0..L-1`` (normalised here).
+        neox: neox (half split) or gptj (interleaved) pair layout.
+
+    Returns:
+        ``[d, d]`` float64 PSD metric.
+    """
+    d = sigma_q.shape[0]
+    rot = 2 * inv_freq.numel()
+    w = distance_weights.to(torch.float64)
+    w = w / w.sum().clamp_min(1e-30)
+    delta = torch.arange(w.numel(), dtype=torch.float64)
+    ang = delta[:, None] * inv_freq.to(torch.float64)[None, :]  # [L, rot/2]
+    if neox:
+        ang = torch.cat([ang, ang], dim=1)
+    else:
+        ang = ang.repeat_interleave(2, dim=1)
+    c = torch.ones(w.numel(), d, dtype=torch.float64)
+    s = torch.zeros(w.numel(), d, dtype=torch.float64)
+    c[:, :rot] = ang.cos()
+    s[:, :rot] = ang.sin()
+    p = torch.zeros(d, d, dtype=torch.float64)
+    p[:rot, :rot] = rotate_half_matrix(rot, neox)
+    sq = sigma_q.to(torch.float64)
+    cw, sw = c * w[:, None], s * w[:, None]
+    ecc, ecs, ess = cw.T @ c, cw.T @ s, sw.T @ s
+    out = sq * ecc + (sq @ p.T) * ecs + (p @ sq) * ecs.T + (p @ sq @ p.T) * ess
+    return 0.5 * (out + out.T)
+
+
+def value_output_metric(w_o_heads: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_i W_O^{(i)} W_O^{(i)T}`` over the query heads reading one value head.
+
+    Args:
+        w_o_heads: ``[head_dim, hidden]`` slices of ``o_proj`` (as ``y = o @ W``),
+            one per query head that reads this KV head.
+
+    Returns:
+        ``[head_dim, head_dim]`` float64 PSD metric.
+    """
+    return sum(w.to(torch.float64) @ w.to(torch.float64).T for w in w_o_heads)

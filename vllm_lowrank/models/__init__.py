@@ -1,0 +1,2 @@
+"""Model adapters: vLLM model classes that build latent attention when
+compression is on and are the stock classes otherwise."""

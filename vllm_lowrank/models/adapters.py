@@ -1,0 +1,86 @@
+"""Which architectures the latent cache supports, and the start-up checks.
+
+:data:`SUPPORTED_ARCHITECTURES` maps a Hugging Face architecture name to the
+class registered in vLLM's ``ModelRegistry``. Each registered class behaves as
+vLLM's stock class when compression is off. :func:`check_model` runs in the
+front-end process (``EngineArgs.create_engine_config``) so that an unsupported
+model or setting is refused before any engine process starts.
+"""
+
+from __future__ import annotations
+
+from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "vllm_lowrank.models.llama:LowRankLlamaForCausalLM",
+}
+
+
+def supported_list() -> str:
+    """Comma-separated supported architecture names."""
+    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+
+
+def check_model(vllm_config, cfg: LowRankConfig) -> None:
+    """Refuse models and settings the latent cache cannot serve.
+
+    Checks: architecture, attention kind (no MLA, no cross-attention), weight
+    quantization (factorization needs float weights), vLLM's own KV cache dtype,
+    head divisibility under tensor parallelism, group size and the ratio giving
+    a non-zero rank, and the artifact's geometry when one is given by path.
+
+    Raises:
+        LowRankConfigError: with the supported alternatives.
+    """
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise LowRankConfigError(
+            f"--kv-compression lowrank does not support architecture "
+            f"{', '.join(archs) or '(unknown)'} of model {model_config.model!r}; "
+            f"supported: {supported_list()}"
+        )
+    if getattr(model_config, "use_mla", False):
+        raise LowRankConfigError(
+            "--kv-compression lowrank cannot serve MLA models: their cache is "
+            f"already a latent; supported: {supported_list()}"
+        )
+    if vllm_config.quant_config is not None or model_config.quantization:
+        raise LowRankConfigError(
+            f"--kv-compression lowrank needs unquantized weights to factorize, but "
+            f"the model is quantized ({model_config.quantization}); serve the "
+            "bf16/fp16 checkpoint"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise LowRankConfigError(
+            f"--kv-cache-dtype {cache_dtype} cannot be combined with --kv-compression "
+            "lowrank (the latent cache has its own storage); drop --kv-cache-dtype"
+        )
+    from vllm_lowrank.factorization.plan import resolve_group_size, uniform_plan
+    from vllm_lowrank.models.compression import model_shapes
+
+    shapes = model_shapes(hf_config, vllm_config.parallel_config.tensor_parallel_size)
+    for i, shape in shapes.items():
+        resolve_group_size(cfg, shape)
+        if cfg.rank_allocation == "uniform" or (cfg.ranks and i in cfg.ranks):
+            uniform_plan(cfg, shape, i)
+    if cfg.ranks:
+        bad = sorted(k for k in cfg.ranks if k not in shapes)
+        if bad:
+            raise LowRankConfigError(
+                f"ranks override names layer(s) {bad}, but the model has layers "
+                f"0..{len(shapes) - 1}"
+            )
+    if cfg.artifact not in ("auto", "none"):
+        from vllm_lowrank.calibration import artifact as art
+        from vllm_lowrank.models.compression import manifest_shape
+
+        manifest = art.read_manifest(cfg.artifact)
+        art.check_model_matches(
+            manifest, cfg.artifact, architecture=supported[0],
+            num_layers=hf_config.num_hidden_layers,
+            shape=manifest_shape(model_shapes(hf_config, 1)[0]),
+        )

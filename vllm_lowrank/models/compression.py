@@ -1,0 +1,254 @@
+"""Per-model compression state: resolved at model construction, applied at
+weight loading. Shared by every architecture adapter.
+
+At construction (:func:`resolve`): the layer plans (groups and ranks) must be
+known, because module sizes and the KV cache spec depend on them. They come from
+
+1. an artifact given by path (its bases, and its spectra for rank allocation);
+2. ``artifact="auto"``: the cached artifact for this model and settings under
+   ``$VLLM_LOWRANK_CACHE`` (default ``~/.cache/vllm_lowrank``), made on first use
+   by calibrating on the default text (:mod:`vllm_lowrank.calibration`), or
+3. ``artifact="none"``: no calibration, plain weight SVD with uniform ranks
+   (logged; it badly hurts accuracy on real models).
+
+At load (:class:`WeightInterceptor`): the checkpoint's q/k/v/o weights are held
+back from vLLM's stock loader, each layer is factorized and loaded as soon as
+its four weights have arrived, and the fingerprint of the k/v/o weights is
+checked against the artifact's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from vllm_lowrank.calibration import artifact as art
+from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
+from vllm_lowrank.factorization.ranks import energy_plans
+
+logger = logging.getLogger("vllm.lowrank")
+
+_LAYER_WEIGHT = re.compile(
+    r"^(?:model\.)?layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$"
+)
+
+
+def cache_root() -> str:
+    """Directory of cached artifacts (``$VLLM_LOWRANK_CACHE`` or
+    ``~/.cache/vllm_lowrank``)."""
+    return os.environ.get("VLLM_LOWRANK_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "vllm_lowrank"))
+
+
+@dataclasses.dataclass
+class ModelCompression:
+    """What the model needs from the plugin.
+
+    Attributes:
+        cfg: The settings in force.
+        plans: ``{layer: LayerPlan}``.
+        artifact: Calibrated bases, or ``None`` for weight SVD.
+        artifact_path: Where the artifact came from (for messages).
+    """
+
+    cfg: LowRankConfig
+    plans: dict[int, LayerPlan]
+    artifact: art.Artifact | None
+    artifact_path: str | None
+
+    def bases(self, layer: int):
+        """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
+        return None if self.artifact is None else self.artifact.bases[layer]
+
+    def describe(self) -> str:
+        from vllm_lowrank.factorization.plan import compression_ratio
+
+        plans = list(self.plans.values())
+        k = sum(p.k_width for p in plans) / len(plans)
+        v = sum(p.v_width for p in plans) / len(plans)
+        source = self.artifact_path or "weight SVD (no calibration)"
+        return (f"{len(plans)} layers, mean latent width K {k:.1f} / V {v:.1f}, "
+                f"compression ratio {compression_ratio(plans):.2f}x, bases from {source}")
+
+
+def model_shapes(hf_config, tp_size: int = 1) -> dict[int, AttentionShape]:
+    """Per-layer head geometry of one tensor-parallel shard.
+
+    Raises:
+        LowRankConfigError: heads do not divide by ``tp_size``.
+    """
+    num_heads = hf_config.num_attention_heads
+    num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    if num_heads % tp_size or num_kv % tp_size:
+        raise LowRankConfigError(
+            f"tensor parallel size {tp_size} must divide the {num_heads} query and "
+            f"{num_kv} KV heads for the latent cache (a head group never spans ranks)"
+        )
+    shape = AttentionShape(hf_config.hidden_size, num_heads // tp_size,
+                           num_kv // tp_size, head_dim)
+    return {i: shape for i in range(hf_config.num_hidden_layers)}
+
+
+def manifest_shape(shape: AttentionShape) -> dict[str, int]:
+    return {"hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
+            "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+
+
+def _auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
+    import hashlib
+
+    from vllm_lowrank.calibration.calibrate import CALIBRATION_VERSION
+
+    h = hashlib.blake2b(digest_size=8)
+    real = os.path.realpath(model_path)
+    h.update(real.encode())
+    for name in sorted(os.listdir(real)) if os.path.isdir(real) else []:
+        st = os.stat(os.path.join(real, name))
+        h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
+    h.update(f"{cfg.method}:{cfg.group_size}:{cfg.calibration_tokens}:"
+             f"{CALIBRATION_VERSION}".encode())
+    return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
+
+
+def _load_or_calibrate(vllm_config, cfg: LowRankConfig) -> tuple[art.Artifact, str]:
+    model_path = vllm_config.model_config.model
+    path = _auto_artifact_path(model_path, cfg)
+    if os.path.isdir(path):
+        try:
+            return art.load_artifact(path), path
+        except LowRankConfigError as e:
+            logger.warning("vllm-lowrank: cached artifact unusable (%s); recalibrating", e)
+    from vllm_lowrank.calibration.calibrate import calibrate_model
+
+    logger.info("vllm-lowrank: no calibration artifact for %s; calibrating %s bases "
+                "on %d tokens of the default text (cached in %s)",
+                model_path, cfg.method, cfg.calibration_tokens, path)
+    artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.group_size,
+                               num_tokens=cfg.calibration_tokens)
+    artifact.save(path)
+    return artifact, path
+
+
+def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
+    """Plans and bases for the model being constructed.
+
+    Raises:
+        LowRankConfigError: unusable artifact, bad ranks, or a geometry the
+            settings cannot serve.
+    """
+    hf_config = vllm_config.model_config.hf_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    shapes = model_shapes(hf_config, tp)
+    artifact, path = None, None
+    if cfg.artifact == "auto" and cfg.needs_calibration:
+        artifact, path = _load_or_calibrate(vllm_config, cfg)
+    elif cfg.artifact not in ("auto", "none"):
+        path = cfg.artifact
+        artifact = art.load_artifact(path)
+    if artifact is not None:
+        full_shape = model_shapes(hf_config, 1)[0]
+        art.check_model_matches(
+            artifact.manifest, path,
+            architecture=hf_config.architectures[0],
+            num_layers=hf_config.num_hidden_layers,
+            shape=manifest_shape(full_shape),
+        )
+        if cfg.group_size is not None and cfg.group_size != artifact.group_size:
+            raise LowRankConfigError(
+                f"group_size={cfg.group_size} differs from the artifact's "
+                f"{artifact.group_size} ({path}); drop group_size or recalibrate"
+            )
+    else:
+        logger.warning("vllm-lowrank: no calibration artifact; using plain weight SVD "
+                       "with uniform ranks (artifact=%r, method=%r). Expect a large "
+                       "accuracy loss; calibrate for real use.", cfg.artifact, cfg.method)
+    plans = _plans(cfg, shapes, artifact)
+    return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path)
+
+
+def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
+           artifact: art.Artifact | None) -> dict[int, LayerPlan]:
+    fixed = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()
+             if cfg.ranks and i in cfg.ranks}
+    if artifact is not None and artifact.manifest.get("ranks"):
+        stored = artifact.manifest["ranks"]
+        g = artifact.group_size
+        return {i: LayerPlan(s, g, tuple(stored[str(i)][0]), tuple(stored[str(i)][1]))
+                for i, s in shapes.items()}
+    free = {i: s for i, s in shapes.items() if i not in fixed}
+    if cfg.rank_allocation == "energy" and artifact is not None and free:
+        spectra = artifact.spectra()
+        allocated = energy_plans(free, artifact.group_size,
+                                 {i: spectra[i] for i in free}, cfg.ratio)
+    else:
+        if cfg.rank_allocation == "energy" and free:
+            logger.warning("vllm-lowrank: energy rank allocation needs a calibration "
+                           "artifact; using uniform ranks")
+        allocated = {i: uniform_plan(cfg, s, i) for i, s in free.items()}
+    return {i: (fixed.get(i) or allocated[i]) for i in shapes}
+
+
+class WeightInterceptor:
+    """Routes checkpoint weights: attention q/k/v/o of each layer are held,
+    everything else passes through to vLLM's stock loader.
+
+    Args:
+        compression: The model's compression state.
+        attention_modules: ``{layer: LatentSelfAttention}`` with their prefixes.
+    """
+
+    def __init__(self, compression: ModelCompression, attention_modules: dict) -> None:
+        self.compression = compression
+        self.modules = attention_modules  # {layer: (prefix, module)}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+        self.digests: dict[str, str] = {}
+        self.loaded: set[str] = set()
+
+    def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the weights the stock loader should see; factorize the rest."""
+        for name, tensor in weights:
+            m = _LAYER_WEIGHT.match(name)
+            if m is None:
+                yield name, tensor
+                continue
+            layer, proj, kind = int(m.group(1)), m.group(2), m.group(3)
+            if layer not in self.modules:  # pipeline-parallel: another rank's layer
+                continue
+            if art.is_fingerprinted(name):
+                self.digests[name] = art.tensor_digest(name, tensor)
+            key = proj if kind == "weight" else f"{proj}.bias"
+            self.pending.setdefault(layer, {})[key] = tensor
+            if all(p in self.pending[layer] for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                self._load_layer(layer)
+
+    def _load_layer(self, layer: int) -> None:
+        prefix, module = self.modules[layer]
+        weights = self.pending.pop(layer)
+        for name in module.load_factorized(weights, self.compression.bases(layer)):
+            self.loaded.add(f"{prefix}.{name}")
+
+    def finish(self) -> set[str]:
+        """Check completeness and the fingerprint; return loaded parameter names.
+
+        Raises:
+            LowRankConfigError: a layer lacks weights, or the artifact does not
+                match the served checkpoint.
+        """
+        if self.pending:
+            layer, got = next(iter(self.pending.items()))
+            raise LowRankConfigError(
+                f"checkpoint lacks attention weights of layer {layer} (have "
+                f"{sorted(got)}); is it a supported, unquantized checkpoint?"
+            )
+        c = self.compression
+        if c.artifact is not None and len(self.modules) == c.artifact.manifest["model"]["num_layers"]:
+            art.check_fingerprint(c.artifact.manifest, c.artifact_path,
+                                  art.combine_digests(self.digests))
+        return self.loaded

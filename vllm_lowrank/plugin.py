@@ -1,0 +1,31 @@
+"""Entry point of the ``vllm.general_plugins`` group.
+
+vLLM calls :func:`register` once in every process (front end, engine core,
+workers) before it builds its argument parser. It must stay cheap: it imports no
+model code, only records class paths.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm.lowrank")
+
+BACKEND_NAME = "LOWRANK_LATENT"
+BACKEND_PATH = "vllm_lowrank.attention.backend.LatentAttentionBackend"
+
+
+def register() -> None:
+    """Install the CLI patches, the latent attention backend and the model
+    classes of every supported architecture (idempotent)."""
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_lowrank import patches
+    from vllm_lowrank.models.adapters import SUPPORTED_ARCHITECTURES
+
+    patches.apply()
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        AttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
+    for arch, class_path in SUPPORTED_ARCHITECTURES.items():
+        ModelRegistry.register_model(arch, class_path)
