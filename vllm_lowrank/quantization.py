@@ -103,3 +103,95 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     c = codes.float().reshape(*codes.shape[:-1], -1, group)
     out = c * scale.float()[..., None] + zero.float()[..., None]
     return out.reshape(codes.shape)
+
+
+class SlotLayout:
+    """Byte layout of one token's slot in a quantized latent cache.
+
+    A slot (one vLLM head slot, ``slot_bytes`` uint8) holds, in order::
+
+        [ K codes | V codes | K scales | K zeros | V scales | V zeros ]
+
+    - K codes: for each head group ``g`` in order, its ``k_ranks[g]`` codes
+      packed at ``k_bits`` (:func:`pack`); V codes likewise at ``v_bits``.
+    - Scales and zeros: float16, one pair per quantization group; a head group
+      of rank ``r`` has ``r // q`` quantization groups of ``q`` channels, where
+      ``q = k_group or r`` (``None``: one pair per head group per token, Palu's
+      per-token quantization). Groups of all head groups are concatenated in
+      head-group order.
+
+    Args:
+        k_ranks, v_ranks: Latent width per head group.
+        k_bits, v_bits: Code widths (:data:`SUPPORTED_BITS`).
+        k_group, v_group: Channels per scale/zero pair (``None`` = whole head
+            group); must divide every rank of its side.
+
+    Raises:
+        ValueError: unsupported bits or a group that does not divide a rank.
+    """
+
+    def __init__(self, k_ranks, v_ranks, k_bits: int, v_bits: int,
+                 k_group: int | None = None, v_group: int | None = None) -> None:
+        self.k_ranks, self.v_ranks = tuple(k_ranks), tuple(v_ranks)
+        self.k_bits, self.v_bits = k_bits, v_bits
+        self.k_groups = self._groups(self.k_ranks, k_group)
+        self.v_groups = self._groups(self.v_ranks, v_group)
+        self.k_codes_bytes = sum(packed_bytes(r, k_bits) for r in self.k_ranks)
+        self.v_codes_bytes = sum(packed_bytes(r, v_bits) for r in self.v_ranks)
+        self.k_params = sum(r // q for r, q in zip(self.k_ranks, self.k_groups))
+        self.v_params = sum(r // q for r, q in zip(self.v_ranks, self.v_groups))
+        # Byte offsets of the six regions.
+        self.v_codes_offset = self.k_codes_bytes
+        self.k_scale_offset = self.k_codes_bytes + self.v_codes_bytes
+        self.k_zero_offset = self.k_scale_offset + 2 * self.k_params
+        self.v_scale_offset = self.k_zero_offset + 2 * self.k_params
+        self.v_zero_offset = self.v_scale_offset + 2 * self.v_params
+        self.slot_bytes = self.v_zero_offset + 2 * self.v_params
+
+    @staticmethod
+    def _groups(ranks, group):
+        out = []
+        for r in ranks:
+            q = group or r
+            if r % q:
+                raise ValueError(f"quantization group {q} does not divide rank {r}")
+            out.append(q)
+        return tuple(out)
+
+    def _side(self, x, ranks, groups, bits):
+        codes, params_s, params_z, off = [], [], [], 0
+        for r, q in zip(ranks, groups):
+            c, s, z = quantize(x[..., off:off + r], bits, q)
+            codes.append(pack(c, bits))
+            params_s.append(s)
+            params_z.append(z)
+            off += r
+        return (torch.cat(codes, -1), torch.cat(params_s, -1), torch.cat(params_z, -1))
+
+    def encode(self, k_latent: torch.Tensor, v_latent: torch.Tensor) -> torch.Tensor:
+        """Quantize and pack ``[T, Rk]``, ``[T, Rv]`` latents into ``[T, slot_bytes]`` uint8."""
+        kc, ks, kz = self._side(k_latent, self.k_ranks, self.k_groups, self.k_bits)
+        vc, vs, vz = self._side(v_latent, self.v_ranks, self.v_groups, self.v_bits)
+        as_bytes = [t.contiguous().view(torch.uint8) for t in (ks, kz, vs, vz)]
+        return torch.cat([kc, vc, *as_bytes], dim=-1)
+
+    def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`encode` up to quantization: ``[..., slot_bytes]``
+        uint8 -> (``[..., Rk]``, ``[..., Rv]``) float32."""
+        def side(codes_off, ranks, groups, bits, s_off, z_off, n_params):
+            scale = slots[..., s_off:s_off + 2 * n_params].contiguous().view(torch.float16)
+            zero = slots[..., z_off:z_off + 2 * n_params].contiguous().view(torch.float16)
+            parts, byte, p = [], codes_off, 0
+            for r, q in zip(ranks, groups):
+                nb = packed_bytes(r, bits)
+                c = unpack(slots[..., byte:byte + nb], bits, r)
+                parts.append(dequantize(c, scale[..., p:p + r // q], zero[..., p:p + r // q], q))
+                byte += nb
+                p += r // q
+            return torch.cat(parts, -1)
+
+        k = side(0, self.k_ranks, self.k_groups, self.k_bits, self.k_scale_offset,
+                 self.k_zero_offset, self.k_params)
+        v = side(self.v_codes_offset, self.v_ranks, self.v_groups, self.v_bits,
+                 self.v_scale_offset, self.v_zero_offset, self.v_params)
+        return k, v
