@@ -1,0 +1,246 @@
+"""Deployment artefacts: Dockerfile and the kustomize manifests under deploy/.
+
+``scripts/validate_deploy.sh`` (run once per session) renders every overlay with
+``kubectl kustomize``, runs checkov on the rendered manifests and the Dockerfile
+and hadolint on the Dockerfile; it must exit 0. The remaining tests read the
+very manifests it rendered and check what checkov does not know about: the
+probes, the compression flags and config, the GPU request, the volumes.
+
+The first run installs checkov and hadolint into ``.venv-tools`` (about a
+minute); later runs reuse it (about 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "validate_deploy.sh"
+OVERLAYS = ("cpu-demo", "gpu")
+CONFIG_PATH = "/etc/vllm-lowrank/compression.json"
+UID_MIN = 10000
+
+
+@pytest.fixture(scope="module")
+def validation(tmp_path_factory):
+    """Run the validation script once; returns (completed process, render dir)."""
+    if shutil.which("kubectl") is None:
+        pytest.fail("kubectl is not on PATH: the manifests cannot be rendered")
+    out = tmp_path_factory.mktemp("rendered")
+    env = dict(os.environ, VALIDATE_DEPLOY_OUT=str(out))
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=1200, stdin=subprocess.DEVNULL,
+    )
+    return proc, out
+
+
+@pytest.fixture(scope="module")
+def rendered(validation):
+    """{overlay: [objects]} parsed from the manifests the script rendered."""
+    _, out = validation
+    docs = {}
+    for overlay in OVERLAYS:
+        path = out / f"{overlay}.yaml"
+        assert path.is_file(), f"overlay {overlay} was not rendered"
+        docs[overlay] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _one(objs, kind, api_prefix=None):
+    found = [o for o in objs if o["kind"] == kind
+             and (api_prefix is None or o["apiVersion"].startswith(api_prefix))]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def _container(objs):
+    dep = _one(objs, "Deployment")
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return dep, containers[0]
+
+
+def _env(container):
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_validate_script_passes(validation):
+    proc, _ = validation
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"validate_deploy.sh failed:\n{report[-8000:]}"
+    assert "validate_deploy: all checks passed" in proc.stdout
+    # Both checkov frameworks and hadolint actually ran, with no failed check.
+    summaries = re.findall(r"Passed checks: (\d+), Failed checks: (\d+)", proc.stdout)
+    assert len(summaries) == 2, report
+    assert all(int(p) > 0 and int(f) == 0 for p, f in summaries), summaries
+    assert "hadolint: no findings" in proc.stdout
+
+
+def test_every_overlay_renders(rendered):
+    for overlay, objs in rendered.items():
+        kinds = {o["kind"] for o in objs}
+        assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget",
+                "ServiceMonitor"} <= kinds, (overlay, kinds)
+        namespaces = {o["metadata"].get("namespace") for o in objs
+                      if o["kind"] != "Namespace"}
+        assert len(namespaces) == 1 and None not in namespaces, (overlay, namespaces)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_on_health(rendered, overlay):
+    _, c = _container(rendered[overlay])
+    port_names = {p["name"] for p in c["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe in c, f"{overlay}: no {probe}"
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/health", (overlay, probe, get)
+        assert get["port"] in port_names or get["port"] == 8000, (overlay, probe, get)
+    startup = c["startupProbe"]
+    budget = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    # Model load + factorization (+ calibration on a cold artifact cache).
+    assert budget >= 20 * 60, f"{overlay}: startup probe allows only {budget} s"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_container_is_non_root_and_locked_down(rendered, overlay):
+    dep, c = _container(rendered[overlay])
+    pod = dep["spec"]["template"]["spec"]
+    psc = pod.get("securityContext", {})
+    assert psc.get("runAsNonRoot") is True
+    assert psc.get("runAsUser", UID_MIN) >= UID_MIN, psc
+    assert psc["seccompProfile"]["type"] == "RuntimeDefault"
+    for each in pod["containers"] + pod.get("initContainers", []):
+        csc = each.get("securityContext", {})
+        assert csc.get("runAsNonRoot") is True, each["name"]
+        assert csc.get("runAsUser", UID_MIN) >= UID_MIN, (each["name"], csc)
+        assert csc.get("allowPrivilegeEscalation") is False, each["name"]
+        assert csc.get("privileged", False) is False, each["name"]
+        assert csc.get("readOnlyRootFilesystem") is True, each["name"]
+        assert csc["capabilities"]["drop"] == ["ALL"], each["name"]
+        assert "add" not in csc["capabilities"], each["name"]
+    assert pod.get("automountServiceAccountToken") is False
+    # With a read-only root filesystem, HOME's caches and /tmp must be volumes.
+    # (and the prebuilt CUDA extension dir, where torch's loader takes a lock).
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/home/vllm/.cache", "/opt/vllm-lowrank/torch_extensions"} <= mounts, mounts
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_serves_with_lowrank_compression_from_configmap(rendered, overlay):
+    objs = rendered[overlay]
+    dep, c = _container(objs)
+    assert c["command"] == ["vllm", "serve"]
+    args = c["args"]
+    pairs = list(zip(args, args[1:]))
+    assert ("--kv-compression", "lowrank") in pairs, args
+    assert ("--kv-compression-config", CONFIG_PATH) in pairs, args
+
+    # The config file comes from the rendered ConfigMap, mounted read-only.
+    mount_dir, filename = os.path.split(CONFIG_PATH)
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == mount_dir)
+    assert mount.get("readOnly") is True
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    cm = next(o for o in objs if o["kind"] == "ConfigMap"
+              and o["metadata"]["name"] == volume["configMap"]["name"])
+    raw = json.loads(cm["data"][filename])
+    assert "ratio" in raw and 0 < raw["ratio"] <= 1, raw
+
+    # And the plugin itself accepts it, as `--kv-compression-config` would.
+    config = pytest.importorskip("vllm_lowrank.config")
+    cfg = config.LowRankConfig.from_dict({"mode": "lowrank", **raw})
+    assert cfg.enabled
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_artifact_cache_on_its_volume(rendered, overlay):
+    objs = rendered[overlay]
+    dep, c = _container(objs)
+    cache = _env(c).get("VLLM_LOWRANK_CACHE")
+    assert cache, "VLLM_LOWRANK_CACHE must point at the artifacts volume"
+    mount = next((m for m in c["volumeMounts"]
+                  if cache == m["mountPath"] or cache.startswith(m["mountPath"] + "/")),
+                 None)
+    assert mount is not None and not mount.get("readOnly"), (cache, c["volumeMounts"])
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    if overlay == "gpu":
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert any(o["kind"] == "PersistentVolumeClaim"
+                   and o["metadata"]["name"] == claim for o in objs), claim
+    else:
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+
+
+def test_gpu_overlay_requests_gpu(rendered):
+    _, c = _container(rendered["gpu"])
+    res = c["resources"]
+    assert int(res["limits"]["nvidia.com/gpu"]) >= 1
+    assert int(res["requests"]["nvidia.com/gpu"]) >= 1
+    assert c["image"].endswith("-cuda"), c["image"]
+
+
+def test_cpu_demo_overlay_is_cpu_only(rendered):
+    _, c = _container(rendered["cpu-demo"])
+    res = c["resources"]
+    assert "nvidia.com/gpu" not in res.get("limits", {})
+    assert "nvidia.com/gpu" not in res.get("requests", {})
+    assert int(_env(c)["VLLM_CPU_KVCACHE_SPACE"]) > 0
+    assert c["image"].endswith("-cpu"), c["image"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_resources_image_and_companions(rendered, overlay):
+    objs = rendered[overlay]
+    dep, c = _container(objs)
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(c["resources"][kind]), c["resources"]
+    # Pinned by tag (the digest is added at release, see the overlay).
+    image = c["image"]
+    assert re.search(r":[\w.-]+(@sha256:[0-9a-f]{64})?$", image), image
+    assert not image.split("@")[0].endswith(":latest"), image
+
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+
+    def selects(selector):
+        return selector and all(pod_labels.get(k) == v for k, v in selector.items())
+
+    svc = _one(objs, "Service")
+    assert selects(svc["spec"]["selector"])
+    port_names = {p["name"] for p in svc["spec"]["ports"]}
+    pdb = _one(objs, "PodDisruptionBudget")
+    assert selects(pdb["spec"]["selector"]["matchLabels"])
+    sm = _one(objs, "ServiceMonitor", "monitoring.coreos.com/v1")
+    assert all(svc["metadata"]["labels"].get(k) == v
+               for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    assert [(e["port"], e["path"]) for e in sm["spec"]["endpoints"]] == [("http", "/metrics")]
+    assert "http" in port_names
+
+
+def test_dockerfile_shape():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=vllm/vllm-openai\n" in text
+    assert "ARG BASE_TAG=v0.32.0\n" in text
+    assert 'TORCH_CUDA_ARCH_LIST="8.0;9.0"' in text
+    assert re.search(r'^ENTRYPOINT \["vllm", "serve"\]$', text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n.*/health", text, re.M)
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1].split(":")[0].isdigit() and int(users[-1].split(":")[0]) >= UID_MIN
+    assert (ROOT / ".dockerignore").is_file()
+
+
+def test_tools_venv_is_git_ignored():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(["git", "check-ignore", "-q", ".venv-tools/"], cwd=ROOT)
+    assert proc.returncode == 0, ".venv-tools/ must be listed in .gitignore"
