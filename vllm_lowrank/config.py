@@ -29,8 +29,8 @@ ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
 
 MODES = ("none", "lowrank")
-METHODS = ("svd", "whitened", "kq")
-RANK_ALLOCATIONS = ("uniform", "energy")
+METHODS = ("svd", "whitened", "kq", "fisher")
+RANK_ALLOCATIONS = ("uniform", "energy", "fisher")
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
@@ -56,10 +56,13 @@ class LowRankConfig:
             key and value latent width of the layer, split evenly over its head
             groups. Layers not listed follow ``ratio``.
         method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
-            (activation-aware SVD) or ``"kq"`` (attention-output-aware bases).
-            See :mod:`vllm_lowrank.factorization.bases`.
-        rank_allocation: ``"uniform"`` (same rank everywhere) or ``"energy"``
-            (one global byte budget spread by explained energy).
+            (activation-aware SVD), ``"kq"`` (attention-output-aware bases) or
+            ``"fisher"`` (loss-aware, K-FAC Fisher metric; the default). See
+            :mod:`vllm_lowrank.factorization.bases`.
+        rank_allocation: ``"uniform"`` (same rank everywhere), ``"energy"``
+            (one global budget spread by each basis' normalised energy) or
+            ``"fisher"`` (one global budget spread by estimated loss increase;
+            needs ``method="fisher"``).
         artifact: Path of a calibration artifact directory, ``"auto"`` (use the
             cached artifact for this model and settings, calibrating once on the
             default text if there is none) or ``"none"`` (no calibration: weight
@@ -71,8 +74,8 @@ class LowRankConfig:
     ratio: float = 0.5
     group_size: int | None = None
     ranks: Mapping[int, tuple[int, int]] | None = None
-    method: str = "kq"
-    rank_allocation: str = "energy"
+    method: str = "fisher"
+    rank_allocation: str = "fisher"
     artifact: str = "auto"
     calibration_tokens: int = 16384
 
@@ -144,6 +147,12 @@ class LowRankConfig:
             )
         _choice("method", self.method, METHODS)
         _choice("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        if self.rank_allocation == "fisher" and self.method != "fisher":
+            raise LowRankConfigError(
+                f"rank_allocation=\"fisher\" compares energies in loss units, which "
+                f"only method=\"fisher\" produces (got method={self.method!r}); use "
+                "rank_allocation \"energy\" or \"uniform\""
+            )
         if not isinstance(self.artifact, str) or not self.artifact:
             raise LowRankConfigError(
                 "artifact must be a directory path, \"auto\" or \"none\""

@@ -84,9 +84,12 @@ def layer_bases(
     """
     qpk = num_heads // num_kv_heads
     gw = group_size * head_dim
-    sx = None if method == "svd" else stats.sx
+    sx = None if method == "svd" else stats.sx / stats.tokens
     k_metric = v_metric = None
-    if method == "kq":
+    if method == "fisher":
+        k_metric = [stats.gk[j * head_dim:(j + 1) * head_dim, :] for j in range(num_kv_heads)]
+        v_metric = [stats.gv[j * head_dim:(j + 1) * head_dim, :] for j in range(num_kv_heads)]
+    elif method == "kq":
         k_blocks, v_blocks = [], []
         for j in range(num_kv_heads):
             heads = range(j * qpk, (j + 1) * qpk)
@@ -102,7 +105,13 @@ def layer_bases(
         bases = []
         for g in range(num_kv_heads // group_size):
             wg = w[g * gw:(g + 1) * gw].float().T
-            t = None if metric is None else _blockdiag(metric[g * group_size:(g + 1) * group_size])
+            if metric is None:
+                t = None
+            elif method == "fisher":  # full gradient covariance of the group's columns
+                t = torch.cat(metric[g * group_size:(g + 1) * group_size], dim=0)
+                t = t[:, g * gw:(g + 1) * gw] / stats.tokens
+            else:
+                t = _blockdiag(metric[g * group_size:(g + 1) * group_size])
             bases.append(output_aware_basis(wg, sx, t))
         out.append(bases)
     return out[0], out[1]
@@ -121,7 +130,7 @@ def calibrate_model(
 
     Args:
         model_path: Hugging Face checkpoint directory.
-        method: ``svd``, ``whitened`` or ``kq``.
+        method: ``svd``, ``whitened``, ``kq`` or ``fisher``.
         group_size: KV heads per group (``None``: all of a layer).
         num_tokens: Calibration tokens (rounded down to whole windows of
             :data:`WINDOW`).
@@ -154,7 +163,8 @@ def calibrate_model(
     stats = None
     if method != "svd":
         windows = texts.token_windows(tok, documents, num_windows, WINDOW)
-        stats = collect_stats(model, windows)
+        stats = collect_stats(model, windows, queries=method == "kq",
+                              gradients=method == "fisher")
     inv_freq = getattr(model.model, "rotary_emb", None)
     inv_freq = None if inv_freq is None else inv_freq.inv_freq.detach().float()
     state = dict(model.state_dict())

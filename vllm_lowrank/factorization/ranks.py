@@ -24,11 +24,12 @@ from vllm_lowrank.config import RANK_MULTIPLE, LowRankConfigError
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
 
 
-def _chunk_gains(energy: torch.Tensor, full: int) -> list[float]:
-    """Normalised energy gained by each successive chunk of rank (last chunk
-    may be shorter when ``full`` is not a multiple of the chunk)."""
+def _chunk_gains(energy: torch.Tensor, full: int, normalize: bool) -> list[float]:
+    """Energy gained by each successive chunk of rank (last chunk may be
+    shorter when ``full`` is not a multiple of the chunk), as a fraction of the
+    basis' total when ``normalize``."""
     e = energy.double().clamp_min(0)
-    total = float(e.sum()) or 1.0
+    total = (float(e.sum()) or 1.0) if normalize else 1.0
     gains = []
     for start in range(0, full, RANK_MULTIPLE):
         gains.append(float(e[start : start + RANK_MULTIPLE].sum()) / total)
@@ -40,6 +41,7 @@ def energy_plans(
     group_size: int,
     spectra: Mapping[int, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
     ratio: float,
+    normalize: bool = True,
 ) -> dict[int, LayerPlan]:
     """Per-layer plans from the greedy energy allocation (module docstring).
 
@@ -48,6 +50,9 @@ def energy_plans(
         group_size: KV heads per group.
         spectra: ``{layer: (k_energies, v_energies)}``, one tensor per group.
         ratio: Fraction of the total K+V width to keep.
+        normalize: Compare spectra as fractions of each basis' energy
+            (``energy``); ``False`` compares raw energies, which is right when
+            every objective is in the same unit (``fisher``: loss increase).
 
     Returns:
         ``{layer: LayerPlan}``.
@@ -66,7 +71,7 @@ def energy_plans(
             for g, e in enumerate(energies):
                 key = (layer, side, g)
                 keys.append(key)
-                gains[key] = _chunk_gains(e, full)
+                gains[key] = _chunk_gains(e, full, normalize)
     budget = int(ratio * budget)
     ranks = {k: min(RANK_MULTIPLE, _full(shapes, group_size, k)) for k in keys}
     spent = sum(ranks.values())

@@ -183,16 +183,27 @@ def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
         return {i: LayerPlan(s, g, tuple(stored[str(i)][0]), tuple(stored[str(i)][1]))
                 for i, s in shapes.items()}
     free = {i: s for i, s in shapes.items() if i not in fixed}
-    if cfg.rank_allocation == "energy" and artifact is not None and free:
+    if cfg.rank_allocation != "uniform" and artifact is not None and free:
+        if cfg.rank_allocation == "fisher" and artifact.manifest["method"] != "fisher":
+            raise LowRankConfigError(
+                f"rank_allocation=\"fisher\" needs an artifact calibrated with "
+                f"method \"fisher\"; {artifact_path_hint(artifact)} used "
+                f"{artifact.manifest['method']!r}"
+            )
         spectra = artifact.spectra()
         allocated = energy_plans(free, artifact.group_size,
-                                 {i: spectra[i] for i in free}, cfg.ratio)
+                                 {i: spectra[i] for i in free}, cfg.ratio,
+                                 normalize=cfg.rank_allocation == "energy")
     else:
-        if cfg.rank_allocation == "energy" and free:
+        if cfg.rank_allocation != "uniform" and free:
             logger.warning("vllm-lowrank: energy rank allocation needs a calibration "
                            "artifact; using uniform ranks")
         allocated = {i: uniform_plan(cfg, s, i) for i, s in free.items()}
     return {i: (fixed.get(i) or allocated[i]) for i in shapes}
+
+
+def artifact_path_hint(artifact: art.Artifact) -> str:
+    return f"the artifact of {artifact.manifest['model'].get('id')!r}"
 
 
 class WeightInterceptor:

