@@ -1,1 +1,13 @@
-"""Triton kernels of vllm-lowrank (installed as ``vllm_lowrank.triton_kernels``)."""
+"""Triton kernels of vllm-lowrank (installed as ``vllm_lowrank.triton_kernels``).
+
+- :mod:`.decode` -- fused paged decode attention over latent KV:
+  :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
+  key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
+  or packed low-bit caches; split-K with a reduce; uneven ranks per head group).
+- :mod:`.schedule` -- longest-processing-time-first work lists for the persistent
+  decode grid (ZACK sec. 5.3), built on the GPU.
+
+Never import this directory as a top-level ``triton_kernels`` package: vLLM
+imports OpenAI's package of that name. CPU tests run the kernels under
+``TRITON_INTERPRET=1``; benchmarks/decode_attention.py measures them on a GPU.
+"""

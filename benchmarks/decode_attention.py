@@ -1,0 +1,546 @@
+"""GPU decode attention over paged latent KV vs torch SDPA over full KV (issue #4).
+
+Llama-3-8B attention shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, RoPE
+theta 500000. Head groups: one KV head per group (G=1, the natural GQA case: each
+latent serves the 4 query heads of its KV head), rank per group = ratio x 128 for K
+and for V. Paged cache with 16-token blocks, block tables shuffled (non-contiguous
+pages), every sequence at full context length.
+
+Columns:
+  ours_us     median time of one decode-attention call (CUDA-graph replay, L2
+              flushed before each replay)
+  sdpa_us     torch SDPA, full bf16 K/V [B, 8, L, 128] contiguous, enable_gqa=True
+  speedup     sdpa_us / ours_us
+  GB/s        bytes our kernel must read (latents + packed B_k + q) / ours_us
+  %copy       GB/s / device-to-device copy bandwidth measured in the same run
+  max_abs     max |ours - ref|, ref = the torch path (vllm_lowrank.attention.
+              latent_attention.decode_attention) in float32 on the same latents
+  rel         ||ours - ref|| / ||ref||
+
+Usage::
+
+    python benchmarks/decode_attention.py                 # the table
+    python benchmarks/decode_attention.py --sweep         # launch-parameter sweep
+    python benchmarks/decode_attention.py --shapes 16x32k,8x128k --ratios 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bootstrap():
+    """Make ``vllm_lowrank`` and ``vllm_lowrank.triton_kernels`` importable from a
+    plain checkout (``triton_kernels/`` is mapped into the package at install)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        import vllm_lowrank.triton_kernels.decode  # noqa: F401
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            "vllm_lowrank.triton_kernels", ROOT / "triton_kernels" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "triton_kernels")])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+
+
+_bootstrap()
+
+from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
+from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
+from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.triton_kernels import schedule as lb  # noqa: E402
+from vllm_lowrank.triton_kernels.decode import (  # noqa: E402
+    KernelConfig, choose_num_splits, latent_decode_attention)
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+SHAPES = {"1x32k": (1, 32768), "16x8k": (16, 8192), "16x32k": (16, 32768),
+          "64x4k": (64, 4096), "8x128k": (8, 131072)}
+
+
+# ---------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------
+_FLUSH = None
+
+
+def flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    _FLUSH.zero_()
+
+
+def time_graph(fn, reps=30, warmup=3):
+    """Median microseconds of ``fn`` replayed from a CUDA graph, L2 flushed before
+    each replay (the flush is outside the timed region)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush_l2()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times), times
+
+
+def copy_bandwidth(nbytes=2 * 2**30):
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.random_(0, 255)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    del x, y
+    return 2 * nbytes / statistics.median(ts) / 1e9  # GB/s, read + write
+
+
+# ---------------------------------------------------------------------------------
+# Problems
+# ---------------------------------------------------------------------------------
+def llama3_rope(max_pos, device):
+    """Llama-3.1 RoPE table (theta 5e5, llama3 frequency scaling, factor 8)."""
+    rot = HEAD_DIM
+    inv = 1.0 / (500000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    factor, lo, hi, old = 8.0, 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo)
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    scaled = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    t = torch.arange(max_pos, dtype=torch.float32)
+    ang = torch.outer(t, scaled.float())  # float32 angles, as vLLM computes them
+    return RopeTable(ang.cos().to(device), ang.sin().to(device), rot, True)
+
+
+def make_plan(k_ranks, v_ranks):
+    shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
+    return LayerPlan(shape, 1, tuple(k_ranks), tuple(v_ranks))
+
+
+def make_problem(plan, batch, length, quant_bits, seed=0, lens=None):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    gw = plan.group_width
+    k_up = torch.zeros(plan.k_width, KV_HEADS * HEAD_DIM, device=dev)
+    for gi, off in enumerate(plan.k_offsets()):
+        r = plan.k_ranks[gi]
+        k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(
+            r, gw, device=dev, generator=g) / math.sqrt(r)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=dev) if lens is None else lens
+    per = math.ceil(length / PAGE)
+    num_blocks = batch * per
+    bt = torch.randperm(num_blocks, device=dev, generator=g).int().view(batch, per)
+    width = plan.k_width + plan.v_width
+    layout = None
+    latents = None
+    if quant_bits is None:
+        cache = torch.randn(num_blocks, 1, PAGE, width, device=dev, generator=g,
+                            dtype=torch.bfloat16)
+    else:
+        kb, vb = quant_bits
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, kb, vb)
+        chunk = 65536
+        lat_rows = num_blocks * PAGE
+        cache = torch.empty(lat_rows, layout.slot_bytes, dtype=torch.uint8, device=dev)
+        for s in range(0, lat_rows, chunk):
+            n = min(chunk, lat_rows - s)
+            lat = torch.randn(n, width, device=dev, generator=g)
+            cache[s:s + n] = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        cache = cache.view(num_blocks, 1, PAGE, layout.slot_bytes)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
+    q_lat = torch.randn(batch, HEADS, max(plan.k_ranks), device=dev, generator=g,
+                        dtype=torch.bfloat16)
+    return dict(k_up=k_up, lens=lens, bt=bt, cache=cache, layout=layout, q=q, q_lat=q_lat,
+                num_blocks=num_blocks, latents=latents)
+
+
+def reference(plan, rope, p, scale, mode="pre_rope"):
+    """float32 torch path, one sequence at a time (bounded memory). ``post_rope``:
+    scores ``q~ . c_k`` in the latent basis, same softmax and value path."""
+    cache = p["cache"]
+    if p["layout"] is not None:
+        rows = cache.view(-1, p["layout"].slot_bytes)
+        parts = []
+        for s in range(0, rows.shape[0], 1 << 20):
+            kd, vd = p["layout"].decode(rows[s:s + (1 << 20)])
+            parts.append(torch.cat([kd, vd], -1))
+        cache = torch.cat(parts).view(cache.shape[0], 1, PAGE, -1)
+    if mode == "post_rope":
+        from vllm_lowrank.attention.latent_attention import gather_latents
+
+        hg = plan.heads_per_group
+        outs = []
+        for b in range(p["q"].shape[0]):
+            n = int(p["lens"][b])
+            lat = gather_latents(cache, p["bt"][b:b + 1], n)[0].float()  # [n, Rk+Rv]
+            row = []
+            for g, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+                rk, rv = plan.k_ranks[g], plan.v_ranks[g]
+                qg = p["q_lat"][b, g * hg:(g + 1) * hg, :rk].float()
+                pr = torch.softmax(scale * qg @ lat[:, ko:ko + rk].T, -1)
+                row.append((pr @ lat[:, plan.k_width + vo:plan.k_width + vo + rv]).flatten())
+            outs.append(torch.cat(row))
+        return torch.stack(outs)
+    outs = []
+    for b in range(p["q"].shape[0]):
+        n = int(p["lens"][b])
+        outs.append(decode_attention(plan, p["k_up"], rope, scale, p["q"][b:b + 1].float(),
+                                     cache, p["bt"][b:b + 1], p["lens"][b:b + 1], n))
+    return torch.cat(outs)
+
+
+def _heuristic_splits(plan, p):
+    """The split count latent_decode_attention picks by default for this case."""
+    from vllm_lowrank.triton_kernels import decode as dec
+
+    prep = dec._prepare(plan, p["layout"], HEAD_DIM, True, torch.device("cuda"))
+    d = dec._default_config(plan, prep, "pre_rope", torch.device("cuda"),
+                            p["layout"] is not None)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    return choose_num_splits(p["q"].shape[0], plan.num_groups // d["groups_per_program"],
+                             int(p["lens"].max()), d["block_n"], n_sm, d["programs_per_sm"])
+
+
+def kernel_bytes(plan, p):
+    """Bytes the kernel must read: latent slots (only the group rows it uses),
+    packed B_k (per group 2 sections x pad(r_k) x 64, bf16), q."""
+    b = p["q"].shape[0]
+    tokens = int(p["lens"].sum())
+    if p["layout"] is None:
+        lat = tokens * (plan.k_width + plan.v_width) * 2
+    else:
+        lat = tokens * p["layout"].slot_bytes
+    wk = sum(2 * max(16, 1 << math.ceil(math.log2(r))) * 64 * 2 for r in plan.k_ranks)
+    return lat + wk + b * HEADS * HEAD_DIM * 2
+
+
+def sdpa_case(batch, length):
+    dev = "cuda"
+    q = torch.randn(batch, HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(batch, KV_HEADS, length, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, enable_gqa=True)
+    t, _ = time_graph(fn)
+    nbytes = 2 * k.numel() * 2 + q.numel() * 2
+    return t, nbytes
+
+
+# ---------------------------------------------------------------------------------
+# Main table
+# ---------------------------------------------------------------------------------
+def run_case(plan, rope, p, cfg=None, num_splits=None, schedule=None, check=True,
+             mode="pre_rope", ref=None):
+    scale = HEAD_DIM ** -0.5
+    b = p["q"].shape[0]
+    out = torch.empty(b, plan.out_width, device="cuda")
+    max_len = int(p["lens"].max())
+    q = p["q"] if mode == "pre_rope" else p["q_lat"]
+
+    def fn():
+        latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
+                                p["lens"], max_len, layout=p["layout"], num_splits=num_splits,
+                                schedule=schedule, config=cfg, out=out, mode=mode)
+
+    out.fill_(float("nan"))
+    fn()
+    torch.cuda.synchronize()
+    err = rel = float("nan")
+    if check:
+        assert torch.isfinite(out).all(), "output not fully written"
+        if ref is None:
+            ref = reference(plan, rope, p, scale, mode=mode)
+        err = (out - ref).abs().max().item()
+        rel = ((out - ref).norm() / ref.norm()).item()
+    t, _ = time_graph(fn)
+    return t, err, rel
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ratios", default="0.5,0.25")
+    ap.add_argument("--quant", default="none,k8v4", help="none, k8v4, k4v4 (comma list)")
+    ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep")
+    ap.add_argument("--no-lb", action="store_true", help="skip the load-balancer rows")
+    ap.add_argument("--no-post", action="store_true", help="skip the post-RoPE rows")
+    ap.add_argument("--json", default=None, help="write all rows to this file")
+    ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bw", type=float, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.sweep_one:
+        rope = llama3_rope(131072 + 1024, "cuda")
+        sweep(rope, args.shapes.split(","), [float(r) for r in args.ratios.split(",")],
+              args.bw, json.loads(args.sdpa), only=json.loads(args.sweep_one))
+        return
+
+    dev = torch.cuda.get_device_name()
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    import triton
+    print(f"device: {dev} ({n_sm} SMs), torch {torch.__version__}, triton {triton.__version__}")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy: {bw:.0f} GB/s (read + write)")
+    rope = llama3_rope(131072 + 1024, "cuda")
+    rows = []
+    shapes = args.shapes.split(",")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    quants = args.quant.split(",")
+    qbits = {"none": None, "k8v4": (8, 4), "k4v4": (4, 4)}
+
+    sdpa = {}
+    for name in shapes:
+        bsz, length = SHAPES[name]
+        sdpa[name] = sdpa_case(bsz, length)
+        torch.cuda.empty_cache()
+
+    if args.sweep:
+        sweep(rope, shapes, ratios, bw, sdpa)
+        return
+
+    hdr = (f"{'shape':>7} {'ratio':>5} {'cache':>5} {'S':>3} {'ours_us':>8} {'sdpa_us':>8} "
+           f"{'speedup':>7} {'GB/s':>6} {'%copy':>6} {'max_abs':>8} {'rel':>8}  "
+           f"{'best S':>6} {'best_us':>8} {'best_x':>6}")
+    lines = [hdr]
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for ratio in ratios:
+        r = int(round(ratio * HEAD_DIM))
+        plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+        for qname in quants:
+            for name in shapes:
+                bsz, length = SHAPES[name]
+                p = make_problem(plan, bsz, length, qbits[qname])
+                t, err, rel = run_case(plan, rope, p)
+                s_h = _heuristic_splits(plan, p)
+                best = (t, s_h)
+                for s_try in sorted({1, 2, 4, 8, 16, 32} - {s_h}):
+                    if s_try > math.ceil(length / 128):
+                        continue
+                    ts_, _, _ = run_case(plan, rope, p, num_splits=s_try, check=False)
+                    best = min(best, (ts_, s_try))
+                gbs = kernel_bytes(plan, p) / t / 1e3
+                ts, _ = sdpa[name]
+                line = (f"{name:>7} {ratio:>5} {qname:>5} {s_h:>3} {t:8.1f} {ts:8.1f} "
+                        f"{ts / t:7.2f} {gbs:6.0f} {100 * gbs / bw:5.1f}% {err:8.1e} "
+                        f"{rel:8.1e}  {best[1]:>6} {best[0]:8.1f} {ts / best[0]:6.2f}")
+                print(line, flush=True)
+                lines.append(line)
+                rows.append(dict(shape=name, ratio=ratio, cache=qname, splits=s_h, ours_us=t,
+                                 sdpa_us=ts, gbs=gbs, copy_gbs=bw, max_abs=err, rel=rel,
+                                 best_splits=best[1], best_us=best[0]))
+                del p
+                torch.cuda.empty_cache()
+    if not args.no_post:
+        lines += post_rope_rows(rope, bw, sdpa, rows, [s_ for s_ in ("16x32k", "8x128k")
+                                                       if s_ in shapes])
+    if not args.no_lb:
+        lines += load_balance_rows(rope, bw, rows)
+    print()
+    print(f"device: {dev}; copy {bw:.0f} GB/s; SDPA full-KV GB/s: " + ", ".join(
+        f"{k} {v[1] / v[0] / 1e3:.0f}" for k, v in sdpa.items()))
+    print("\n".join(lines))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
+    """Post-RoPE latent mode: the Triton kernel on bf16 and K8/V4 caches, and the
+    CUDA dequant kernels (scores, float32 softmax, value path: three launches,
+    scores through memory) on the K8/V4 cache."""
+    out = ["", "post-RoPE mode (queries in the key-latent basis, no rebuild):",
+           f"{'shape':>7} {'ratio':>5} {'cache':>5} {'path':>13} {'us':>8} {'x sdpa':>6} "
+           f"{'GB/s':>6} {'%copy':>6} {'rel':>8}"]
+    scale = HEAD_DIM ** -0.5
+    for ratio, name in [(r_, n_) for r_ in ratios for n_ in shapes]:
+        r = int(round(ratio * HEAD_DIM))
+        plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+        bsz, length = SHAPES[name]
+        for qname, bits in (("none", None), ("k8v4", (8, 4))):
+            p = make_problem(plan, bsz, length, bits)
+            nbytes = kernel_bytes(plan, p) - sum(2 * max(16, r) * 64 * 2 for _ in plan.k_ranks) \
+                - bsz * HEADS * (HEAD_DIM - r) * 2
+            ref = reference(plan, rope, p, scale, mode="post_rope")
+            t, err, rel = run_case(plan, rope, p, mode="post_rope", ref=ref)
+            cases = [("triton", t, rel)]
+            if bits is not None:
+                try:
+                    from vllm_lowrank import cuda_ext
+
+                    def fn():
+                        return cuda_ext.post_rope_decode(p["q_lat"], p["cache"], p["bt"],
+                                                         p["lens"], length, plan, p["layout"],
+                                                         scale)
+                    o = fn()
+                    rel_c = ((o - ref).norm() / ref.norm()).item()
+                    t_c, _ = time_graph(fn)
+                    cases.append(("cuda 3-kernel", t_c, rel_c))
+                except RuntimeError as exc:
+                    print(f"cuda_ext unavailable: {exc}")
+            for path, tt, rr in cases:
+                gbs = nbytes / tt / 1e3
+                line = (f"{name:>7} {ratio:>5} {qname:>5} {path:>13} {tt:8.1f} "
+                        f"{sdpa[name][0] / tt:6.2f} {gbs:6.0f} {100 * gbs / bw:5.1f}% {rr:8.1e}")
+                print(line, flush=True)
+                out.append(line)
+                rows.append(dict(post_rope=name, ratio=ratio, cache=qname, path=path, us=tt,
+                                 rel=rr))
+            del p, ref
+            torch.cuda.empty_cache()
+    return out
+
+
+def load_balance_rows(rope, bw, rows):
+    """Plain grid vs LPT persistent grid on a high-spread rank profile (ranks
+    16..128 over the 8 KV-head groups, K and V), 16 x 8k and a ragged batch."""
+    out = ["", "load balancer (G=1, k/v ranks 16,16,32,32,64,64,128,128 -> ratio 0.47):",
+           f"{'case':>18} {'splits':>6} {'plain_us':>9} {'lpt_us':>8} {'gain':>6} "
+           f"{'model_plain':>11} {'model_lpt':>9} {'rel_err':>8}"]
+    ranks = (16, 16, 32, 32, 64, 64, 128, 128)
+    plan = make_plan(ranks, ranks)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    g = torch.Generator().manual_seed(1)
+    cases = [("16x8k", 16, 8192, None),
+             ("16x32k", 16, 32768, None),
+             ("ragged 32x(1k..16k)", 32, 16384,
+              torch.randint(1024, 16385, (32,), generator=g).int().cuda())]
+    for name, bsz, length, lens in cases:
+        p = make_problem(plan, bsz, length, None, lens=lens)
+        max_len = int(p["lens"].max())
+        for splits in sorted({1, 2, 4, _heuristic_splits(plan, p)}):
+            t_plain, _, _ = run_case(plan, rope, p, num_splits=splits, check=False)
+            sched = lb.build_lpt_schedule(plan, p["lens"], splits, 32,
+                                          num_workers=2 * n_sm)
+            t_lpt, err, rel = run_case(plan, rope, p, num_splits=splits, schedule=sched)
+            costs_grid = lb.work_costs(plan, p["lens"], splits, 32).flatten().tolist()
+            m_plain = lb.grid_makespan(costs_grid, 2 * n_sm)
+            m_lpt = lb.lpt_assign(sched.costs.tolist(), sched.num_workers)[1]
+            line = (f"{name:>18} {splits:>6} {t_plain:9.1f} {t_lpt:8.1f} "
+                    f"{t_plain / t_lpt:6.2f} {m_plain:11.0f} {m_lpt:9.0f} {rel:8.1e}")
+            print(line, flush=True)
+            out.append(line)
+            rows.append(dict(lb=name, splits=splits, plain_us=t_plain, lpt_us=t_lpt, rel=rel))
+        del p
+        torch.cuda.empty_cache()
+    return out
+
+
+SWEEP_VARIANTS = [
+    # (BLOCK_N=64, 4 warps, transposed, 1 group) is left out: triton 3.6
+    # miscompiles it for bf16 (wrong scores, then an illegal address).
+    dict(block_n=128, num_warps=8, num_stages=3, transposed=True, groups_per_program=1),
+    dict(block_n=128, num_warps=8, num_stages=2, transposed=True, groups_per_program=2),
+    dict(block_n=64, num_warps=8, num_stages=3, transposed=True, groups_per_program=2),
+    dict(block_n=64, num_warps=4, num_stages=3, transposed=False, groups_per_program=2),
+    dict(block_n=64, num_warps=8, num_stages=2, transposed=True, groups_per_program=4),
+    dict(block_n=32, num_warps=4, num_stages=3, transposed=False, groups_per_program=4),
+    dict(mode="post_rope", block_n=128, num_warps=8, num_stages=3, transposed=True,
+         groups_per_program=1),
+    dict(mode="post_rope", block_n=64, num_warps=8, num_stages=3, transposed=True,
+         groups_per_program=4),
+    dict(mode="post_rope", block_n=64, num_warps=4, num_stages=3, transposed=True,
+         groups_per_program=4),
+    dict(mode="post_rope", block_n=64, num_warps=4, num_stages=3, transposed=True,
+         groups_per_program=2),
+    dict(mode="post_rope", block_n=128, num_warps=4, num_stages=2, transposed=False,
+         groups_per_program=2),
+]
+
+
+def sweep(rope, shapes, ratios, bw, sdpa, only=None):
+    """Time launch-parameter variants, each in its own process (a miscompiled
+    variant can poison the CUDA context); every variant is checked against the
+    reference (rel >> 1e-2 is marked BAD)."""
+    import subprocess
+
+    if only is None:
+        print(f"{'shape':>7} {'ratio':>5} {'variant':>24} {'pps':>3} {'S':>3} {'us':>8} "
+              f"{'%copy':>6} {'x sdpa':>6} {'rel':>8}", flush=True)
+        for v in SWEEP_VARIANTS:
+            cmd = [sys.executable, __file__, "--sweep-one", json.dumps(v), "--shapes",
+                   ",".join(shapes), "--ratios", ",".join(map(str, ratios)),
+                   "--sdpa", json.dumps({k: sdpa[k][0] for k in shapes}), "--bw", str(bw)]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            print(r.stdout, end="", flush=True)
+            if r.returncode:
+                print(f"  variant {v} failed: {r.stderr.strip().splitlines()[-1][:160]}",
+                      flush=True)
+        return
+    v = dict(only)
+    mode = v.pop("mode", "pre_rope")
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    scale = HEAD_DIM ** -0.5
+    for ratio in ratios:
+        r = int(round(ratio * HEAD_DIM))
+        plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+        for name in shapes:
+            bsz, length = SHAPES[name]
+            p = make_problem(plan, bsz, length, None)
+            nbytes = kernel_bytes(plan, p)
+            ref = reference(plan, rope, p, scale, mode=mode)
+            out = torch.empty(bsz, plan.out_width, device="cuda")
+            q = p["q"] if mode == "pre_rope" else p["q_lat"]
+            for pps in (1, 2):
+                cfg = KernelConfig(**v, programs_per_sm=pps)
+                splits = choose_num_splits(bsz, 8 // v["groups_per_program"], length,
+                                           v["block_n"], n_sm, pps)
+
+                def fn():
+                    latent_decode_attention(plan, p["k_up"], rope, scale, q,
+                                            p["cache"], p["bt"], p["lens"], length,
+                                            config=cfg, out=out, mode=mode)
+                out.fill_(float("nan"))
+                fn()
+                rel = ((out - ref).norm() / ref.norm()).item()
+                t, _ = time_graph(fn, reps=20)
+                gbs = nbytes / t / 1e3
+                bad = "" if rel < 2e-2 else " BAD"
+                tag = (("post " if mode == "post_rope" else "") +
+                       f"{v['block_n']}/{v['num_warps']}w/{v['num_stages']}s/" +
+                       ("T" if v.get("transposed", True) else "N") +
+                       f"/g{v['groups_per_program']}")
+                print(f"{name:>7} {ratio:>5} {tag:>24} {pps:>3} {splits:>3} {t:8.1f} "
+                      f"{100 * gbs / bw:5.1f}% {sdpa[name] / t:6.2f} {rel:8.1e}{bad}",
+                      flush=True)
+            del p, ref
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"[{time.time() - t0:.0f} s]")

@@ -1,0 +1,212 @@
+"""CUDA-only tests: the dequant + latent-matmul extension (``csrc/``) against
+``SlotLayout.decode`` + float64 torch, and the compiled Triton decode kernel at
+serving shapes (bf16). Skipped without a CUDA device.
+
+    python -m pytest tests/test_gpu_kernels.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
+from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+
+
+def _problem(k_ranks, v_ranks, bits, qgroup, lens, heads=32, kv=8, d=128, page=16, seed=0):
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    shape = AttentionShape(heads * d, heads, kv, d)
+    plan = LayerPlan(shape, 1, tuple(k_ranks), tuple(v_ranks))
+    layout = SlotLayout(k_ranks, v_ranks, bits[0], bits[1], qgroup, qgroup)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    per = [math.ceil(n / page) for n in lens]
+    nblk = sum(per) + 3
+    perm = torch.randperm(nblk, device=dev, generator=g)
+    bt = torch.zeros(len(lens), max(per), dtype=torch.int32, device=dev)
+    used = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = perm[used:used + n].int()
+        used += n
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, device=dev, generator=g)
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    kd, vd = layout.decode(slots)
+    return plan, layout, slots.view(nblk, 1, page, -1), kd, vd, bt, lens_t, page, g
+
+
+def _gather(rows, bt, lens, page):
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n, device=rows.device)
+        out.append(rows[bt[b, pos // page].long() * page + pos % page].double())
+    return out
+
+
+CASES = [
+    ((64,) * 8, (64,) * 8, (8, 4), None),
+    ((32, 64, 16, 128, 8, 24, 40, 48), (16, 128, 64, 8, 32, 24, 48, 40), (4, 4), None),
+    ((64,) * 8, (32,) * 8, (3, 2), 8),
+    ((8, 16, 8, 24, 8, 16, 8, 24), (16,) * 8, (3, 3), None),  # odd byte offsets
+    ((256 // 2,) * 8, (128,) * 8, (2, 8), 16),
+]
+
+
+@pytest.mark.parametrize("k_ranks,v_ranks,bits,qgroup", CASES)
+def test_cuda_scores_and_pv(k_ranks, v_ranks, bits, qgroup):
+    from vllm_lowrank import cuda_ext
+
+    lens = [1, 17, 300, 1029]
+    plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(k_ranks, v_ranks, bits,
+                                                                 qgroup, lens)
+    hg = plan.heads_per_group
+    qw = max(k_ranks)
+    q = torch.randn(len(lens), plan.shape.num_heads, qw, device="cuda", generator=g)
+    max_len = max(lens)
+    scores = cuda_ext.latent_scores(q, cache, bt, lens_t, max_len, plan, layout, 0.3)
+    kl, vl = _gather(kd, bt, lens_t, page), _gather(vd, bt, lens_t, page)
+    p = torch.softmax(scores, -1)
+    out = cuda_ext.latent_pv(p, cache, bt, lens_t, plan, layout)
+    for b, n in enumerate(lens):
+        assert torch.isinf(scores[b, :, n:]).all()
+        ref_o = torch.zeros(plan.out_width, dtype=torch.float64, device="cuda")
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            rk, rv = k_ranks[gi], v_ranks[gi]
+            qg = q[b, gi * hg:(gi + 1) * hg, :rk].double()
+            ref_s = 0.3 * qg @ kl[b][:, ko:ko + rk].T  # [hg, n]
+            got = scores[b, gi * hg:(gi + 1) * hg, :n].double()
+            assert (got - ref_s).abs().max() < 1e-4 * (1 + ref_s.abs().max())
+            pg = p[b, gi * hg:(gi + 1) * hg, :n].double()
+            ref_o[hg * vo:hg * (vo + rv)] = (pg @ vl[b][:, vo:vo + rv]).flatten()
+        assert ((out[b].double() - ref_o).norm() / ref_o.norm()) < 1e-5
+
+
+def test_post_rope_decode_composition_matches_triton():
+    from vllm_lowrank import cuda_ext
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    lens = [100, 2049, 513]
+    plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(
+        (64,) * 8, (64,) * 8, (8, 4), None, lens, seed=3)
+    q = torch.randn(len(lens), 32, 64, device="cuda", generator=g)
+    a = cuda_ext.post_rope_decode(q, cache, bt, lens_t, max(lens), plan, layout, 0.125)
+    b = latent_decode_attention(plan, None, None, 0.125, q, cache, bt, lens_t, max(lens),
+                                layout=layout, mode="post_rope")
+    # Triton computes with tf32 dots on float32 queries.
+    assert ((a - b).norm() / a.norm()) < 5e-3
+
+
+def test_missing_extension_message(monkeypatch):
+    from vllm_lowrank import cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "_EXT", None)
+    monkeypatch.setattr(cuda_ext, "_SOURCES", ("does_not_exist.cu",))
+    with pytest.raises(RuntimeError, match="not found"):
+        cuda_ext.load()
+
+
+@pytest.mark.parametrize("ratio,quant", [(0.5, None), (0.25, None), (0.5, (8, 4)),
+                                         (0.25, (4, 4)), (0.5, (3, 2))])
+def test_triton_decode_serving_shape_bf16(ratio, quant):
+    """Llama-3-8B attention (32 q / 8 kv heads, d=128, bf16), default launch
+    parameters, split-K, against the float32 torch path. Catches compiler-version
+    problems that the interpreter tests cannot (triton 3.6 miscompiled the
+    BLOCK_N=64 / 4-warp bf16 variant)."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+    from vllm_lowrank.attention.rope import RopeTable
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    r = int(ratio * 128)
+    lens = [4000, 1, 777, 2500]
+    plan, layout, cache_q, kd, vd, bt, lens_t, page, g = _problem(
+        (r,) * 8, (r,) * 8, quant or (8, 8), None, lens, seed=5)
+    k_up = torch.zeros(plan.k_width, 1024, device="cuda")
+    for gi, off in enumerate(plan.k_offsets()):
+        k_up[off:off + r, gi * 128:(gi + 1) * 128] = torch.randn(
+            r, 128, device="cuda", generator=g) / math.sqrt(r)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    ang = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+    rope = RopeTable(ang.cos(), ang.sin(), 128, True)
+    q = torch.randn(4, 32, 128, device="cuda", generator=g).bfloat16()
+    if quant is None:
+        cache = torch.cat([kd, vd], -1).bfloat16().view(cache_q.shape[0], 1, page, -1)
+        ref_cache, layout = cache, None
+    else:
+        cache = cache_q
+        ref_cache = torch.cat([kd, vd], -1).view(cache_q.shape[0], 1, page, -1)
+    out = torch.full((4, plan.out_width), float("nan"), device="cuda")
+    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
+                            layout=layout, out=out)
+    ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(), ref_cache.float(), bt,
+                           lens_t, max(lens))
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+def _llama_problem(ranks_k, ranks_v, lens, seed):
+    from vllm_lowrank.attention.rope import RopeTable
+
+    plan, layout, cache_q, kd, vd, bt, lens_t, page, g = _problem(
+        ranks_k, ranks_v, (8, 8), None, lens, seed=seed)
+    k_up = torch.zeros(plan.k_width, 1024, device="cuda")
+    for gi, off in enumerate(plan.k_offsets()):
+        r = ranks_k[gi]
+        k_up[off:off + r, gi * 128:(gi + 1) * 128] = torch.randn(
+            r, 128, device="cuda", generator=g) / math.sqrt(r)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    ang = torch.outer(torch.arange(8192, device="cuda").float(), inv)
+    rope = RopeTable(ang.cos(), ang.sin(), 128, True)
+    cache = torch.cat([kd, vd], -1).bfloat16().view(cache_q.shape[0], 1, page, -1)
+    return plan, k_up, rope, cache, bt, lens_t, g
+
+
+@pytest.mark.parametrize("lpt", [False, True])
+def test_triton_decode_uneven_ranks_bf16(lpt):
+    """High-spread ranks (rank classes 16..128 in one launch), default launch
+    parameters, plain grid and LPT persistent grid."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    ranks = (16, 16, 32, 32, 64, 64, 128, 128)
+    lens = [3000, 17, 1200, 4096]
+    plan, k_up, rope, cache, bt, lens_t, g = _llama_problem(ranks, ranks[::-1], lens, 7)
+    q = torch.randn(4, 32, 128, device="cuda", generator=g).bfloat16()
+    out = torch.full((4, plan.out_width), float("nan"), device="cuda")
+    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
+                            out=out, num_splits=3, schedule="lpt" if lpt else None)
+    ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(), cache.float(), bt,
+                           lens_t, max(lens))
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_triton_post_rope_serving_shape_bf16(ratio):
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    r = int(ratio * 128)
+    lens = [4000, 1, 777, 2500]
+    plan, k_up, rope, cache, bt, lens_t, g = _llama_problem((r,) * 8, (r,) * 8, lens, 9)
+    q = torch.randn(4, 32, r, device="cuda", generator=g).bfloat16()
+    out = torch.full((4, plan.out_width), float("nan"), device="cuda")
+    latent_decode_attention(plan, None, None, 0.1, q, cache, bt, lens_t, max(lens),
+                            out=out, mode="post_rope")
+    hg, page = plan.heads_per_group, cache.shape[2]
+    ref = torch.zeros_like(out, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n, device="cuda")
+        lat = cache.view(-1, cache.shape[-1])[bt[b, pos // page].long() * page + pos % page]
+        lat = lat.double()
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            s = 0.1 * q[b, gi * hg:(gi + 1) * hg].double() @ lat[:, ko:ko + r].T
+            o = torch.softmax(s, -1) @ lat[:, plan.k_width + vo:plan.k_width + vo + r]
+            ref[b, hg * vo:hg * (vo + r)] = o.flatten()
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-2

@@ -1,0 +1,384 @@
+"""Fused latent decode kernel against a float64 reference.
+
+On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set here
+when absent) on CPU tensors: small shapes, every code path (pre-RoPE rebuild with
+neox / gptj / partial rotary / YaRN-scaled / non-rotation tables, post-RoPE mode,
+packed 8/4/3/2-bit caches with per-row and grouped scales, aligned and unaligned
+slots, uneven ranks in several rank classes, G > 1 head groups, split-K with the
+reduce, the LPT persistent schedule). On a CUDA machine the same tests run the
+compiled kernels on the GPU.
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_triton_decode.py -q
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
+from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+
+import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
+import vllm_lowrank.triton_kernels.schedule as sched  # noqa: E402
+
+if not ON_GPU and "Interpreted" not in type(dec._decode_grid_kernel).__name__:
+    # Imported earlier without TRITON_INTERPRET (by another test module): rebuild
+    # the kernels in interpreter mode.
+    dec = importlib.reload(dec)
+
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+# float32 caches: exact float32 under the interpreter; tf32 tensor-core dots on GPUs.
+TOL32 = 5e-3 if ON_GPU else 1e-5
+
+
+# ---------------------------------------------------------------------------------
+# Problem construction and float64 reference
+# ---------------------------------------------------------------------------------
+def make_rope(rot, max_pos=512, theta=10000.0, neox=True, mscale=1.0, kind="rotation"):
+    inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    t = torch.arange(max_pos, dtype=torch.float64)
+    ang = torch.outer(t, inv)
+    if kind == "scrambled":  # not a rotation in t: forces the exact per-token path
+        ang = ang + 0.3 * torch.sin(t)[:, None] ** 2
+    cos = (ang.cos() * mscale).float()
+    sin = (ang.sin() * mscale).float()
+    return RopeTable(cos.to(DEV), sin.to(DEV), rot, neox)
+
+
+def make_problem(*, heads=8, kv_heads=4, head_dim=32, group_size=1, k_ranks, v_ranks,
+                 lens=(37, 70, 5), page=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = AttentionShape(heads * head_dim, heads, kv_heads, head_dim)
+    plan = LayerPlan(shape, group_size, tuple(k_ranks), tuple(v_ranks))
+    gw = plan.group_width
+    k_up = torch.zeros(plan.k_width, kv_heads * head_dim)
+    for gi, off in enumerate(plan.k_offsets()):
+        r = plan.k_ranks[gi]
+        k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(r, gw, generator=g) / math.sqrt(r)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    nblk_per = [math.ceil(n / page) for n in lens]
+    max_blocks = max(nblk_per) + 1
+    num_blocks = sum(nblk_per) + 7
+    perm = torch.randperm(num_blocks, generator=g)  # non-contiguous, shuffled blocks
+    bt = torch.full((len(lens), max_blocks), 10**6, dtype=torch.int32)  # poison unused
+    used = 0
+    for b, n in enumerate(nblk_per):
+        bt[b, :n] = perm[used:used + n].int()
+        used += n
+    return plan, k_up, lens_t, bt, num_blocks, page, g
+
+
+def gather(cache_rows, bt, lens, page):
+    """Per sequence: [L, C] rows of a [num_blocks * page, C] tensor."""
+    out = []
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        blk = bt[b, pos // page].long()
+        out.append(cache_rows[blk * page + pos % page])
+    return out
+
+
+def rope64(x, pos, rope):
+    """RoPE in float64 with the table's values. x: [L, G, d]."""
+    cos = rope.cos.double().cpu()[pos][:, None]
+    sin = rope.sin.double().cpu()[pos][:, None]
+    rot = rope.rotary_dim
+    r, rest = x[..., :rot], x[..., rot:]
+    if rope.neox:
+        x1, x2 = r.chunk(2, -1)
+        o = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    else:
+        x1, x2 = r[..., 0::2], r[..., 1::2]
+        o = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    return torch.cat((o, rest), -1)
+
+
+def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope"):
+    """float64 decode attention. k_lat/v_lat: per-sequence [L, Rk] / [L, Rv]."""
+    q = q.double().cpu()
+    k_up = k_up.double().cpu()
+    hg, gs, d = plan.heads_per_group, plan.group_size, plan.shape.head_dim
+    qpk = plan.shape.queries_per_kv
+    gw = plan.group_width
+    out = torch.zeros(q.shape[0], plan.out_width, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        kl, vl = k_lat[b].double().cpu(), v_lat[b].double().cpu()
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            rk, rv = plan.k_ranks[gi], plan.v_ranks[gi]
+            ck, cv = kl[:, ko:ko + rk], vl[:, vo:vo + rv]
+            qg = q[b, gi * hg:(gi + 1) * hg]
+            if mode == "pre_rope":
+                keys = (ck @ k_up[ko:ko + rk, gi * gw:(gi + 1) * gw]).view(n, gs, d)
+                keys = rope64(keys, torch.arange(n), rope)  # [L, G, d]
+                kv_of_head = torch.arange(hg) // qpk
+                s = torch.einsum("hd,lhd->hl", qg, keys[:, kv_of_head])
+            else:
+                s = qg[:, :rk] @ ck.T
+            p = torch.softmax(s * scale, -1)
+            o = p @ cv  # [hg, rv]
+            out[b, hg * vo:hg * (vo + rv)] = o.flatten()
+    return out
+
+
+def float_cache(plan, num_blocks, page, g, dtype):
+    rows = torch.randn(num_blocks * page, plan.k_width + plan.v_width, generator=g).to(dtype)
+    return rows
+
+
+def run(plan, k_up, rope, q, cache, bt, lens, **kw):
+    out = torch.full((q.shape[0], plan.out_width), float("nan"), device=DEV)  # poisoned
+    res = dec.latent_decode_attention(plan, k_up.to(DEV), rope, q.shape[-1] ** -0.5 if
+                                      kw.get("mode", "pre_rope") == "pre_rope" else 0.2,
+                                      q.to(DEV), cache.to(DEV), bt.to(DEV), lens.to(DEV),
+                                      int(lens.max()), out=out, **kw)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isfinite(res).all(), "output not fully written"
+    return res.double().cpu()
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------------------------
+# Pre-RoPE (key rebuild) mode
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("neox,rot,group_size,splits", [
+    (True, 32, 1, 1),     # full rotary, per-KV-head groups, no reduce
+    (True, 32, 1, 3),     # split-K + reduce
+    (False, 32, 2, 2),    # gptj pairs, 2 KV heads per group
+    (True, 16, 2, 4),     # partial rotary (rest section), more splits than tiles
+    (False, 16, 1, 1),    # gptj partial rotary
+])
+def test_pre_rope_float32(neox, rot, group_size, splits):
+    kr = (8, 24, 16, 32) if group_size == 1 else (40, 16)
+    vr = (16, 8, 32, 24) if group_size == 1 else (24, 64)
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size,
+                                                       k_ranks=kr, v_ranks=vr)
+    rope = make_rope(rot, neox=neox)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=splits)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens)
+    assert rel_err(out, ref) < TOL32
+    assert (out - ref).abs().max() < (5e-2 if ON_GPU else 1e-4)
+
+
+@pytest.mark.parametrize("kind,mscale", [("rotation", 1.3), ("scrambled", 1.0)])
+def test_rope_tables(kind, mscale):
+    """YaRN-style magnitude (fast path divides it out) and a table that is not a
+    rotation in the position (exact per-token path)."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4,
+                                                       lens=(50, 33), seed=3)
+    rope = make_rope(32, mscale=mscale, kind=kind)
+    assert dec.rope_is_rotation(rope) == (kind == "rotation")
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    q = torch.randn(2, 8, 32, generator=g)
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=2)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens)
+    assert rel_err(out, ref) < TOL32
+
+
+def test_pre_rope_bf16_matches_cpu_path():
+    """bf16 cache and queries (the serving dtype): within bf16 rounding of the
+    float64 reference, and agrees with the torch CPU path of the backend."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 24, 16, 32),
+                                                       v_ranks=(16, 8, 32, 24),
+                                                       lens=(100, 17, 64), seed=5)
+    rope = make_rope(32)
+    rows = float_cache(plan, nblk, page, g, torch.bfloat16)
+    q = torch.randn(3, 8, 32, generator=g).bfloat16()
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=2)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens)
+    assert rel_err(out, ref) < 1e-2
+    cpu = decode_attention(plan, k_up, RopeTable(rope.cos.cpu(), rope.sin.cpu(), 32, True),
+                           32 ** -0.5, q.float(), rows.view(nblk, 1, page, -1).cpu(),
+                           bt.clamp(max=nblk - 1), lens, int(lens.max()))
+    assert rel_err(out, cpu.double()) < 1e-2
+
+
+# ---------------------------------------------------------------------------------
+# Post-RoPE mode
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("splits", [1, 3])
+def test_post_rope_float32(splits):
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 24, 16, 32),
+                                                       v_ranks=(32, 8, 16, 24), seed=7)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    q = torch.randn(3, 8, 40, generator=g)  # wider than max r_k: extra columns ignored
+    out = run(plan, k_up, None, q, rows.view(nblk, 1, page, -1), bt, lens,
+              num_splits=splits, mode="post_rope")
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    ref = reference(plan, k_up, None, 0.2, q, kl, vl, lens, mode="post_rope")
+    assert rel_err(out, ref) < TOL32
+
+
+# ---------------------------------------------------------------------------------
+# Packed low-bit caches
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("k_bits,v_bits,qgroup,mode,k_ranks", [
+    (8, 4, None, "pre_rope", (8, 24, 16, 32)),
+    (4, 4, None, "pre_rope", (16, 16, 32, 32)),
+    (3, 2, None, "pre_rope", (8, 24, 16, 32)),
+    (2, 3, 8, "pre_rope", (8, 24, 16, 32)),
+    (4, 8, 8, "post_rope", (8, 24, 16, 32)),
+    (3, 4, None, "post_rope", (8, 16, 8, 24)),  # odd code bytes: unaligned fp16 params
+])
+def test_quantized(k_bits, v_bits, qgroup, mode, k_ranks):
+    vr = (16, 8, 32, 24)
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=k_ranks, v_ranks=vr, seed=11)
+    layout = SlotLayout(k_ranks, vr, k_bits, v_bits, qgroup, qgroup)
+    if k_ranks == (8, 16, 8, 24):
+        assert layout.slot_bytes % 2 == 1 or layout.k_scale_offset % 2 == 1
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    kd, vd = layout.decode(slots)  # what the kernel must reproduce
+    rope = make_rope(32)
+    width = 32 if mode == "pre_rope" else 32
+    q = torch.randn(3, 8, width, generator=g)
+    out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
+              slots.view(nblk, 1, page, -1), bt, lens, num_splits=2, layout=layout, mode=mode)
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    ref = reference(plan, k_up, rope, scale, q, gather(kd, bt, lens, page),
+                    gather(vd, bt, lens, page), lens, mode=mode)
+    assert rel_err(out, ref) < TOL32
+
+
+# ---------------------------------------------------------------------------------
+# Load balancing (LPT persistent grid) and host-side checks
+# ---------------------------------------------------------------------------------
+def test_lpt_schedule_matches_plain_grid():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 32, 16, 32),
+                                                       v_ranks=(8, 32, 8, 16),
+                                                       lens=(90, 3, 47), seed=13)
+    rope = make_rope(32)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    q = torch.randn(3, 8, 32, generator=g)
+    cache = rows.view(nblk, 1, page, -1)
+    cfg16 = dec.KernelConfig(block_n=16)
+    plain = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, config=cfg16)
+    plain_default = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3)
+    s = sched.build_lpt_schedule(plan, lens.to(DEV), num_splits=3, block_n=16, num_workers=5)
+    assert sorted(s.items.tolist()) == list(range(3 * 4 * 3))
+    assert (s.costs[:-1] >= s.costs[1:]).all()
+    lpt = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, schedule=s, config=cfg16)
+    assert (lpt - plain).abs().max() < 1e-5
+    lpt2 = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, schedule="lpt")
+    assert (lpt2 - plain_default).abs().max() < 1e-5
+
+
+def test_rank_classes_merge():
+    shape = AttentionShape(8 * 32, 8, 8, 32)
+    plan = LayerPlan(shape, 1, (8, 16, 24, 32, 8, 16, 24, 32), (32, 8, 16, 8, 24, 32, 8, 16))
+    classes, gcls = dec._rank_classes(plan)
+    assert len(classes) <= 4
+    for (rk, rv), c in zip(zip(plan.k_ranks, plan.v_ranks), gcls):
+        assert classes[c][0] >= rk and classes[c][1] >= rv
+
+
+def test_errors():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4)
+    rope = make_rope(32)
+    q = torch.randn(3, 8, 32)
+    bad = torch.zeros(nblk, 1, page, 100)
+    with pytest.raises(ValueError, match="slot width"):
+        dec.latent_decode_attention(plan, k_up, rope, 1.0, q, bad, bt, lens, 70)
+    with pytest.raises(ValueError, match="mode"):
+        dec.latent_decode_attention(plan, k_up, rope, 1.0, q, bad, bt, lens, 70, mode="x")
+
+
+def test_split_heuristic():
+    # One wave of 128 programs beats three waves of 384 for 16 x 32k.
+    assert dec.choose_num_splits(16, 8, 32768, 128, 132) == 1
+    # 1 x 32k: 8 (sequence, group) pairs must be split to use the GPU.
+    assert dec.choose_num_splits(1, 8, 32768, 128, 132) >= 8
+    assert dec.choose_num_splits(1, 8, 100, 64, 132) == 1
+    for args in [(8, 8, 131072, 128, 132), (64, 8, 4096, 128, 132)]:
+        s = dec.choose_num_splits(*args)
+        assert 1 <= s <= 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_ext_clear_error_without_cuda():
+    from vllm_lowrank import cuda_ext
+
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        cuda_ext.load()
+
+
+@pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
+def test_non_transposed_variant(mode):
+    """The S = q' K'^T form (rebuilt keys through shared memory) computes the same."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 24, 16, 32),
+                                                       v_ranks=(16, 8, 32, 24), seed=17)
+    rope = make_rope(32)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    q = torch.randn(3, 8, 32, generator=g)
+    cfg = dec.KernelConfig(transposed=False, block_n=16)
+    out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
+              rows.view(nblk, 1, page, -1), bt, lens, num_splits=2, mode=mode, config=cfg)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    ref = reference(plan, k_up, rope, scale, q, kl, vl, lens, mode=mode)
+    assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("gpp,mode,bits", [
+    (2, "pre_rope", None), (4, "pre_rope", None), (4, "post_rope", None),
+    (4, "pre_rope", (8, 4)), (2, "post_rope", (4, 2)), (1, "pre_rope", None),
+])
+def test_groups_per_program(gpp, mode, bits):
+    """Several head groups in one score tile (equal ranks) against the reference."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(32,) * 4,
+                                                       lens=(45, 3, 33), seed=19)
+    rope = make_rope(32)
+    q = torch.randn(3, 8, 32, generator=g)
+    layout = None if bits is None else SlotLayout(plan.k_ranks, plan.v_ranks, *bits)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    if layout is None:
+        cache, kd, vd = lat, lat[:, :plan.k_width], lat[:, plan.k_width:]
+    else:
+        cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        kd, vd = layout.decode(cache)
+    cfg = dec.KernelConfig(groups_per_program=gpp, block_n=16)
+    out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
+              cache.view(nblk, 1, page, -1), bt, lens, num_splits=2, mode=mode,
+              layout=layout, config=cfg)
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    ref = reference(plan, k_up, rope, scale, q, gather(kd, bt, lens, page),
+                    gather(vd, bt, lens, page), lens, mode=mode)
+    assert rel_err(out, ref) < TOL32
+
+
+def test_groups_per_program_rejects_uneven_ranks():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 24, 16, 32),
+                                                       v_ranks=(16,) * 4)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    with pytest.raises(ValueError, match="groups_per_program"):
+        dec.latent_decode_attention(plan, k_up.to(DEV), make_rope(32),
+                                    1.0, torch.randn(3, 8, 32, device=DEV),
+                                    rows.view(nblk, 1, page, -1).to(DEV), bt.to(DEV),
+                                    lens.to(DEV), 70,
+                                    config=dec.KernelConfig(groups_per_program=2))

@@ -1,0 +1,1123 @@
+r"""Fused paged decode attention over latent KV (pre-RoPE key rebuild, post-RoPE).
+
+One kernel skeleton, two score modes (selected by ``mode``):
+
+``mode="pre_rope"`` (the default; the math of
+:mod:`vllm_lowrank.attention.latent_attention`). Per sequence ``b`` and head
+group ``g`` (``G`` KV heads, ``Hg = G * num_heads / num_kv_heads`` query heads)
+and per context tile of ``BLOCK_N`` tokens at positions ``p0 .. p0+BLOCK_N-1``::
+
+    C_k  [BLOCK_N, r_k]   key latents of the tile (gathered through the block table)
+    K    = C_k @ B_k[g]   [BLOCK_N, G*d]      rebuilt once, on tensor cores (tl.dot)
+    K'   = R_i K          RoPE by the *offset* i = t - p0 only   (loop-invariant cos/sin)
+    q'   = R_{p0}^T q     RoPE of the query by the tile start    (Hg x d, per tile)
+    S    = K' q'^T        [BLOCK_N, Hg]       every query head of the group on one rebuild
+    online softmax over the tile, O^T += C_v^T @ P               (value latents: no rebuild)
+
+``R_{p0+i} = R_{p0} R_i`` (rotations compose), so ``q . R_t k = (R_{p0}^T q) . (R_i k)``:
+the per-token rotation uses cos/sin of the offsets ``0..BLOCK_N-1`` only, loaded once
+per program into registers, and the tile's own rotation moves onto the handful of
+query rows. Costs 2 fp32 operations per key element instead of 6 (with the
+angle-sum formula) and reads no cos/sin table bytes per token (a per-token table
+read is 512 B/token at head_dim 128: more than the latent itself at ratio 0.25).
+Valid when the table is ``m_j * (cos(t theta_j), sin(t theta_j))``, which holds for
+plain, linear, NTK, Llama-3 and YaRN tables (``m_j = cos[0, j]``, the YaRN mscale;
+checked once per table by :func:`rope_is_rotation`); other tables take the exact
+per-token path (``ROPE_DIRECT``).
+
+Layout of the rebuilt key inside the kernel: the ``G*d`` columns are permuted into
+three sections ``[x1 of every KV head | x2 of every KV head | unrotated rest]``
+(``x1``/``x2`` the two members of each RoPE pair: halves for neox, even/odd for
+gptj), each padded to a power of two. The same permutation is applied to the query
+(so dot products are unchanged) and baked into the packed ``B_k`` sections, so one
+code path covers neox, gptj, partial rotary and any ``head_dim`` multiple of 16.
+Query head ``h`` of the group only sees the columns of its KV head
+(``h // queries_per_kv``): its query row is zero elsewhere.
+
+``mode="post_rope"``: queries ``[B, H, >= max r_k]`` already live in the key latent
+basis (head ``i`` uses its first ``r_k[group(i)]`` entries); ``S = C_k q~^T``, no
+rebuild, no RoPE; the rest is shared.
+
+Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): the
+cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; the codes of a tile are
+unpacked in registers (one byte load per code, L1-resident duplicates),
+dequantized with the token's fp16 scale/zero and fed to the same dots.
+
+Split-K (flash-decoding): the context of a sequence is cut into ``num_splits``
+chunks, each program writes a normalised partial output and its base-2
+log-sum-exp; :func:`_reduce_kernel` merges them. ``num_splits=1`` writes the
+output directly. The default split count minimises a wave model of the launch
+(:func:`choose_num_splits`).
+
+Two layouts of the score product (``KernelConfig.transposed``): ``S^T = K' q'^T``
+(the rebuilt tile stays in registers as the A operand) or ``S = q' K'^T`` (it
+goes through shared memory). Several head groups of equal power-of-two ranks can
+share one score tile (``groups_per_program`` 2 or 4: 8 or 16 real query heads in
+the 16-wide tile instead of 4), which shares the softmax, the value product and
+the per-tile bookkeeping; the defaults per case are measured
+(:func:`_default_config`, benchmarks/decode_attention_notes.md).
+
+Uneven ranks: groups are sorted into at most four rank classes (padded
+``(r_k, r_v)`` powers of two); one launch serves all classes through a runtime
+branch over kernels specialised per class, so a rank-16 group is not computed at
+rank 128. Work scheduling: the plain grid (split x group x sequence, the hardware
+block scheduler assigns programs), or the LPT persistent grid of
+:mod:`vllm_lowrank.triton_kernels.schedule` (ZACK sec. 5.3).
+
+Output: ``[B, out_width]`` float32, the column layout of
+:attr:`vllm_lowrank.factorization.plan.LayerPlan.out_width` (query heads in order,
+head ``i`` contributing ``r_v[group(i)]`` columns), exactly what
+:func:`vllm_lowrank.attention.latent_attention.decode_attention` returns.
+
+Precision: latents, ``B_k`` (cast to the cache dtype), the rebuilt-and-rotated keys
+and the probabilities enter the tensor cores in the cache dtype (bf16 for a bf16
+model, as full-KV attention reads bf16 keys) with float32 accumulation; RoPE,
+softmax and the accumulators are float32. A float32 cache computes in float32
+(tf32 on NVIDIA tensor cores). A quantized cache computes in the query dtype
+(bf16/fp16; float32 queries use float32).
+
+Example::
+
+    out = latent_decode_attention(plan, k_up, rope, scale, q, kv_cache,
+                                  block_table, seq_lens, int(seq_lens.max()))
+    # out: [B, plan.out_width] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import weakref
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_MAX_CLASSES = 4
+
+
+# ----------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------
+# Only builtins of triton.language are used inside the kernels (no tl.max / tl.sum
+# / tl.zeros / tl.cdiv, which are themselves @triton.jit functions): if triton was
+# imported before TRITON_INTERPRET=1 was set (a test session that imported vLLM
+# first), this module can be reloaded in interpreter mode, but triton's own jit
+# helpers cannot.
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _load_f16_param(ptrs, mask, ALIGNED: tl.constexpr):
+    """fp16 values at byte pointers ``ptrs`` (uint8), as float32."""
+    if ALIGNED:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
+        return v.to(tl.float32)
+    else:
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
+        bits = (lo | (hi << 8)).to(tl.uint16)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr):
+    """Unpack the ``PAD`` (>= r) codes of each row: ``rows`` [N] uint8 pointers to
+    the slots, ``code_off`` byte offset of the group's codes. Returns int32 [N, PAD]
+    (0 beyond ``r``).
+
+    Code ``c`` sits at bit ``c * BITS`` of the little-endian stream: one byte load
+    per code (the bytes shared by several codes hit L1), two for a 3-bit code
+    that straddles a byte boundary. (Unpacking whole bytes with ``tl.interleave``
+    was miscompiled by triton 3.6 for several layouts: wrong codes, no fault.)"""
+    c = tl.arange(0, PAD)
+    m = valid[:, None] & (c[None, :] < r)
+    if BITS == 8:
+        x = tl.load(rows[:, None] + code_off + c[None, :], mask=m, other=0)
+        return x.to(tl.int32)
+    else:
+        bit = c * BITS
+        byte = bit // 8
+        sh = bit % 8
+        x = tl.load(rows[:, None] + code_off + byte[None, :], mask=m, other=0).to(tl.int32)
+        if 8 % BITS != 0:  # 3 bits: the code may continue in the next byte
+            nxt = tl.load(rows[:, None] + code_off + byte[None, :] + 1,
+                          mask=m & (sh > 8 - BITS)[None, :], other=0).to(tl.int32)
+            x = x | (nxt << 8)
+        return (x >> sh[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero_off,
+                 DT: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
+                 PAD: tl.constexpr, QG: tl.constexpr, ALIGNED: tl.constexpr):
+    """Latent tile ``[N, PAD]`` in ``DT`` (zero beyond rank ``r`` and on invalid rows).
+
+    Float cache: ``row_off``/``col_off`` in elements. Quantized cache: in bytes;
+    ``par_base`` is the group's first scale/zero index, ``QG`` channels per
+    scale/zero pair (0: one pair per row)."""
+    c = tl.arange(0, PAD)
+    if QUANT:
+        rows = cache_ptr + row_off
+        codes = _load_codes(rows, col_off, r, valid, BITS, PAD).to(tl.float32)
+        if QG == 0:
+            sc = _load_f16_param(rows + scale_off + 2 * par_base, valid, ALIGNED)
+            ze = _load_f16_param(rows + zero_off + 2 * par_base, valid, ALIGNED)
+            x = codes * sc[:, None] + ze[:, None]
+        else:
+            pm = valid[:, None] & (c[None, :] < r)
+            pidx = 2 * (par_base + c // QG)
+            sc = _load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
+            ze = _load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
+            x = codes * sc + ze
+        x = tl.where(valid[:, None] & (c[None, :] < r), x, 0.0)
+        return x.to(DT)
+    else:
+        x = tl.load(cache_ptr + row_off[:, None] + col_off + c[None, :],
+                    mask=valid[:, None] & (c[None, :] < r), other=0.0)
+        return x.to(DT)
+
+
+@triton.jit
+def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
+                       HG: tl.constexpr, C3: tl.constexpr, TRANS: tl.constexpr,
+                       DT: tl.constexpr, GPP: tl.constexpr):
+    """Rebuild one group's keys for the tile, rotate by the offsets, add its query
+    heads' scores to ``sc`` (other columns of the query tile are zeroed)."""
+    k1 = tl.dot(ck, w1)  # [BLOCK_N, C1] f32
+    k2 = tl.dot(ck, w2)
+    kr1 = (k1 * ci - k2 * si).to(DT)
+    kr2 = (k2 * ci + k1 * si).to(DT)
+    if GPP > 1:
+        mine = (h // HG == j)[None, :]
+        qa = tl.where(mine, qa, 0.0)
+        qb = tl.where(mine, qb, 0.0)
+        if C3 > 0:
+            q3 = tl.where(mine, q3, 0.0)
+    if TRANS:
+        # S^T = K' q'^T: the rebuilt tile is the A operand (registers).
+        sc = tl.dot(kr1, qa.to(DT), sc)
+        sc = tl.dot(kr2, qb.to(DT), sc)  # [BLOCK_N, HG_PAD]
+        if C3 > 0:
+            k3 = tl.dot(ck, w3).to(DT)
+            sc = tl.dot(k3, q3.to(DT), sc)
+    else:
+        # S = q' K'^T: the rebuilt tile goes through shared memory as B.
+        sc = tl.dot(tl.trans(qa.to(DT)), tl.trans(kr1), sc)
+        sc = tl.dot(tl.trans(qb.to(DT)), tl.trans(kr2), sc)  # [HG_PAD, BLOCK_N]
+        if C3 > 0:
+            k3 = tl.dot(ck, w3).to(DT)
+            sc = tl.dot(tl.trans(q3.to(DT)), tl.trans(k3), sc)
+    return sc
+
+
+@triton.jit
+def _group_latent_scores(sc, ck, qk, j, h, HG: tl.constexpr, TRANS: tl.constexpr,
+                         DT: tl.constexpr, GPP: tl.constexpr):
+    """Post-RoPE mode: one group's scores ``q~ . c_k`` added to ``sc``."""
+    if GPP > 1:
+        qk = tl.where((h // HG == j)[None, :], qk, 0.0)
+    if TRANS:
+        sc = tl.dot(ck, qk.to(DT), sc)
+    else:
+        sc = tl.dot(tl.trans(qk.to(DT)), tl.trans(ck), sc)
+    return sc
+
+
+@triton.jit
+def _attend_chunk(
+    b, g, s, n_splits, num_groups,
+    q_ptr, s_qb, s_qh,
+    cache_ptr, s_blk, s_tok,
+    bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec,
+    maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos,
+    gt_ptr,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads,
+    qk_scale,
+    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
+    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
+    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
+    RK_PAD: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
+    SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, GPP: tl.constexpr,
+):
+    """One work item: sequence ``b``, head groups ``g .. g+GPP-1``, split ``s``.
+
+    ``GPP`` (groups per program, 1/2/4; > 1 only for equal power-of-two ranks)
+    puts the query heads of several groups into one score tile: softmax, the
+    value product, the tile bookkeeping and the offset cos/sin are shared, and
+    the value latents of the groups are one contiguous load."""
+    # Group table rows (see _Prepared.group_table).
+    k_off = tl.load(gt_ptr + 0 * num_groups + g)
+    v_off = tl.load(gt_ptr + 1 * num_groups + g)
+    rk = tl.load(gt_ptr + 2 * num_groups + g)
+    rv = tl.load(gt_ptr + 3 * num_groups + g)
+    kpar = tl.load(gt_ptr + 4 * num_groups + g)
+    vpar = tl.load(gt_ptr + 5 * num_groups + g)
+    ocol = tl.load(gt_ptr + 6 * num_groups + g)
+    if OFF_MULT > 1:
+        # Offsets are sums of ranks (multiples of 8): lets the compiler emit
+        # 16-byte vector loads / cp.async for the latent rows.
+        k_off = tl.multiple_of(k_off, OFF_MULT)
+        v_off = tl.multiple_of(v_off, OFF_MULT)
+        # Ranks are multiples of 8 as well: the rank masks are then constant over
+        # 8 channels, which keeps the masked loads vectorized.
+        rk = tl.multiple_of(rk, 8)
+        rv = tl.multiple_of(rv, 8)
+    if GPP > 1:
+        k_off1 = tl.load(gt_ptr + 0 * num_groups + g + 1)
+        kpar1 = tl.load(gt_ptr + 4 * num_groups + g + 1)
+        if OFF_MULT > 1:
+            k_off1 = tl.multiple_of(k_off1, OFF_MULT)
+    if GPP > 2:
+        k_off2 = tl.load(gt_ptr + 0 * num_groups + g + 2)
+        k_off3 = tl.load(gt_ptr + 0 * num_groups + g + 3)
+        kpar2 = tl.load(gt_ptr + 4 * num_groups + g + 2)
+        kpar3 = tl.load(gt_ptr + 4 * num_groups + g + 3)
+        if OFF_MULT > 1:
+            k_off2 = tl.multiple_of(k_off2, OFF_MULT)
+            k_off3 = tl.multiple_of(k_off3, OFF_MULT)
+    # Value latents of the GPP groups are one contiguous row segment of
+    # GPP * RV_PAD channels (with one scale/zero per group and row, the host
+    # passes V_QG = RV_PAD: one pair per group's channels).
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    per = (n_tiles + n_splits - 1) // n_splits
+    t_lo = s * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+
+    h = tl.arange(0, HG_PAD)
+    hmask = h < GPP * HG
+    qrow = q_ptr + b.to(tl.int64) * s_qb + (g * HG + h).to(tl.int64) * s_qh  # [HG_PAD]
+    i = tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, RK_PAD)
+    kvh_of_col = (h % HG) // QPK  # KV head (within its group) of each query column
+
+    if MODE == 0:
+        # Packed B_k sections [RK_PAD, C1] (x1, x2) and [RK_PAD, C3] (rest).
+        c1 = tl.arange(0, C1)
+        c3 = tl.arange(0, CW)
+        wg = w_ptr + g.to(tl.int64) * s_wg
+        w1 = tl.load(wg + rr[:, None] * CW + c1[None, :])
+        w2 = tl.load(wg + s_wsec + rr[:, None] * CW + c1[None, :])
+        w3 = w1
+        if C3 > 0:
+            w3 = tl.load(wg + 2 * s_wsec + rr[:, None] * CW + c3[None, :])
+        if GPP > 1:
+            w1_1 = tl.load(wg + s_wg + rr[:, None] * CW + c1[None, :])
+            w2_1 = tl.load(wg + s_wg + s_wsec + rr[:, None] * CW + c1[None, :])
+            w3_1 = w1_1
+            if C3 > 0:
+                w3_1 = tl.load(wg + s_wg + 2 * s_wsec + rr[:, None] * CW + c3[None, :])
+        if GPP > 2:
+            w1_2 = tl.load(wg + 2 * s_wg + rr[:, None] * CW + c1[None, :])
+            w2_2 = tl.load(wg + 2 * s_wg + s_wsec + rr[:, None] * CW + c1[None, :])
+            w1_3 = tl.load(wg + 3 * s_wg + rr[:, None] * CW + c1[None, :])
+            w2_3 = tl.load(wg + 3 * s_wg + s_wsec + rr[:, None] * CW + c1[None, :])
+            w3_2 = w1_2
+            w3_3 = w1_3
+            if C3 > 0:
+                w3_2 = tl.load(wg + 2 * s_wg + 2 * s_wsec + rr[:, None] * CW + c3[None, :])
+                w3_3 = tl.load(wg + 3 * s_wg + 2 * s_wsec + rr[:, None] * CW + c3[None, :])
+        # maps: [0]=src dim sec0, [1]=src dim sec1, [2]=src dim sec2, [3..5]=kv head, [6]=pair
+        src1 = tl.load(maps_ptr + 0 * CW + c1)
+        src2 = tl.load(maps_ptr + 1 * CW + c1)
+        kvh1 = tl.load(maps_ptr + 3 * CW + c1)
+        pair = tl.load(maps_ptr + 6 * CW + c1)
+        pvalid = pair >= 0
+        qm1 = (kvh1[:, None] == kvh_of_col[None, :]) & hmask[None, :] & pvalid[:, None]
+        q1 = tl.load(qrow[None, :] + src1[:, None], mask=qm1, other=0.0).to(tl.float32)
+        q2 = tl.load(qrow[None, :] + src2[:, None], mask=qm1, other=0.0).to(tl.float32)
+        q3 = q1
+        if C3 > 0:
+            src3 = tl.load(maps_ptr + 2 * CW + c3)
+            kvh3 = tl.load(maps_ptr + 5 * CW + c3)
+            qm3 = (kvh3[:, None] == kvh_of_col[None, :]) & hmask[None, :] & (src3 >= 0)[:, None]
+            q3 = tl.load(qrow[None, :] + src3[:, None], mask=qm3, other=0.0).to(tl.float32)
+        if not ROPE_DIRECT:
+            # cos/sin of the offsets 0..BLOCK_N-1, loop-invariant; 1/m removes the
+            # table's magnitude (YaRN mscale) from the per-tile query rotation.
+            inv_m = 1.0 / tl.load(cos_ptr + pair, mask=pvalid, other=1.0)
+            om = (i[:, None] < max_pos) & pvalid[None, :]
+            ci = tl.load(cos_ptr + i[:, None] * s_rope + pair[None, :], mask=om, other=0.0)
+            si = tl.load(sin_ptr + i[:, None] * s_rope + pair[None, :], mask=om, other=0.0)
+    else:
+        qk = tl.load(qrow[None, :] + rr[:, None], mask=hmask[None, :] & (rr[:, None] < rk),
+                     other=0.0).to(tl.float32)  # [RK_PAD, HG_PAD]
+
+    m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
+    # Row sums kept per (token slot, head) and reduced once at the end: no
+    # cross-warp reduction per tile for the denominator.
+    if TRANS:
+        l2 = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
+        acc = tl.full([GPP * RV_PAD, HG_PAD], 0.0, tl.float32)  # O^T
+    else:
+        l2 = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
+        acc = tl.full([HG_PAD, GPP * RV_PAD], 0.0, tl.float32)  # O
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for t in range(t_lo, t_hi):
+        p0 = t * BLOCK_N
+        pos = p0 + i
+        valid = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        if TRANS:
+            sc = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
+        else:
+            sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
+        ck = _load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off, k_zero_off,
+                          DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+        if GPP > 1:
+            ck1 = _load_latent(cache_ptr, row, valid, k_off1, rk, kpar1, k_scale_off,
+                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+        if GPP > 2:
+            ck2 = _load_latent(cache_ptr, row, valid, k_off2, rk, kpar2, k_scale_off,
+                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+            ck3 = _load_latent(cache_ptr, row, valid, k_off3, rk, kpar3, k_scale_off,
+                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+        cv = _load_latent(cache_ptr, row, valid, v_off, GPP * rv, vpar, v_scale_off,
+                          v_zero_off, DT, QUANT, V_BITS, GPP * RV_PAD, V_QG, ALIGNED)
+        if MODE == 0:
+            if ROPE_DIRECT:
+                tm = valid[:, None] & pvalid[None, :]
+                ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=tm, other=0.0)
+                si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=tm, other=0.0)
+                qa = q1
+                qb = q2
+            else:
+                # Tile rotation on the query; the keys get the offset rotation
+                # with the pinned cos/sin (measured: re-reading them per tile, or
+                # rotating in packed bf16/fp16, costs more than it saves).
+                cp = tl.load(cos_ptr + p0 * s_rope + pair, mask=pvalid, other=0.0) * inv_m
+                sp = tl.load(sin_ptr + p0 * s_rope + pair, mask=pvalid, other=0.0) * inv_m
+                qa = q1 * cp[:, None] + q2 * sp[:, None]
+                qb = q2 * cp[:, None] - q1 * sp[:, None]
+            sc = _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, 0, h,
+                                    HG, C3, TRANS, DT, GPP)
+            if GPP > 1:
+                sc = _group_keys_scores(sc, ck1, w1_1, w2_1, w3_1, qa, qb, q3, ci, si, 1, h,
+                                        HG, C3, TRANS, DT, GPP)
+            if GPP > 2:
+                sc = _group_keys_scores(sc, ck2, w1_2, w2_2, w3_2, qa, qb, q3, ci, si, 2, h,
+                                        HG, C3, TRANS, DT, GPP)
+                sc = _group_keys_scores(sc, ck3, w1_3, w2_3, w3_3, qa, qb, q3, ci, si, 3, h,
+                                        HG, C3, TRANS, DT, GPP)
+        else:
+            sc = _group_latent_scores(sc, ck, qk, 0, h, HG, TRANS, DT, GPP)
+            if GPP > 1:
+                sc = _group_latent_scores(sc, ck1, qk, 1, h, HG, TRANS, DT, GPP)
+            if GPP > 2:
+                sc = _group_latent_scores(sc, ck2, qk, 2, h, HG, TRANS, DT, GPP)
+                sc = _group_latent_scores(sc, ck3, qk, 3, h, HG, TRANS, DT, GPP)
+        if TRANS:
+            sc = tl.where(valid[:, None], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(sc, 0, _max_combine))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[None, :])
+            l2 = l2 * alpha[None, :] + p
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(cv), p.to(DT), acc)  # [GPP * RV_PAD, HG_PAD]
+        else:
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(sc, 1, _max_combine))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l2 = l2 * alpha[:, None] + p
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(DT), cv, acc)  # [HG_PAD, GPP * RV_PAD]
+        m_i = m_new
+
+    if TRANS:
+        l_i = tl.reduce(l2, 0, _add_combine)
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[None, :]
+    else:
+        l_i = tl.reduce(l2, 1, _add_combine)
+        has = l_i > 0.0
+        o = tl.trans(acc / tl.where(has, l_i, 1.0)[:, None])  # [GPP * RV_PAD, HG_PAD]
+    # Row r of O^T is channel r % RV_PAD of group r // RV_PAD; column h is query
+    # head h of the program; keep the diagonal blocks (a head's own group).
+    rvv = tl.arange(0, GPP * RV_PAD)
+    cols = ocol + h[None, :] * rv + (rvv % RV_PAD)[:, None]  # [GPP * RV_PAD, HG_PAD]
+    om2 = ((rvv % RV_PAD)[:, None] < rv) & hmask[None, :] & \
+        ((rvv // RV_PAD)[:, None] == (h // HG)[None, :])
+    if SPLIT:
+        bs = b.to(tl.int64) * n_splits + s
+        tl.store(po_ptr + bs * out_width + cols, o, mask=om2)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + bs * num_heads + g * HG + h, lse, mask=hmask)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om2)
+
+
+# The two launch skeletons share _attend_chunk; the argument list is spelled once
+# here and forwarded by name through _dispatch.
+@triton.jit
+def _dispatch(
+    b, g, s, n_splits, num_groups,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
+    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
+    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
+    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
+    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
+):
+    if NUM_CLS == 1:
+        cls = 0
+    else:
+        cls = tl.load(gt_ptr + 7 * num_groups + g)
+    if cls == 0:
+        _attend_chunk(
+            b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
+            bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
+            s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+            po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+            MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+    if NUM_CLS > 1:
+        if cls == 1:
+            _attend_chunk(
+                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
+                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
+                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+    if NUM_CLS > 2:
+        if cls == 2:
+            _attend_chunk(
+                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
+                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
+                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+    if NUM_CLS > 3:
+        if cls == 3:
+            _attend_chunk(
+                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
+                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
+                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+
+
+@triton.jit
+def _decode_grid_kernel(
+    n_splits, num_groups,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
+    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
+    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
+    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
+    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
+):
+    """Plain grid: ``(num_splits, num_groups / GPP, B)``, one work item per program."""
+    s = tl.program_id(0)
+    g = tl.program_id(1) * GPP
+    b = tl.program_id(2)
+    _dispatch(
+        b, g, s, n_splits, num_groups,
+        q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+        w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
+        k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+        po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+        MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
+        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP,
+        NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+
+
+@triton.jit
+def _decode_persistent_kernel(
+    items_ptr, n_items, counter_ptr,
+    n_splits, num_groups,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
+    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
+    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
+    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
+    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
+):
+    """Persistent grid (one or a few programs per SM). ``items`` holds the work
+    list in longest-first order (item = ``(b * num_groups + g) * n_splits + s``);
+    a program takes the next item from a global counter when it finishes its
+    last, so the next-longest item always goes to the first idle worker:
+    longest-processing-time-first list scheduling, with the real finishing times."""
+    idx = tl.atomic_add(counter_ptr, 1)
+    while idx < n_items:
+        it = tl.load(items_ptr + idx)
+        s = it % n_splits
+        bg = it // n_splits
+        g = (bg % (num_groups // GPP)) * GPP
+        b = bg // (num_groups // GPP)
+        _dispatch(
+            b, g, s, n_splits, num_groups,
+            q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+            w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
+            k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+            po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+            MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP,
+            NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+        idx = tl.atomic_add(counter_ptr, 1)
+
+
+@triton.jit
+def _reduce_kernel(po_ptr, plse_ptr, out_ptr, head_of_col_ptr, n_splits, out_width,
+                   num_heads, S_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Merge the split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``."""
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < out_width
+    hd = tl.load(head_of_col_ptr + c, mask=cm, other=0)
+    sp = tl.arange(0, S_PAD)
+    sm = sp < n_splits
+    base = b.to(tl.int64) * n_splits + sp  # [S_PAD]
+    lse = tl.load(plse_ptr + base[:, None] * num_heads + hd[None, :],
+                  mask=sm[:, None] & cm[None, :], other=float("-inf"))
+    mx = tl.reduce(lse, 0, _max_combine)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx[None, :])
+    o = tl.load(po_ptr + base[:, None] * out_width + c[None, :],
+                mask=sm[:, None] & cm[None, :] & (w > 0.0), other=0.0)
+    num = tl.reduce(w * o, 0, _add_combine)
+    den = tl.reduce(w, 0, _add_combine)
+    tl.store(out_ptr + b.to(tl.int64) * out_width + c, num / tl.where(den > 0.0, den, 1.0),
+             mask=cm)
+
+
+# ----------------------------------------------------------------------------------
+# Host side: one-time preparation (cached), launch
+# ----------------------------------------------------------------------------------
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(1, x)))))
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Per (plan, layout, rope geometry, device) tables; built once."""
+
+    group_table: torch.Tensor  # int32 [8, num_groups]: k_off v_off rk rv kpar vpar ocol cls
+    maps: torch.Tensor  # int32 [7, CW] (see _attend_chunk)
+    head_of_col: torch.Tensor  # int32 [out_width]
+    classes: tuple[tuple[int, int], ...]  # (RK_PAD, RV_PAD) per class
+    group_class: tuple[int, ...]
+    c1: int
+    c3: int
+    cw: int
+    rk_max_pad: int
+    offsets: list  # host copy of the groups' K and V offsets (elements or bytes)
+
+
+_PREP_CACHE: OrderedDict = OrderedDict()
+_WEIGHT_CACHE: OrderedDict = OrderedDict()
+_ROPE_CHECK: OrderedDict = OrderedDict()
+_SM_COUNT: dict = {}
+_CACHE_SIZE = 256
+
+
+def _cache_put(cache: OrderedDict, key, value):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def _layout_key(layout):
+    if layout is None:
+        return None
+    return (layout.k_ranks, layout.v_ranks, layout.k_bits, layout.v_bits,
+            layout.k_groups, layout.v_groups, layout.slot_bytes)
+
+
+def _rank_classes(plan) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Group the head groups into at most four ``(pad(r_k), pad(r_v))`` classes."""
+    pads = [(_pow2(rk), _pow2(rv)) for rk, rv in zip(plan.k_ranks, plan.v_ranks)]
+    classes = sorted(set(pads))
+    while len(classes) > _MAX_CLASSES:
+        # Merge the two classes with the smallest key pads (raise to the larger).
+        (a, av), (b_, bv) = classes[0], classes[1]
+        merged = (max(a, b_), max(av, bv))
+        classes = sorted(set([merged] + classes[2:]))
+        pads = [p if p in classes else next(c for c in classes
+                                             if c[0] >= p[0] and c[1] >= p[1])
+                for p in pads]
+    return tuple(classes), tuple(classes.index(p) for p in pads)
+
+
+def _prepare(plan, layout, rotary_dim: int, neox: bool, device) -> _Prepared:
+    key = (plan, _layout_key(layout), rotary_dim, neox, str(device))
+    hit = _PREP_CACHE.get(key)
+    if hit is not None:
+        return hit
+    sh = plan.shape
+    d, gs, ng = sh.head_dim, plan.group_size, plan.num_groups
+    hg = plan.heads_per_group
+    half = rotary_dim // 2
+    rest = d - rotary_dim
+    c1 = _pow2(gs * half)
+    c3 = _pow2(gs * rest) if rest else 0
+    cw = max(c1, c3)
+    maps = torch.full((7, cw), -1, dtype=torch.int32)
+    for c in range(gs * half):
+        j, p = divmod(c, half)
+        maps[0, c] = p if neox else 2 * p
+        maps[1, c] = p + half if neox else 2 * p + 1
+        maps[3, c] = j
+        maps[4, c] = j
+        maps[6, c] = p
+    for c in range(gs * rest):
+        j, e = divmod(c, rest)
+        maps[2, c] = rotary_dim + e
+        maps[5, c] = j
+    classes, gcls = _rank_classes(plan)
+    rows = [[0] * ng for _ in range(8)]
+    if layout is None:
+        k_offs = plan.k_offsets()
+        v_offs = [plan.k_width + o for o in plan.v_offsets()]
+        kpar = vpar = [0] * ng
+    else:
+        from vllm_lowrank.quantization import packed_bytes
+
+        if tuple(layout.k_ranks) != tuple(plan.k_ranks) or \
+                tuple(layout.v_ranks) != tuple(plan.v_ranks):
+            raise ValueError("layout ranks do not match the plan's ranks")
+        k_offs, v_offs, kpar, vpar = [], [], [], []
+        kb, vb, kp, vp = 0, layout.v_codes_offset, 0, 0
+        for r_k, r_v, qk, qv in zip(plan.k_ranks, plan.v_ranks, layout.k_groups,
+                                    layout.v_groups):
+            k_offs.append(kb)
+            v_offs.append(vb)
+            kpar.append(kp)
+            vpar.append(vp)
+            kb += packed_bytes(r_k, layout.k_bits)
+            vb += packed_bytes(r_v, layout.v_bits)
+            kp += r_k // qk
+            vp += r_v // qv
+    v_out = plan.v_offsets()
+    for g in range(ng):
+        rows[0][g] = k_offs[g]
+        rows[1][g] = v_offs[g]
+        rows[2][g] = plan.k_ranks[g]
+        rows[3][g] = plan.v_ranks[g]
+        rows[4][g] = kpar[g]
+        rows[5][g] = vpar[g]
+        rows[6][g] = hg * v_out[g]
+        rows[7][g] = gcls[g]
+    head_of_col = torch.empty(plan.out_width, dtype=torch.int32)
+    for g in range(ng):
+        base = hg * v_out[g]
+        for h in range(hg):
+            head_of_col[base + h * plan.v_ranks[g]: base + (h + 1) * plan.v_ranks[g]] = \
+                g * hg + h
+    prep = _Prepared(
+        group_table=torch.tensor(rows, dtype=torch.int32).to(device),
+        maps=maps.to(device),
+        head_of_col=head_of_col.to(device),
+        classes=classes,
+        group_class=gcls,
+        c1=c1, c3=c3, cw=cw,
+        rk_max_pad=max(c[0] for c in classes),
+        offsets=list(k_offs) + list(v_offs),
+    )
+    _cache_put(_PREP_CACHE, key, prep)
+    return prep
+
+
+def pack_key_weights(plan, k_up: torch.Tensor, prep: _Prepared, dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """``B_k`` of every group, columns permuted into the three RoPE sections and
+    zero-padded: ``[num_groups, 3, rk_max_pad, CW]`` in ``dtype``."""
+    ng, gw, d = plan.num_groups, plan.group_width, plan.shape.head_dim
+    maps = prep.maps.cpu()
+    out = torch.zeros(ng, 3, prep.rk_max_pad, prep.cw, dtype=torch.float32,
+                      device=k_up.device)
+    for g, k_off in enumerate(plan.k_offsets()):
+        r = plan.k_ranks[g]
+        blk = k_up[k_off:k_off + r, g * gw:(g + 1) * gw].float()
+        for sec in range(3):
+            src, kvh = maps[sec], maps[3 + sec]
+            ok = (src >= 0).nonzero().flatten()
+            if ok.numel():
+                cols = (kvh[ok] * d + src[ok]).to(k_up.device)
+                out[g, sec, :r, ok.to(k_up.device)] = blk[:, cols]
+    return out.to(dtype).contiguous()
+
+
+def _cached_for(cache: OrderedDict, tensor: torch.Tensor, extra, build):
+    """Cache keyed by a tensor's identity: the entry holds a weak reference and is
+    used only while that very tensor is alive (an address reused by a new tensor
+    does not hit) and unmodified in place (``_version``)."""
+    key = (tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype,
+           str(tensor.device), extra)
+    hit = cache.get(key)
+    if hit is not None and hit[0]() is tensor:
+        return hit[1]
+    value = build()
+    _cache_put(cache, key, (weakref.ref(tensor), value))
+    return value
+
+
+def _key_weights(plan, k_up, prep, dtype, rotary_dim, neox):
+    return _cached_for(_WEIGHT_CACHE, k_up, (plan, rotary_dim, neox, dtype),
+                       lambda: pack_key_weights(plan, k_up, prep, dtype))
+
+
+def rope_is_rotation(rope, block_n: int = 128) -> bool:
+    """True when ``table[p0 + i] = table[p0] * table[i] / table[0]`` (as complex
+    numbers per pair), i.e. the table is ``m_j * exp(1j * t * theta_j)``: the
+    assumption of the fast RoPE path. The tolerance allows the float32 rounding of
+    the angles ``t * theta_j`` in the table (a few ulp of ``t * theta_max``), far
+    below any structural difference. Checked once per table (one device sync)."""
+    def check() -> bool:
+        cos, sin = rope.cos.double(), rope.sin.double()
+        n = cos.shape[0]
+        z = torch.complex(cos, sin)
+        if n < 2:
+            return True
+        i = torch.arange(min(block_n, n), device=cos.device)
+        step = max(1, (n - i.numel()) // 64)
+        p0 = torch.arange(0, n - i.numel() + 1, step, device=cos.device)
+        pred = z[p0][:, None] * z[i][None] / z[0]
+        actual = z[p0[:, None] + i[None]]
+        mag = z.abs().amax().clamp_min(1e-30)
+        err = (pred - actual).abs().amax(-1) / mag  # [P, I]
+        theta_max = torch.angle(z[1] / z[0]).abs().amax()
+        allowed = 1e-5 + 16 * 2.0 ** -24 * (p0[:, None] + i[None]).double() * theta_max
+        return bool((err <= allowed).all()) and bool((sin[0].abs() <= 1e-6 * mag).all())
+
+    return _cached_for(_ROPE_CHECK, rope.cos, (id(rope.sin), block_n), check)
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the decode kernel (``None``: the built-in heuristic)."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    transposed: bool | None = None  # S^T = K' q'^T (True) or S = q' K'^T (False)
+    programs_per_sm: int | None = None  # resident programs per SM (split model)
+    groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
+
+
+def _gpp_ok(plan, prep, gpp: int) -> bool:
+    return (len(prep.classes) == 1 and plan.num_groups % gpp == 0
+            and all(r == prep.classes[0][0] for r in plan.k_ranks)
+            and all(r == prep.classes[0][1] for r in plan.v_ranks))
+
+
+def _default_gpp(plan, prep, hg: int) -> int:
+    """Largest of 4, 2, 1 that keeps the score tile at 16 query heads or fewer."""
+    for gpp in (4, 2):
+        if gpp * hg <= 16 and _gpp_ok(plan, prep, gpp):
+            return gpp
+    return 1
+
+
+SPLIT_OVERHEAD_TILES = 4
+"""Per-program fixed cost (prologue: B_k, cos/sin, q; epilogue: partial store), in
+tiles; measured on an H200 (benchmarks/decode_attention_notes.md)."""
+
+
+def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: int,
+                      n_sm: int, programs_per_sm: int = 1, max_splits: int = 64) -> int:
+    """Context splits per (sequence, group) minimising a wave model of the launch:
+
+        time ~ ceil(B * groups * S / (n_sm * programs_per_sm)) * (ceil(tiles / S) + c0)
+
+    (``c0`` = :data:`SPLIT_OVERHEAD_TILES`): more splits fill the SMs and shorten
+    the last wave, each split adds a fixed cost. Ties go to fewer splits (no
+    reduce pass at S = 1)."""
+    work = batch * num_groups
+    tiles = triton.cdiv(max(1, max_seq_len), block_n)
+    slots = max(1, n_sm * programs_per_sm)
+    best, best_cost = 1, None
+    for s in range(1, min(max_splits, tiles) + 1):
+        cost = triton.cdiv(work * s, slots) * (triton.cdiv(tiles, s) + SPLIT_OVERHEAD_TILES)
+        cost += 0 if s == 1 else 1  # the reduce pass
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _default_config(plan, prep: _Prepared, mode: str, device, quant: bool) -> dict:
+    """Launch parameters per case, measured on an H200 with triton 3.6
+    (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
+    checked correct on that compiler are chosen: triton 3.6 miscompiles several
+    transposed bf16 variants (BLOCK_N=64 with 4 warps; 2 or 4 groups per
+    program; the rank-128 class at BLOCK_N >= 64); tests/test_gpu_kernels.py
+    guards the defaults at serving shapes."""
+    hg = plan.heads_per_group
+    if device.type != "cuda":  # interpreter: small tiles, every code path
+        return dict(block_n=16, num_warps=4, num_stages=1, transposed=True,
+                    programs_per_sm=1, groups_per_program=_default_gpp(plan, prep, hg))
+    stages = 2 if quant else 3
+    pair_ok = 2 * hg <= 16 and _gpp_ok(plan, prep, 2)
+    if pair_ok and prep.rk_max_pad <= 64 and max(c[1] for c in prep.classes) <= 64:
+        # Two head groups share one score tile (8 real query heads of 16).
+        if mode == "pre_rope":
+            return dict(block_n=64, num_warps=4, num_stages=stages, transposed=False,
+                        programs_per_sm=2, groups_per_program=2)
+        return dict(block_n=128, num_warps=4, num_stages=2, transposed=False,
+                    programs_per_sm=2, groups_per_program=2)
+    if len(prep.classes) == 1 and prep.rk_max_pad <= 64 and prep.c1 <= 64:
+        return dict(block_n=128, num_warps=8, num_stages=stages, transposed=True,
+                    programs_per_sm=2, groups_per_program=1)
+    # Uneven ranks (several rank classes in one launch), rank 128, wide groups.
+    block_n = 32
+    while block_n > 16 and (2 * prep.c1 + prep.c3) * block_n > 256 * 32:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=True,
+                programs_per_sm=2, groups_per_program=1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_table,
+                            seq_lens, max_seq_len, *, layout=None, num_splits=None,
+                            schedule=None, mode: str = "pre_rope",
+                            config: KernelConfig | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention (one new token per sequence) from a paged latent cache.
+
+    Same meaning and return value as
+    :func:`vllm_lowrank.attention.latent_attention.decode_attention`.
+
+    Args:
+        plan: :class:`~vllm_lowrank.factorization.plan.LayerPlan` of the layer.
+        k_up: ``[Rk, num_kv_heads * head_dim]`` float key up-projection,
+            block-diagonal over head groups (unused in ``post_rope`` mode).
+        rope: :class:`~vllm_lowrank.attention.rope.RopeTable` on the same device
+            (unused in ``post_rope`` mode).
+        scale: Softmax scale.
+        query: ``[B, H, head_dim]`` post-RoPE queries (``pre_rope``), or
+            ``[B, H, >= max(k_ranks)]`` latent-basis queries (``post_rope``);
+            bf16, fp16 or fp32.
+        kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]`` in the model dtype, or
+            ``uint8 [num_blocks, 1, block_size, layout.slot_bytes]`` when ``layout``
+            is given. The last dimension must be contiguous.
+        block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 (>= 1).
+        max_seq_len: ``max(seq_lens)`` as a host int (sizes the split).
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of a packed cache.
+        num_splits: Context splits per sequence and group (``None``: heuristic;
+            1: no reduce pass).
+        schedule: ``None`` for the plain grid; ``"lpt"`` or a
+            :class:`~vllm_lowrank.triton_kernels.schedule.DecodeSchedule` for the
+            longest-first persistent grid.
+        mode: ``"pre_rope"`` (rebuild keys, RoPE) or ``"post_rope"``.
+        config: Launch parameter overrides (benchmarks).
+        out: Optional ``[B, out_width]`` float32 output buffer.
+
+    Returns:
+        ``[B, plan.out_width]`` float32.
+    """
+    if mode not in ("pre_rope", "post_rope"):
+        raise ValueError(f"mode must be 'pre_rope' or 'post_rope', got {mode!r}")
+    cfg = config or KernelConfig()
+    device = query.device
+    bsz, num_heads, _ = query.shape
+    sh = plan.shape
+    if num_heads != sh.num_heads:
+        raise ValueError(f"query has {num_heads} heads, plan expects {sh.num_heads}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last dimension")
+    quant = layout is not None
+    if quant and kv_cache.dtype != torch.uint8:
+        raise ValueError("a quantized layout needs a uint8 cache")
+    if not quant and kv_cache.shape[-1] != plan.k_width + plan.v_width:
+        raise ValueError(f"kv_cache slot width {kv_cache.shape[-1]} != Rk + Rv = "
+                         f"{plan.k_width + plan.v_width}")
+    if quant and kv_cache.shape[-1] != layout.slot_bytes:
+        raise ValueError(f"kv_cache slot {kv_cache.shape[-1]} B != layout.slot_bytes "
+                         f"{layout.slot_bytes}")
+    if quant:
+        dt_torch = query.dtype
+    else:
+        dt_torch = kv_cache.dtype
+    if dt_torch not in _DT:
+        raise ValueError(f"unsupported compute dtype {dt_torch}")
+    if _interpreting():
+        # Triton's CPU interpreter multiplies bf16/fp16 dot operands wrongly
+        # (triton 3.9: raw bits); compute in float32 there. Loads, conversions
+        # and the kernel structure are the same.
+        dt_torch = torch.float32
+
+    rotary_dim = rope.rotary_dim if mode == "pre_rope" else sh.head_dim
+    neox = rope.neox if mode == "pre_rope" else True
+    prep = _prepare(plan, layout, rotary_dim, neox, device)
+    if mode == "pre_rope":
+        weights = _key_weights(plan, k_up, prep, dt_torch, rotary_dim, neox)
+        cos, sin = rope.cos, rope.sin
+        if cos.device != device:
+            raise ValueError("rope tables must be on the query's device")
+        rope_direct = not rope_is_rotation(rope)
+        s_rope, max_pos = cos.stride(0), cos.shape[0]
+    else:
+        weights = torch.zeros(1, device=device, dtype=dt_torch)
+        cos = sin = torch.zeros(1, device=device, dtype=torch.float32)
+        rope_direct, s_rope, max_pos = False, 0, 0
+        if query.shape[-1] < max(plan.k_ranks):
+            raise ValueError("post_rope queries need >= max(k_ranks) columns")
+
+    dflt = _default_config(plan, prep, mode, device, quant)
+    block_n = cfg.block_n or dflt["block_n"]
+    num_warps = cfg.num_warps or dflt["num_warps"]
+    num_stages = cfg.num_stages or dflt["num_stages"]
+    trans = cfg.transposed if cfg.transposed is not None else dflt["transposed"]
+    pps = cfg.programs_per_sm or dflt["programs_per_sm"]
+    n_sm = _sm_count(device)
+    ng = plan.num_groups
+    hg = plan.heads_per_group
+    if cfg.groups_per_program is not None:
+        gpp = cfg.groups_per_program
+    else:  # the LPT work list has one head group per item
+        gpp = 1 if schedule is not None else dflt["groups_per_program"]
+    if gpp not in (1, 2, 4) or (gpp > 1 and not _gpp_ok(plan, prep, gpp)):
+        raise ValueError(f"groups_per_program={gpp} needs equal power-of-two ranks in "
+                         f"every group and num_groups % {gpp} == 0")
+    if schedule is not None and gpp != 1:
+        raise ValueError("the LPT schedule runs one head group per item "
+                         "(groups_per_program=1)")
+    if num_splits is None:
+        if schedule is not None and not isinstance(schedule, str):
+            num_splits = schedule.num_splits
+        else:
+            num_splits = choose_num_splits(bsz, ng // gpp, max_seq_len, block_n, n_sm, pps)
+    num_splits = int(num_splits)
+    split = num_splits > 1
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    if out is None:
+        out = torch.empty(bsz, plan.out_width, device=device, dtype=torch.float32)
+    if split:
+        po = torch.empty(bsz, num_splits, plan.out_width, device=device,
+                         dtype=torch.float32)
+        plse = torch.empty(bsz, num_splits, num_heads, device=device, dtype=torch.float32)
+    else:
+        po = plse = out
+
+    classes = list(prep.classes) + [(16, 16)] * (_MAX_CLASSES - len(prep.classes))
+    if quant:
+        k_qg = 0 if all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
+            else layout.k_groups[0]
+        v_qg = 0 if all(q == r for q, r in zip(layout.v_groups, layout.v_ranks)) \
+            else layout.v_groups[0]
+        if k_qg and len(set(layout.k_groups)) > 1 or v_qg and len(set(layout.v_groups)) > 1:
+            raise ValueError("mixed per-group quantization group sizes are not supported")
+        aligned = layout.slot_bytes % 2 == 0 and layout.k_scale_offset % 2 == 0 \
+            and kv_cache.stride(0) % 2 == 0 and kv_cache.stride(2) % 2 == 0
+        q_offs = (layout.k_scale_offset, layout.k_zero_offset, layout.v_scale_offset,
+                  layout.v_zero_offset)
+        k_bits, v_bits = layout.k_bits, layout.v_bits
+        if gpp > 1 and v_qg == 0:
+            v_qg = classes[0][1]  # one scale/zero pair per group inside the GPP segment
+    else:
+        k_qg = v_qg = 0
+        aligned = True
+        q_offs = (0, 0, 0, 0)
+        k_bits = v_bits = 16
+    # Largest power of two (<= 16 bytes' worth) dividing every group offset: an
+    # alignment hint for vector loads (ranks are multiples of 8).
+    elem = 1 if quant else kv_cache.element_size()
+    offs = prep.offsets
+    off_mult = 16 // elem
+    while off_mult > 1 and any(o % off_mult for o in offs):
+        off_mult //= 2
+    if any(r % 8 for r in plan.k_ranks + plan.v_ranks):
+        off_mult = 1  # the hint also asserts ranks are multiples of 8
+    common = dict(
+        MODE=0 if mode == "pre_rope" else 1, ROPE_DIRECT=rope_direct,
+        TRANS=trans,
+        HG=hg, HG_PAD=_pow2(gpp * hg), QPK=sh.queries_per_kv, GPP=gpp,
+        C1=prep.c1, C3=prep.c3, CW=prep.cw,
+        BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=_DT[dt_torch],
+        QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
+        ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, NUM_CLS=len(prep.classes),
+        RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
+        RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    args = (
+        num_splits, ng,
+        query, query.stride(0), query.stride(1),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(2),
+        block_table, block_table.stride(0), seq_lens,
+        weights, weights.stride(0) if weights.dim() == 4 else 0,
+        weights.stride(1) if weights.dim() == 4 else 0,
+        prep.maps, cos, sin, s_rope, max_pos, prep.group_table,
+        *q_offs,
+        po, plse, out, plan.out_width, num_heads, float(scale) * LOG2E,
+    )
+    if schedule is None:
+        _decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
+    else:
+        from vllm_lowrank.triton_kernels.schedule import DecodeSchedule, build_lpt_schedule
+
+        if not isinstance(schedule, DecodeSchedule):
+            if schedule != "lpt":
+                raise ValueError(f"unknown schedule {schedule!r}")
+            schedule = build_lpt_schedule(plan, seq_lens, num_splits, block_n,
+                                          num_workers=None, device=device)
+        if schedule.num_splits != num_splits:
+            raise ValueError("schedule was built for a different num_splits")
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        _decode_persistent_kernel[(schedule.num_workers,)](
+            schedule.items, schedule.items.numel(), counter, *args, **common)
+    if split:
+        block_c = 128
+        _reduce_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
+            po, plse, out, prep.head_of_col, num_splits, plan.out_width, num_heads,
+            S_PAD=_pow2(num_splits, 2), BLOCK_C=block_c, num_warps=4)
+    return out
