@@ -1,4 +1,7 @@
 # Two entry points (see README): `make demo` and `make test`.
+# Tests run with `python -P` so the repository root is not on sys.path: the
+# folder `triton_kernels/` must never shadow the `triton_kernels` package vLLM
+# imports (ours installs as `vllm_lowrank.triton_kernels`).
 .PHONY: setup demo test test-fast lint-deploy
 
 setup:
@@ -8,11 +11,11 @@ demo: setup
 	.venv/bin/python scripts/demo.py
 
 test: setup
-	.venv/bin/python -m pytest -q -ra tests
+	.venv/bin/python -P -m pytest -q -ra tests
 
 # Unit tests only (no vLLM engine).
 test-fast: setup
-	.venv/bin/python -m pytest -q -ra -m "not slow" tests
+	.venv/bin/python -P -m pytest -q -ra -m "not slow" tests
 
 lint-deploy:
 	bash scripts/validate_deploy.sh

@@ -32,7 +32,14 @@ def resolve_model(arg: str) -> str:
 def _prepare(args) -> None:
     from vllm_lowrank import embedded
 
-    print(embedded.prepare(args.name, args.cache_dir))
+    path = embedded.prepare(args.name, args.cache_dir)
+    if args.calibrate:
+        from vllm_lowrank.models.compression import load_or_calibrate
+
+        cfg = LowRankConfig(mode="lowrank")
+        _, artifact_path = load_or_calibrate(path, cfg)
+        print(f"default calibration artifact: {artifact_path}", file=sys.stderr)
+    print(path)
 
 
 def _calibrate(args) -> None:
@@ -99,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prepare-model", help="convert an embedded model once, print its folder")
     s.add_argument("name", nargs="?", default="smollm2-135m")
     s.add_argument("--cache-dir", default=None)
+    s.add_argument("--calibrate", action="store_true",
+                   help="also make the default artifact used by artifact=\"auto\"")
     s.set_defaults(func=_prepare)
 
     s = sub.add_parser("calibrate", help="calibrate bases and write an artifact")

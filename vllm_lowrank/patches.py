@@ -26,7 +26,9 @@ from typing import Any
 
 from vllm_lowrank.config import (
     ADDITIONAL_CONFIG_KEY,
+    METHODS,
     MODES,
+    RANK_ALLOCATIONS,
     LowRankConfig,
     LowRankConfigError,
     config_from_additional,
@@ -44,15 +46,17 @@ GROUP_DESCRIPTION = (
     "The KV cache stores a rank-r latent per token instead of full keys and "
     "values; see the vllm-lowrank README for every setting."
 )
+_D = LowRankConfig()
 CONFIG_HELP = (
     "Settings of the latent cache, inline JSON or a path to a JSON file. Keys: "
-    "ratio (fraction of the K+V width kept, 0 < ratio <= 1, default 0.5); "
+    f"ratio (fraction of the K+V width kept, 0 < ratio <= 1, default {_D.ratio}); "
     "group_size (KV heads decomposed together: 1 = per head, null = all KV heads "
     "of a layer, default null); ranks (per-layer override {\"layer\": [r_k, r_v]}); "
-    "method (svd | whitened | kq, default kq); rank_allocation (uniform | energy, "
-    "default energy); artifact (calibration artifact directory, \"auto\" = cached "
-    "or calibrated on first start, \"none\" = weight SVD without calibration); "
-    "calibration_tokens (default 16384)."
+    f"method ({' | '.join(METHODS)}, default {_D.method}); rank_allocation "
+    f"({' | '.join(RANK_ALLOCATIONS)}, default {_D.rank_allocation}); artifact "
+    "(calibration artifact directory, \"auto\" = cached or calibrated on first "
+    "start, \"none\" = weight SVD without calibration, default auto); "
+    f"calibration_tokens (default {_D.calibration_tokens})."
 )
 
 

@@ -47,6 +47,65 @@ class RopeTable:
         """Angle per position of each pair at position 1 (radians), ``[rot/2]``."""
         return torch.atan2(self.sin[1], self.cos[1])
 
+    def rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        """``P x`` per head (last dim = head_dim): neox ``[-x2, x1]``, gptj
+        ``(-x_{2i+1}, x_{2i})`` on the rotary dims, zero on the others."""
+        rot = self.rotary_dim
+        if rot == x.shape[-1]:  # full rotary: one pass, no zero fill
+            if self.neox:
+                x1, x2 = x.chunk(2, dim=-1)
+                return torch.cat((x2.neg(), x1), dim=-1)
+            return torch.stack((x[..., 1::2].neg(), x[..., 0::2]), dim=-1).flatten(-2)
+        out = torch.zeros_like(x)
+        if self.neox:
+            half = rot // 2
+            out[..., :half] = -x[..., half:rot]
+            out[..., half:rot] = x[..., :half]
+        else:
+            out[..., 0:rot:2] = -x[..., 1:rot:2]
+            out[..., 1:rot:2] = x[..., 0:rot:2]
+        return out
+
+    def full_tables(self, head_dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(c, s)`` ``[P, head_dim]`` float32 with ``R_t x = x*c + (P x)*s``:
+        the pair's cos/sin on both dims of each rotary pair, 1/0 elsewhere."""
+        cos = self.cos.index_select(0, positions)
+        sin = self.sin.index_select(0, positions)
+        if self.neox:
+            c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        else:
+            c, s = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        extra = head_dim - self.rotary_dim
+        if extra:
+            c = torch.cat([c, c.new_ones(c.shape[0], extra)], -1)
+            s = torch.cat([s, s.new_zeros(s.shape[0], extra)], -1)
+        return c, s
+
+    def rebuild_rotated(self, latent: torch.Tensor, up: torch.Tensor, positions: torch.Tensor,
+                        head_dim: int) -> torch.Tensor:
+        """``R_t (latent_t @ up)`` per head: one GEMM, then RoPE as
+        ``k*c + rotate_half(k)*s`` in place (fewer passes than a
+        split/multiply/cat chain; a second GEMM for the rotate-half was slower
+        on CPU, where this GEMM is compute-bound).
+
+        Args:
+            latent: ``[B, L, r]`` float32 latents at ``positions``.
+            up: ``[r, G * head_dim]`` float32 up-projection.
+            positions: ``[L]`` int64.
+            head_dim: Width of one head.
+
+        Returns:
+            ``[B, L, G, head_dim]`` float32 rotated keys.
+        """
+        g = up.shape[1] // head_dim
+        b, length = latent.shape[0], latent.shape[1]
+        keys = (latent @ up).view(b, length, g, head_dim)
+        keys_rh = self.rotate_half(keys)
+        c, s = self.full_tables(head_dim, positions)
+        keys.mul_(c[:, None, :])
+        keys.addcmul_(keys_rh, s[:, None, :])
+        return keys
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate the leading ``rotary_dim`` dims of ``x`` (float32).
 

@@ -115,7 +115,8 @@ def folded_o_proj(plan: LayerPlan, w_o: torch.Tensor, v_up: torch.Tensor) -> tor
     """
     d = plan.shape.head_dim
     qpk = plan.shape.queries_per_kv
-    w = w_o.float()
+    w = w_o.double()
+    v_up = v_up.double()
     cols = []
     v_off = plan.v_offsets()
     for i in range(plan.shape.num_heads):

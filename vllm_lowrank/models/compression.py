@@ -117,8 +117,13 @@ def _auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
     return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
 
 
-def _load_or_calibrate(vllm_config, cfg: LowRankConfig) -> tuple[art.Artifact, str]:
-    model_path = vllm_config.model_config.model
+def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact, str]:
+    """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
+    the cache, or calibrated on the default text and cached.
+
+    Returns:
+        ``(artifact, path)``.
+    """
     path = _auto_artifact_path(model_path, cfg)
     if os.path.isdir(path):
         try:
@@ -148,7 +153,7 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     shapes = model_shapes(hf_config, tp)
     artifact, path = None, None
     if cfg.artifact == "auto" and cfg.needs_calibration:
-        artifact, path = _load_or_calibrate(vllm_config, cfg)
+        artifact, path = load_or_calibrate(vllm_config.model_config.model, cfg)
     elif cfg.artifact not in ("auto", "none"):
         path = cfg.artifact
         artifact = art.load_artifact(path)

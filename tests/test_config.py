@@ -1,0 +1,83 @@
+"""Config parsing and validation, and the CLI merge into additional_config."""
+
+import json
+
+import pytest
+
+from vllm_lowrank.config import (
+    LowRankConfig,
+    LowRankConfigError,
+    config_from_additional,
+    parse_config_text,
+)
+from vllm_lowrank.patches import merge_cli_settings
+
+
+def test_defaults_are_off_and_valid():
+    cfg = config_from_additional({})
+    assert not cfg.enabled
+    cfg.validate()
+
+
+@pytest.mark.parametrize("ratio", [0.0, -0.5, 1.0001, 2])
+def test_ratio_out_of_range_is_refused(ratio):
+    with pytest.raises(LowRankConfigError, match="ratio"):
+        LowRankConfig.from_dict({"mode": "lowrank", "ratio": ratio})
+
+
+def test_ratio_bounds_accepted():
+    assert LowRankConfig.from_dict({"mode": "lowrank", "ratio": 1.0}).ratio == 1.0
+    assert LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.01}).ratio == 0.01
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    ({"ratio": "half"}, "ratio must be a number"),
+    ({"group_size": 0}, "group_size"),
+    ({"method": "magic"}, "method"),
+    ({"rank_allocation": "fisher", "method": "svd"}, "rank_allocation"),
+    ({"colour": 1}, "unknown --kv-compression-config key"),
+    ({"ranks": {"x": [8, 8]}}, "not a layer index"),
+    ({"ranks": {"0": [8]}}, "pair of integers"),
+])
+def test_bad_values_name_the_problem(raw, fragment):
+    with pytest.raises(LowRankConfigError, match=fragment):
+        LowRankConfig.from_dict({"mode": "lowrank", **raw})
+
+
+def test_parse_inline_and_file(tmp_path):
+    assert parse_config_text('{"ratio": 0.25}') == {"ratio": 0.25}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"ratio": 0.75, "group_size": 1}))
+    assert parse_config_text(str(f)) == {"ratio": 0.75, "group_size": 1}
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ('{"ratio": 0.5', "malformed JSON"),
+    ("[1, 2]", "neither inline JSON"),
+    ("/no/such/file.json", "neither inline JSON"),
+])
+def test_malformed_config_text(text, fragment):
+    with pytest.raises(LowRankConfigError, match=fragment):
+        parse_config_text(text)
+
+
+def test_cli_flags_merge_after_additional_config():
+    # --additional-config given with other keys and its own kv_compression entry:
+    # the dedicated flags win, other keys survive.
+    merged = merge_cli_settings(
+        {"other": 1, "kv_compression": {"ratio": 0.9, "group_size": 1}},
+        "lowrank", {"ratio": 0.25})
+    assert merged["other"] == 1
+    assert merged["kv_compression"] == {"ratio": 0.25, "group_size": 1, "mode": "lowrank"}
+    assert config_from_additional(merged).ratio == 0.25
+
+
+def test_config_without_mode_is_refused():
+    with pytest.raises(LowRankConfigError, match="--kv-compression lowrank"):
+        merge_cli_settings({}, None, {"ratio": 0.5})
+
+
+def test_string_shorthand_in_additional_config():
+    assert config_from_additional({"kv_compression": "lowrank"}).enabled
+    with pytest.raises(LowRankConfigError):
+        config_from_additional({"kv_compression": "zip"})

@@ -1,0 +1,144 @@
+"""The latent cache inside real vLLM engines (offline ``LLM``), real model.
+
+- ratio 1.0 is exact: greedy tokens equal the uncompressed engine's, for short
+  prompts, a long prompt served by chunked prefill, and its prefix-cache hit;
+- capacity: vLLM allocates only the latent bytes (2x at ratio 0.5, 4x at 0.25);
+- preemption: a compressed engine forced to preempt and recompute gives the
+  tokens it gives without preemption.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from conftest import make_llm
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+]
+CHUNK = 128  # max_num_batched_tokens: long prompts are prefilled in chunks
+
+
+def _long_prompt(tokenizer) -> list[int]:
+    from vllm_lowrank.evaluation import eval_windows
+
+    return eval_windows(tokenizer, "wikipedia", 1, 600)[0]
+
+
+def _greedy(llm, prompts, max_tokens=24):
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _capacity(llm) -> int:
+    cc = llm.llm_engine.vllm_config.cache_config
+    return cc.num_gpu_blocks * cc.block_size
+
+
+def _run(model_path, compression, **kwargs):
+    """Greedy tokens for short prompts, the long prompt twice (the second time a
+    prefix-cache hit), and the long prompt with a different tail; capacity."""
+    from vllm.inputs import TokensPrompt
+
+    llm = make_llm(model_path, compression, enable_prefix_caching=True,
+                   enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,
+                   disable_log_stats=False, **kwargs)
+    long_ids = _long_prompt(llm.get_tokenizer())
+    result = {"capacity": _capacity(llm), "short": _greedy(llm, PROMPTS)}
+    result["long"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
+    result["long_hit"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
+    result["long_branch"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids[:450] + long_ids[:40])])
+    hits = [m for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"]
+    result["prefix_hits"] = hits[0].value if hits else 0
+    del llm
+    gc.collect()
+    return result
+
+
+@pytest.fixture(scope="module")
+def stock(model_path):
+    return _run(model_path, None)
+
+
+@pytest.fixture(scope="module")
+def full_rank(model_path):
+    return _run(model_path, {"mode": "lowrank", "ratio": 1.0})
+
+
+def test_full_rank_greedy_equals_uncompressed(stock, full_rank):
+    assert full_rank["short"] == stock["short"]
+    assert full_rank["long"] == stock["long"]
+
+
+def test_full_rank_chunked_prefill_and_prefix_hit(stock, full_rank):
+    assert full_rank["prefix_hits"] > 0  # the repeated long prompt hit the cache
+    assert full_rank["long_hit"] == full_rank["long"] == stock["long_hit"]
+    assert full_rank["long_branch"] == stock["long_branch"]
+
+
+def test_full_rank_capacity_equals_uncompressed(stock, full_rank):
+    assert full_rank["capacity"] == stock["capacity"]
+
+
+@pytest.fixture(scope="module")
+def half(model_path):
+    return _run(model_path, {"mode": "lowrank", "ratio": 0.5})
+
+
+def test_half_ratio_doubles_capacity(stock, half):
+    assert half["capacity"] / stock["capacity"] == pytest.approx(2.0, rel=0.03)
+
+
+def test_default_setting_answers_correctly(half, model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    assert "Paris" in tok.decode(half["short"][0])
+
+
+def test_half_ratio_prefix_hit_reproduces_tokens(half):
+    assert half["prefix_hits"] > 0
+    assert half["long_hit"] == half["long"]
+
+
+def test_quarter_ratio_quadruples_capacity(model_path, stock):
+    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 0.25})
+    capacity = _capacity(llm)
+    del llm
+    gc.collect()
+    assert capacity / stock["capacity"] == pytest.approx(4.0, rel=0.03)
+
+
+def test_preempted_requests_resume_with_the_same_tokens(model_path):
+    """24 blocks of 32 tokens (768) cannot hold eight 200-token requests
+    generating 48 tokens each (1984): the scheduler preempts and later
+    recomputes them. Greedy tokens must match a run with room for all."""
+    from vllm_lowrank.evaluation import eval_windows
+
+    cfg = {"mode": "lowrank", "ratio": 0.5}
+    roomy = make_llm(model_path, cfg, block_size=32, max_model_len=512)
+    prompts_ids = eval_windows(roomy.get_tokenizer(), "bbc", 8, 200)
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts_ids]
+    expected = _greedy(roomy, prompts, max_tokens=48)
+    del roomy
+    gc.collect()
+    tight = make_llm(model_path, cfg, block_size=32, num_gpu_blocks_override=24, max_model_len=512,
+                     disable_log_stats=False)
+    got = _greedy(tight, prompts, max_tokens=48)
+    preemptions = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
+    del tight
+    gc.collect()
+    assert preemptions > 0
+    assert got == expected

@@ -1,0 +1,154 @@
+"""The CPU latent attention path against a naive float64 loop: paged cache with
+non-contiguous blocks, uneven ranks per head group, ragged lengths, chunked
+prefill over cached context, decode batches, poisoned unused slots."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_lowrank.attention import latent_attention as ops
+from vllm_lowrank.attention.rope import RopeTable
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
+
+BLOCK = 4
+
+
+def make_rope(dim, rotary_dim, neox, theta=10000.0, max_pos=256):
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None]
+    return RopeTable(ang.cos().float(), ang.sin().float(), rotary_dim, neox)
+
+
+def rotate64(x, pos, rope):
+    """Explicit float64 RoPE of one head vector."""
+    x = x.double().clone()
+    rot = rope.rotary_dim
+    half = rot // 2
+    ang = pos * torch.atan2(rope.sin[1].double(), rope.cos[1].double())
+    out = x.clone()
+    for i in range(half):
+        a, b = (i, i + half) if rope.neox else (2 * i, 2 * i + 1)
+        c, s = math.cos(ang[i]), math.sin(ang[i])
+        out[a] = x[a] * c - x[b] * s
+        out[b] = x[b] * c + x[a] * s
+    return out
+
+
+def reference(plan, k_up, rope, scale, q, latents, q_pos):
+    """o[token, head] by explicit loops in float64. latents: [L, Rk+Rv]."""
+    s = plan.shape
+    d = s.head_dim
+    rk = plan.k_width
+    out = []
+    for qi, p in enumerate(q_pos):
+        row = []
+        for i in range(s.num_heads):
+            j = i // s.queries_per_kv
+            g = j // plan.group_size
+            jl = j - g * plan.group_size
+            ko, vo = plan.k_offsets()[g], plan.v_offsets()[g]
+            rkg, rvg = plan.k_ranks[g], plan.v_ranks[g]
+            bk = k_up[ko:ko + rkg, g * plan.group_width + jl * d: g * plan.group_width + (jl + 1) * d]
+            scores = []
+            for t in range(p + 1):
+                k = rotate64(latents[t, ko:ko + rkg].double() @ bk.double(), t, rope)
+                scores.append(float(q[qi, i].double() @ k) * scale)
+            w = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+            vals = latents[: p + 1, rk + vo: rk + vo + rvg].double()
+            row.append(w @ vals)
+        out.append(torch.cat(row))
+    return torch.stack(out)
+
+
+def setup_case(neox=True, rotary_dim=16, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    shape = AttentionShape(hidden_size=32, num_heads=8, num_kv_heads=4, head_dim=16)
+    plan = LayerPlan(shape, 2, k_ranks=(8, 16), v_ranks=(16, 8))
+    k_up = torch.zeros(plan.k_width, shape.kv_width)
+    k_up[:8, :32] = torch.randn(8, 32)
+    k_up[8:, 32:] = torch.randn(16, 32)
+    rope = make_rope(16, rotary_dim, neox)
+    num_blocks = 24
+    cache = torch.full((num_blocks, 1, BLOCK, plan.k_width + plan.v_width), float("nan"),
+                       dtype=dtype)
+    return plan, k_up, rope, cache
+
+
+def fill(cache, block_table_row, latents):
+    n = latents.shape[0]
+    pos = torch.arange(n)
+    slots = block_table_row[pos // BLOCK].long() * BLOCK + pos % BLOCK
+    rk = latents.shape[1]
+    ops.write_latents(cache, latents[:, :24], latents[:, 24:], slots)
+
+
+@pytest.mark.parametrize("neox,rotary_dim", [(True, 16), (False, 16), (True, 8)])
+def test_decode_batch_matches_reference(neox, rotary_dim):
+    plan, k_up, rope, cache = setup_case(neox, rotary_dim)
+    lens = [5, 13, 9]
+    perm = torch.randperm(24)
+    tables = torch.zeros(3, 6, dtype=torch.int32)
+    lat = {}
+    used = 0
+    for b, n in enumerate(lens):
+        nb = (n + BLOCK - 1) // BLOCK
+        tables[b, :nb] = perm[used:used + nb].to(torch.int32)  # non-contiguous blocks
+        used += nb
+        lat[b] = torch.randn(n, plan.k_width + plan.v_width)
+        fill(cache, tables[b], lat[b])
+    q = torch.randn(3, 8, 16)
+    out = ops.decode_attention(plan, k_up, rope, 0.25, q, cache, tables,
+                               torch.tensor(lens, dtype=torch.int32), max(lens))
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens):
+        ref = reference(plan, k_up, rope, 0.25, q[b:b + 1], lat[b], [n - 1])
+        assert torch.allclose(out[b:b + 1].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_prefill_over_cached_context():
+    plan, k_up, rope, cache = setup_case()
+    n, ctx = 14, 6  # 6 tokens cached by an earlier chunk (or a prefix-cache hit)
+    table = torch.tensor([7, 2, 19, 11], dtype=torch.int32)
+    lat = torch.randn(n, plan.k_width + plan.v_width)
+    fill(cache, table, lat)
+    q = torch.randn(n - ctx, 8, 16)
+    old = ops.PREFILL_QUERY_CHUNK
+    ops.PREFILL_QUERY_CHUNK = 3  # exercise query chunking
+    try:
+        out = ops.prefill_attention(plan, k_up, rope, 0.3, q, cache, table, n)
+    finally:
+        ops.PREFILL_QUERY_CHUNK = old
+    ref = reference(plan, k_up, rope, 0.3, q, lat, list(range(ctx, n)))
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_write_latents_skips_padding_and_casts():
+    plan, _, _, _ = setup_case()
+    cache = torch.zeros(4, 1, BLOCK, 40, dtype=torch.bfloat16)
+    k = torch.randn(3, 24)
+    v = torch.randn(3, 16)
+    ops.write_latents(cache, k, v, torch.tensor([5, -1, 14]))
+    assert torch.equal(cache[1, 0, 1], torch.cat([k[0], v[0]]).to(torch.bfloat16))
+    assert torch.equal(cache[3, 0, 2], torch.cat([k[2], v[2]]).to(torch.bfloat16))
+    assert int((cache != 0).any(-1).sum()) == 2  # the -1 slot wrote nothing
+
+
+def test_rope_table_matches_vllm_rotary():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        _check_rope_against_vllm(get_rope)
+
+
+def _check_rope_against_vllm(get_rope):
+    for neox in (True, False):
+        rotary = get_rope(64, max_position=128, rope_parameters={"rope_theta": 1e5, "rope_type": "default"},
+                          is_neox_style=neox, dtype=torch.float32)
+        table = RopeTable.from_rotary_module(rotary)
+        pos = torch.randint(0, 128, (7,))
+        k = torch.randn(7, 3, 64)
+        ref, _ = rotary.forward_native(pos, k.reshape(7, -1).clone(), None)
+        ours = table.apply(k.view(7, 3, 64), pos)
+        assert torch.allclose(ours.reshape(7, -1), ref, atol=1e-5)

@@ -1,0 +1,182 @@
+"""`vllm serve ... --kv-compression lowrank` end to end (OpenAI server on
+127.0.0.1), and the CLI's refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, *args, log_dir):
+        self.port = _free_port()
+        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
+        self.log = open(self.log_path, "w")
+        cmd = [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
+               "--enforce-eager", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            assert self.proc.poll() is None, self.text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise TimeoutError(self.text()[-3000:])
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def text(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def client(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.url + "/v1", api_key="x")
+
+    def greedy(self, prompts=PROMPTS, max_tokens=24):
+        out = []
+        for p in prompts:
+            r = self.client().completions.create(model="m", prompt=p, temperature=0,
+                                                 max_tokens=max_tokens, logprobs=1)
+            out.append(r.choices[0].logprobs.tokens)
+        return out
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("servers"))
+
+
+@pytest.fixture(scope="module")
+def stock_server(model_path, log_dir):
+    s = Server(model_path, log_dir=log_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def full_rank_server(model_path, log_dir):
+    # --additional-config after the flags must not overwrite them.
+    s = Server(model_path, "--kv-compression", "lowrank",
+               "--kv-compression-config", '{"ratio": 1.0}',
+               "--additional-config", json.dumps({"other_plugin": 1,
+                                                  "kv_compression": {"ratio": 0.25}}),
+               log_dir=log_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def default_server(model_path, log_dir):
+    s = Server(model_path, "--kv-compression", "lowrank", log_dir=log_dir)
+    yield s
+    s.stop()
+
+
+def _capacity(server) -> int:
+    import re
+
+    m = re.search(r"KV cache size: ([\d,]+) tokens", server.text())
+    return int(m.group(1).replace(",", ""))
+
+
+def test_full_rank_server_matches_uncompressed(stock_server, full_rank_server):
+    assert full_rank_server.greedy() == stock_server.greedy()
+    assert "'ratio': 1.0" in full_rank_server.text()
+    assert _capacity(full_rank_server) == _capacity(stock_server)
+
+
+def test_default_server_answers_chat_and_completion(default_server, stock_server):
+    client = default_server.client()
+    chat = client.chat.completions.create(
+        model="m", temperature=0, max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in chat.choices[0].message.content
+    comp = client.completions.create(model="m", prompt="The capital of France is",
+                                     temperature=0, max_tokens=8)
+    assert "Paris" in comp.choices[0].text
+    assert _capacity(default_server) / _capacity(stock_server) == pytest.approx(2.0, rel=0.03)
+
+
+def _serve_fails(*args, timeout=300):
+    proc = subprocess.run([VLLM, "serve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if "vllm-lowrank: error:" in l]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_unknown_mode_is_one_line_error(model_path):
+    line = _serve_fails(model_path, "--kv-compression", "zip")
+    assert "'zip'" in line and "none, lowrank" in line
+
+
+def test_ratio_out_of_range_is_one_line_error(model_path):
+    line = _serve_fails(model_path, "--kv-compression", "lowrank",
+                        "--kv-compression-config", '{"ratio": 1.5}')
+    assert "ratio=1.5" in line and "0 < ratio <= 1" in line
+
+
+def test_malformed_json_is_one_line_error(model_path):
+    line = _serve_fails(model_path, "--kv-compression", "lowrank",
+                        "--kv-compression-config", '{"ratio": 0.5')
+    assert "malformed JSON" in line
+
+
+def test_config_without_lowrank_is_one_line_error(model_path):
+    line = _serve_fails(model_path, "--kv-compression-config", '{"ratio": 0.5}')
+    assert "--kv-compression lowrank" in line
+
+
+def test_unsupported_architecture_lists_supported(model_path, tmp_path):
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=49152).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(model_path, name), folder)
+    line = _serve_fails(str(folder), "--kv-compression", "lowrank")
+    assert "does not support architecture GPT2" in line and "supported: LlamaForCausalLM" in line
+
+
+def test_help_shows_the_options():
+    out = subprocess.run([VLLM, "serve", "--help=KVCompression"], capture_output=True,
+                         text=True, timeout=300).stdout
+    assert "--kv-compression {none,lowrank}" in out
+    assert "--kv-compression-config" in out and "ratio" in out and "group_size" in out
