@@ -6,9 +6,10 @@ vLLM's four-part split: :class:`LatentAttentionBackend` (static descriptor),
 ``CommonAttentionMetadata``) and :class:`LatentAttentionImpl` (cache write and
 attention). The math is in :mod:`vllm_lowrank.attention.latent_attention`.
 
-Dispatch: CPU tensors run the vectorized torch path; CUDA tensors run the GPU
-kernels (:mod:`vllm_lowrank.triton_kernels`), decode through the fused Triton
-kernel and prefill through the same torch path (rebuild + SDPA, issue #4 item 4).
+Dispatch: CPU tensors run the vectorized torch path; on CUDA, decode runs the
+fused Triton kernel (:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`,
+same signature and result as the torch path) and prefill runs the torch path
+(rebuild + attention, which runs on CUDA tensors as is).
 """
 
 from __future__ import annotations
@@ -140,6 +141,13 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
         )
 
 
+def _gpu_decode():
+    """The fused Triton decode kernel (imported on first CUDA use only)."""
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    return latent_decode_attention
+
+
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
     """Writes latents by slot mapping; attends through the block table.
 
@@ -198,7 +206,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         plan, k_up = layer.plan, layer.k_up
         rope = layer.rope_table(query.device)
         if len(m.decode_reqs):
-            out = ops.decode_attention(
+            decode = _gpu_decode() if query.is_cuda else ops.decode_attention
+            out = decode(
                 plan, k_up, rope, self.scale,
                 query.index_select(0, m.decode_tokens),
                 kv_cache,

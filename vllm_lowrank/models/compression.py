@@ -66,6 +66,34 @@ class ModelCompression:
         """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
         return None if self.artifact is None else self.artifact.bases[layer]
 
+    def summary(self, dtype_bytes: int) -> dict:
+        """What is in force, for metrics and logs (JSON-safe).
+
+        Args:
+            dtype_bytes: Bytes per cached element (the KV cache dtype).
+
+        Returns:
+            ``enabled``, ``configured_ratio``, ``method``, ``artifact``,
+            ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...]}}``),
+            ``original_bytes_per_token``, ``stored_bytes_per_token`` and
+            ``compression_ratio`` (original / stored), over this worker's layers.
+        """
+        from vllm_lowrank.factorization.plan import kv_bytes_per_token
+
+        plans = list(self.plans.values())
+        original, stored = kv_bytes_per_token(plans, dtype_bytes)
+        return {
+            "enabled": True,
+            "configured_ratio": self.cfg.ratio,
+            "method": self.artifact.manifest["method"] if self.artifact else "svd",
+            "artifact": self.artifact_path or "none",
+            "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks)}
+                       for i, p in self.plans.items()},
+            "original_bytes_per_token": original,
+            "stored_bytes_per_token": stored,
+            "compression_ratio": original / stored,
+        }
+
     def describe(self) -> str:
         from vllm_lowrank.factorization.plan import compression_ratio
 
