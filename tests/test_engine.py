@@ -90,6 +90,17 @@ def test_full_rank_capacity_equals_uncompressed(stock, full_rank):
     assert full_rank["capacity"] == stock["capacity"]
 
 
+def test_full_rank_post_rope_mode_equals_uncompressed(model_path, stock):
+    """Post-RoPE latents (scores in the latent space, no key rebuild) at full
+    rank use identity projections: same tokens as the stock engine."""
+    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 1.0, "method": "post_rope",
+                                "group_size": 1, "rank_allocation": "uniform"})
+    got = _greedy(llm, PROMPTS)
+    del llm
+    gc.collect()
+    assert got == stock["short"]
+
+
 @pytest.fixture(scope="module")
 def half(model_path):
     return _run(model_path, {"mode": "lowrank", "ratio": 0.5})

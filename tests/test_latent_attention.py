@@ -152,3 +152,35 @@ def _check_rope_against_vllm(get_rope):
         ref, _ = rotary.forward_native(pos, k.reshape(7, -1).clone(), None)
         ours = table.apply(k.view(7, 3, 64), pos)
         assert torch.allclose(ours.reshape(7, -1), ref, atol=1e-5)
+
+
+def test_post_rope_decode_and_prefill_score_in_latent_space():
+    torch.manual_seed(3)
+    shape = AttentionShape(hidden_size=32, num_heads=6, num_kv_heads=3, head_dim=16)
+    plan = LayerPlan(shape, 1, k_ranks=(8, 16, 8), v_ranks=(8, 8, 16))
+    rope = make_rope(16, 16, True)
+    cache = torch.full((24, 1, BLOCK, plan.k_width + plan.v_width), float("nan"))
+    n = 11
+    table = torch.tensor([5, 17, 2], dtype=torch.int32)
+    lat = torch.randn(n, plan.k_width + plan.v_width)
+    pos = torch.arange(n)
+    slots = table[pos // BLOCK].long() * BLOCK + pos % BLOCK
+    ops.write_latents(cache, lat[:, :32], lat[:, 32:], slots)
+    q = torch.randn(n, 6, 16)  # padded to max rank 16; head i uses r_k[group]
+    ref = []
+    for t in range(n):
+        row = []
+        for i in range(6):
+            g = i // 2
+            ko, rk = plan.k_offsets()[g], plan.k_ranks[g]
+            vo, rv = plan.v_offsets()[g], plan.v_ranks[g]
+            s = (lat[: t + 1, ko:ko + rk].double() @ q[t, i, :rk].double()) * 0.2
+            row.append(torch.softmax(s, 0) @ lat[: t + 1, 32 + vo:32 + vo + rv].double())
+        ref.append(torch.cat(row))
+    ref = torch.stack(ref)
+    out = ops.prefill_attention(plan, torch.zeros(0, 48), rope, 0.2, q, cache, table, n,
+                                post_rope=True)
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
+    dec = ops.decode_attention(plan, torch.zeros(0, 48), rope, 0.2, q[-1:], cache, table[None],
+                               torch.tensor([n], dtype=torch.int32), n, post_rope=True)
+    assert torch.allclose(dec.double(), ref[-1:], rtol=1e-4, atol=1e-5)

@@ -43,6 +43,8 @@ def _prepare(args) -> None:
 
 
 def _calibrate(args) -> None:
+    if args.rank_allocation is None:
+        args.rank_allocation = "fisher" if args.method == "fisher" else "energy"
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
@@ -50,9 +52,19 @@ def _calibrate(args) -> None:
     if args.text:
         documents = texts.read_text_file(args.text)
         description = f"user text {args.text}"
+    from vllm_lowrank.models.compression import allocate, manifest_shape, record_ranks
+    from vllm_lowrank.factorization.plan import AttentionShape
+
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "method": args.method,
+                                   "ratio": args.ratio, "rank_allocation": args.rank_allocation,
+                                   "group_size": args.group_size})
     artifact = calibrate_model(resolve_model(args.model), method=args.method,
                                group_size=args.group_size, num_tokens=args.tokens,
                                documents=documents, text_description=description)
+    m = artifact.manifest["model"]
+    shape = AttentionShape(**{k: m[k] for k in manifest_shape(AttentionShape(0, 0, 0, 0))})
+    record_ranks(artifact, allocate(cfg, {i: shape for i in range(m["num_layers"])},
+                                    artifact), cfg)
     artifact.save(args.output)
     cal = artifact.manifest["calibration"]
     print(f"wrote {args.output}: method {args.method}, group size "
@@ -117,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--group-size", type=int, default=None,
                    help="KV heads per group (default: all KV heads of a layer)")
     s.add_argument("--tokens", type=int, default=LowRankConfig.calibration_tokens)
+    s.add_argument("--ratio", type=float, default=LowRankConfig.ratio,
+                   help="ratio whose rank allocation is recorded in the manifest "
+                        "(serving re-derives it for any other ratio)")
+    s.add_argument("--rank-allocation", default=None,
+                   help="allocation recorded in the manifest (default: fisher for "
+                        "method fisher, else energy)")
     s.add_argument("--text", default=None,
                    help="calibration text: .txt, or .jsonl with a \"text\" field "
                         "(default: Wikipedia (gensim excerpt), calibration split)")

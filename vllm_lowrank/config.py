@@ -29,7 +29,7 @@ ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
 
 MODES = ("none", "lowrank")
-METHODS = ("svd", "whitened", "kq", "fisher")
+METHODS = ("svd", "whitened", "eigen", "kq", "post_rope", "fisher")
 RANK_ALLOCATIONS = ("uniform", "energy", "fisher")
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
@@ -56,8 +56,10 @@ class LowRankConfig:
             key and value latent width of the layer, split evenly over its head
             groups. Layers not listed follow ``ratio``.
         method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
-            (activation-aware SVD), ``"kq"`` (attention-output-aware bases) or
-            ``"fisher"`` (loss-aware, K-FAC Fisher metric; the default). See
+            (activation-aware SVD), ``"eigen"`` (PCA of keys with queries),
+            ``"kq"`` (attention-output-aware), ``"post_rope"`` (ZACK: scores in
+            the latent space, no key rebuild; ``group_size`` 1) or ``"fisher"``
+            (loss-aware, K-FAC Fisher metric; the default). See
             :mod:`vllm_lowrank.factorization.bases`.
         rank_allocation: ``"uniform"`` (same rank everywhere), ``"energy"``
             (one global budget spread by each basis' normalised energy) or
@@ -147,6 +149,11 @@ class LowRankConfig:
             )
         _choice("method", self.method, METHODS)
         _choice("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        if self.method == "post_rope" and self.group_size != 1:
+            raise LowRankConfigError(
+                "method=\"post_rope\" projects each KV head after RoPE (ZACK) and "
+                f"needs group_size 1, got {self.group_size}; add \"group_size\": 1"
+            )
         if self.rank_allocation == "fisher" and self.method != "fisher":
             raise LowRankConfigError(
                 f"rank_allocation=\"fisher\" compares energies in loss units, which "

@@ -58,8 +58,9 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from vllm import LLM
 
+    longest = max(spec["window"], (spec.get("passkey") or {}).get("context_tokens", 0))
     kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
-                  max_model_len=spec["window"] + 16, enforce_eager=True,
+                  max_model_len=longest + 16, enforce_eager=True,
                   enable_prefix_caching=False, seed=0)
     if spec.get("compression") is not None:
         kwargs["additional_config"] = {"kv_compression": spec["compression"]}

@@ -16,15 +16,17 @@ BACKEND_PATH = "vllm_lowrank.attention.backend.LatentAttentionBackend"
 
 
 def register() -> None:
-    """Install the CLI patches, the latent attention backend and the model
-    classes of every supported architecture (idempotent)."""
+    """Install the CLI patches, the latent attention backend, the model
+    classes of every supported architecture and the ``vllm_lowrank_*``
+    Prometheus metrics (idempotent)."""
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_lowrank import patches
+    from vllm_lowrank import metrics, patches
     from vllm_lowrank.models.adapters import SUPPORTED_ARCHITECTURES
 
     patches.apply()
+    metrics.install()  # front end only: state dir for the workers, /metrics collector
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         AttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
     for arch, class_path in SUPPORTED_ARCHITECTURES.items():

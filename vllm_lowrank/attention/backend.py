@@ -205,23 +205,22 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         m = attn_metadata
         plan, k_up = layer.plan, layer.k_up
         rope = layer.rope_table(query.device)
+        post_rope = layer.post_rope
         if len(m.decode_reqs):
-            decode = _gpu_decode() if query.is_cuda else ops.decode_attention
-            out = decode(
-                plan, k_up, rope, self.scale,
-                query.index_select(0, m.decode_tokens),
-                kv_cache,
-                m.block_table.index_select(0, m.decode_reqs),
-                m.seq_lens.index_select(0, m.decode_reqs),
-                m.max_decode_seq_len,
-            )
+            args = (plan, k_up, rope, self.scale, query.index_select(0, m.decode_tokens),
+                    kv_cache, m.block_table.index_select(0, m.decode_reqs),
+                    m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
+            if query.is_cuda:
+                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope")
+            else:
+                out = ops.decode_attention(*args, post_rope=post_rope)
             output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
             out = ops.prefill_attention(
                 plan, k_up, rope, self.scale, query[start:stop], kv_cache,
-                m.block_table[r], int(m.seq_lens_cpu[r]),
+                m.block_table[r], int(m.seq_lens_cpu[r]), post_rope,
             )
             output[start:stop] = out.to(output.dtype)
         return output

@@ -26,6 +26,11 @@ Shapes (vLLM's paged cache, one "head slot" per token)::
     query         [num_tokens, num_heads, d]  (post-RoPE)
     output        [num_tokens, out_width]
 
+Post-RoPE mode (``method="post_rope"``, ZACK sec. 4-5; one KV head per group):
+the cached key latent is ``c^k_t = R_t k_t P_j`` and the query arrives as
+``q~_i = (R q_i) P_j`` (``[num_heads, max r_k]``, zero-padded), so
+``s_{i,t} = q~_i . c^k_t`` needs neither a rebuild nor RoPE here.
+
 This module is the CPU path: vectorized torch over the decode batch (one
 gather, one GEMM per group for the key rebuild, one SDPA call per group) and
 per prefill request (prefill chunks are few and long). Prefill reads the keys
@@ -94,6 +99,19 @@ def gather_latents(
     return kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
 
 
+def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
+                lat: torch.Tensor, positions: torch.Tensor, post_rope: bool) -> torch.Tensor:
+    """Keys of head group ``g`` over ``lat [B, L, Rk + Rv]`` (float32):
+    ``[B, L, G, d]`` rebuilt and rotated, or ``[B, L, 1, r_k]`` post-RoPE latents."""
+    k_off, r_k = plan.k_offsets()[g], plan.k_ranks[g]
+    c_k = lat[:, :, k_off:k_off + r_k]
+    if post_rope:
+        return c_k[:, :, None, :]
+    gw = plan.group_width
+    b_k = k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw]
+    return rope.rebuild_rotated(c_k, b_k, positions, plan.shape.head_dim)
+
+
 def _attend(
     plan: LayerPlan,
     k_up: torch.Tensor,
@@ -102,6 +120,7 @@ def _attend(
     query: torch.Tensor,
     latents: torch.Tensor,
     mask: torch.Tensor,
+    post_rope: bool = False,
 ) -> torch.Tensor:
     """Attention of ``query`` over ``latents`` for every head group.
 
@@ -110,14 +129,16 @@ def _attend(
         k_up: ``[Rk, kv_width]`` float32 block-diagonal key up-projection.
         rope: RoPE table.
         scale: Softmax scale.
-        query: ``[B, Q, H, d]`` float32, post-RoPE.
+        query: ``[B, Q, H, d]`` float32, post-RoPE (post-RoPE mode:
+            ``[B, Q, H, max r_k]`` latent queries).
         latents: ``[B, L, Rk + Rv]`` (any float dtype), positions ``0..L-1``.
         mask: ``[B, Q, L]`` bool, True where query ``q`` may attend position ``l``.
+        post_rope: Scores from post-RoPE latents (no rebuild).
 
     Returns:
         ``[B, Q, out_width]`` float32.
     """
-    b, q_len, _, d = query.shape
+    b, q_len = query.shape[:2]
     length = latents.shape[1]
     # Positions no query may see (padding past a request's length) hold
     # whatever the paged cache has there; zero them so NaN/inf cannot leak
@@ -127,17 +148,14 @@ def _attend(
     positions = torch.arange(length, device=lat.device)
     rk = plan.k_width
     hg, gs = plan.heads_per_group, plan.group_size
-    gw = plan.group_width
     attn_mask = mask[:, None, :, :]  # [B, 1, Q, L]
     outs = []
-    for g, (k_off, v_off) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
-        r_k, r_v = plan.k_ranks[g], plan.v_ranks[g]
-        c_k = lat[:, :, k_off : k_off + r_k]
-        b_k = k_up[k_off : k_off + r_k, g * gw : (g + 1) * gw]
-        keys = rope.rebuild_rotated(c_k, b_k, positions, d).transpose(1, 2)  # [B, G, L, d]
+    for g, v_off in enumerate(plan.v_offsets()):
+        r_v = plan.v_ranks[g]
+        keys = _group_keys(plan, g, k_up, rope, lat, positions, post_rope).transpose(1, 2)
         values = lat[:, :, rk + v_off : rk + v_off + r_v]
         values = values[:, None].expand(b, gs, length, r_v)  # shared by the group
-        q_g = query[:, :, g * hg : (g + 1) * hg].transpose(1, 2)  # [B, Hg, Q, d]
+        q_g = query[:, :, g * hg : (g + 1) * hg, : keys.shape[-1]].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q_g, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=True
         )  # [B, Hg, Q, r_v]
@@ -155,6 +173,7 @@ def decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
+    post_rope: bool = False,
 ) -> torch.Tensor:
     """One new token per request, batched.
 
@@ -167,30 +186,32 @@ def decode_attention(
         query: ``[B, H, d]`` post-RoPE (token at position ``seq_len - 1``).
         block_table: ``[B, max_blocks]``; seq_lens: ``[B]`` (including this token).
         max_seq_len: ``max(seq_lens)`` (host int).
+        post_rope: ``query`` is ``[B, H, max r_k]`` in the key latent basis.
 
     Returns:
         ``[B, out_width]`` float32.
     """
-    b, _, d = query.shape
+    b = query.shape[0]
     length = max_seq_len
     latents = gather_latents(kv_cache, block_table, length)
     pos = torch.arange(length, device=query.device)
     visible = pos[None, :] < seq_lens[:, None].to(pos.device)  # [B, L]
     rk = plan.k_width
     gs, qpk = plan.group_size, plan.shape.queries_per_kv
-    hg, gw = plan.heads_per_group, plan.group_width
+    hg = plan.heads_per_group
     q = query.float()
+    lat = latents.float()
     outs = []
-    for g, (k_off, v_off) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
-        r_k, r_v = plan.k_ranks[g], plan.v_ranks[g]
-        c_k = latents[:, :, k_off:k_off + r_k].float()
-        keys = rope.rebuild_rotated(c_k, k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw], pos, d)
-        keys = keys.permute(0, 2, 3, 1)  # [B, G, d, L]
-        q_g = q[:, g * hg:(g + 1) * hg].reshape(b, gs, qpk, d)  # heads of each KV head
+    for g, v_off in enumerate(plan.v_offsets()):
+        r_v = plan.v_ranks[g]
+        keys = _group_keys(plan, g, k_up, rope, lat, pos, post_rope)
+        width = keys.shape[-1]
+        keys = keys.permute(0, 2, 3, 1)  # [B, G, width, L]
+        q_g = q[:, g * hg:(g + 1) * hg, :width].reshape(b, gs, qpk, width)
         scores = torch.matmul(q_g, keys).mul_(scale)  # [B, G, qpk, L]
         scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(b, hg, length)
-        values = latents[:, :, rk + v_off:rk + v_off + r_v].float()
+        values = lat[:, :, rk + v_off:rk + v_off + r_v]
         values = torch.where(visible[..., None], values, 0.0)  # no NaN from padding
         outs.append(torch.bmm(probs, values).reshape(b, hg * r_v))  # [B, Hg*r_v]
     return torch.cat(outs, dim=-1)
@@ -205,15 +226,17 @@ def prefill_attention(
     kv_cache: torch.Tensor,
     block_table_row: torch.Tensor,
     seq_len: int,
+    post_rope: bool = False,
 ) -> torch.Tensor:
     """A chunk of ``Q`` new tokens of one request (positions ``seq_len-Q ..
     seq_len-1``), causal, over everything cached so far (prefix-cache hits and
     earlier chunks included).
 
     Args:
-        query: ``[Q, H, d]`` post-RoPE.
+        query: ``[Q, H, d]`` post-RoPE (post-RoPE mode: ``[Q, H, max r_k]``).
         block_table_row: ``[max_blocks]``.
         seq_len: Tokens of the request after this chunk.
+        post_rope: Scores from post-RoPE latents (no rebuild).
 
     Returns:
         ``[Q, out_width]`` float32.
@@ -230,6 +253,6 @@ def prefill_attention(
         end = int(q_pos[-1]) + 1
         outs.append(
             _attend(plan, k_up, rope, scale, query[None, start:stop].float(),
-                    latents[:, :end], mask[..., :end])[0]
+                    latents[:, :end], mask[..., :end], post_rope)[0]
         )
     return torch.cat(outs, dim=0)

@@ -32,6 +32,7 @@ class LatentAttention(Attention):
         scale: Softmax scale (``head_dim ** -0.5`` for Llama).
         rotary: The model's rotary module (its cos/sin table rotates the
             rebuilt keys).
+        post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
         cache_config, quant_config, prefix: As for vLLM's ``Attention``.
 
     Buffers:
@@ -39,12 +40,15 @@ class LatentAttention(Attention):
             up-projection, filled at weight loading.
     """
 
-    def __init__(self, plan: LayerPlan, scale: float, rotary, cache_config=None,
-                 quant_config=None, prefix: str = "") -> None:
+    def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
+                 cache_config=None, quant_config=None, prefix: str = "") -> None:
         shape = plan.shape
+        # Post-RoPE queries arrive projected into the key latent basis, padded
+        # to the largest key rank.
+        query_size = max(plan.k_ranks) if post_rope else shape.head_dim
         super().__init__(
             num_heads=shape.num_heads,
-            head_size=shape.head_dim,
+            head_size=query_size,
             scale=scale,
             num_kv_heads=shape.num_kv_heads,
             cache_config=cache_config,
@@ -53,8 +57,10 @@ class LatentAttention(Attention):
             attn_backend=LatentAttentionBackend,
         )
         self.plan = plan
+        self.post_rope = post_rope
         self.register_buffer(
-            "k_up", torch.zeros(plan.k_width, shape.kv_width, dtype=torch.float32),
+            "k_up", torch.zeros(0 if post_rope else plan.k_width, shape.kv_width,
+                                dtype=torch.float32),
             persistent=False,
         )
         # A plain attribute, not a submodule: the rotary module belongs to the
@@ -80,8 +86,9 @@ class LatentAttention(Attention):
         """Cache the latents, attend, return ``[T, out_width]``.
 
         Args:
-            query: ``[T, num_heads * head_dim]`` post-RoPE queries.
-            k_latent: ``[T, Rk]`` key latents (pre-RoPE).
+            query: ``[T, num_heads * head_dim]`` post-RoPE queries (post-RoPE
+                mode: ``[T, num_heads * max(k_ranks)]`` latent queries).
+            k_latent: ``[T, Rk]`` key latents (pre-RoPE, or post-RoPE).
             v_latent: ``[T, Rv]`` value latents.
         """
         num_tokens = query.shape[0]

@@ -168,13 +168,45 @@ def read_manifest(path: str) -> dict[str, Any]:
             f"calibration artifact {path!r}: {MANIFEST} is corrupt ({e.msg}); "
             "re-run `vllm-lowrank calibrate`"
         ) from None
+    if not isinstance(manifest, dict):
+        raise LowRankConfigError(
+            f"calibration artifact {path!r}: {MANIFEST} is not a JSON object; re-run "
+            "`vllm-lowrank calibrate`"
+        )
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise LowRankConfigError(
             f"calibration artifact {path!r} has format version {version}, this "
             f"plugin reads version {FORMAT_VERSION}; re-run `vllm-lowrank calibrate`"
         )
+    _check_manifest_fields(manifest, path)
     return manifest
+
+
+_MANIFEST_FIELDS = (("method", str), ("group_size", int), ("model", dict))
+_MODEL_FIELDS = (("architecture", str), ("num_layers", int), ("hidden_size", int),
+                 ("num_heads", int), ("num_kv_heads", int), ("head_dim", int),
+                 ("fingerprint", str))
+
+
+def _check_manifest_fields(manifest: Mapping[str, Any], path: str) -> None:
+    """Refuse a manifest lacking a field this plugin reads, or with a wrong type.
+
+    Raises:
+        LowRankConfigError: names the first bad field.
+    """
+    checks = [(k, manifest.get(k), t) for k, t in _MANIFEST_FIELDS]
+    model = manifest.get("model")
+    if isinstance(model, dict):
+        checks += [(f"model.{k}", model.get(k), t) for k, t in _MODEL_FIELDS]
+    for key, value, kind in checks:
+        if not isinstance(value, kind) or isinstance(value, bool) or (
+                kind is int and value < 1):
+            raise LowRankConfigError(
+                f"calibration artifact {path!r}: {MANIFEST} has a missing or invalid "
+                f"{key!r} ({value!r}); it is damaged or not an artifact of this "
+                "plugin; re-run `vllm-lowrank calibrate`"
+            )
 
 
 def check_model_matches(manifest: Mapping[str, Any], path: str, *, architecture: str,
@@ -212,6 +244,58 @@ def check_fingerprint(manifest: Mapping[str, Any], path: str, fingerprint: str) 
         )
 
 
+def checkpoint_fingerprint(model_dir: str) -> str | None:
+    """Fingerprint of the k/v/o weights of a Hugging Face checkpoint folder, read
+    directly from its ``*.safetensors`` files (only those tensors are read; the
+    index file, when present, says which files hold them). Equal to the
+    fingerprint the worker computes from the same tensors at load time.
+
+    Returns:
+        The fingerprint, or ``None`` when the folder holds no safetensors
+        weights (other formats: the worker checks while loading instead).
+
+    Raises:
+        LowRankConfigError: a safetensors file is unreadable, or the files hold
+            no k/v/o projection weights.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index_path):
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted({v for k, v in weight_map.items() if is_fingerprinted(k)})
+        else:
+            files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    except (OSError, ValueError, KeyError) as e:
+        raise LowRankConfigError(
+            f"cannot read the checkpoint index of {model_dir!r} ({e}); is the model "
+            "folder complete?"
+        ) from None
+    if not files:
+        return None
+    digests: dict[str, str] = {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    if is_fingerprinted(key):
+                        digests[key] = tensor_digest(key, f.get_tensor(key))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise LowRankConfigError(
+                f"cannot read checkpoint file {path!r} ({' '.join(str(e).split())}); "
+                "is the model folder complete?"
+            ) from None
+    if not digests:
+        raise LowRankConfigError(
+            f"checkpoint {model_dir!r} has no k_proj/v_proj/o_proj weights; is it a "
+            "supported, unquantized checkpoint?"
+        )
+    return combine_digests(digests)
+
+
 def load_artifact(path: str) -> Artifact:
     """Load manifest and bases.
 
@@ -233,7 +317,7 @@ def load_artifact(path: str) -> Artifact:
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise LowRankConfigError(
             f"calibration artifact {path!r}: {TENSORS} is truncated or corrupt "
-            f"({e}); re-run `vllm-lowrank calibrate`"
+            f"({' '.join(str(e).split())}); re-run `vllm-lowrank calibrate`"
         ) from None
     model = manifest["model"]
     n_groups = model["num_kv_heads"] // manifest["group_size"]

@@ -20,6 +20,7 @@ from vllm_lowrank.config import METHODS, LowRankConfigError
 from vllm_lowrank.factorization.bases import (
     GroupBasis,
     output_aware_basis,
+    pca_basis,
     rope_query_metric,
     value_output_metric,
 )
@@ -52,10 +53,6 @@ def load_hf_model(model_path: str):
     return model, tok
 
 
-def _blockdiag(blocks: list[torch.Tensor]) -> torch.Tensor:
-    return torch.block_diag(*blocks)
-
-
 def layer_bases(
     method: str,
     w_k: torch.Tensor,
@@ -70,51 +67,82 @@ def layer_bases(
     inv_freq: torch.Tensor | None,
     neox: bool = True,
 ) -> tuple[list[GroupBasis], list[GroupBasis]]:
-    """Bases of one layer for every head group.
+    """Bases of one layer for every head group (methods: module docstring of
+    :mod:`vllm_lowrank.factorization.bases`).
 
     Args:
         method: One of :data:`~vllm_lowrank.config.METHODS`.
         w_k, w_v: ``[num_kv_heads * head_dim, hidden]`` (``nn.Linear`` weights).
         w_o: ``[hidden, num_heads * head_dim]``.
-        stats: Calibration statistics (unused for ``svd``).
-        inv_freq: ``[rot/2]`` RoPE inverse frequencies (``kq`` only).
+        stats: Calibration statistics (unused for ``svd``); second moments are
+            used per token.
+        inv_freq: ``[rot/2]`` RoPE inverse frequencies (``kq``, ``post_rope``).
+        neox: RoPE pair layout.
 
     Returns:
         ``(k_bases, v_bases)``, one per head group.
+
+    Raises:
+        LowRankConfigError: ``post_rope`` with more than one KV head per group.
     """
     qpk = num_heads // num_kv_heads
-    gw = group_size * head_dim
-    sx = None if method == "svd" else stats.sx / stats.tokens
-    k_metric = v_metric = None
+    d = head_dim
+    gw = group_size * d
+    groups = range(num_kv_heads // group_size)
+
+    def cols(w, g):  # [hidden, gw] projection of group g
+        return w[g * gw:(g + 1) * gw].float().T
+
+    def block(m, g):  # rows/columns of group g of a [kv_width, kv_width] matrix
+        return m[g * gw:(g + 1) * gw, g * gw:(g + 1) * gw]
+
+    if method == "svd":
+        return tuple([output_aware_basis(cols(w, g)) for g in groups] for w in (w_k, w_v))
+    sx = stats.sx / stats.tokens
+    if method == "whitened":
+        return tuple([output_aware_basis(cols(w, g), sx) for g in groups] for w in (w_k, w_v))
     if method == "fisher":
-        k_metric = [stats.gk[j * head_dim:(j + 1) * head_dim, :] for j in range(num_kv_heads)]
-        v_metric = [stats.gv[j * head_dim:(j + 1) * head_dim, :] for j in range(num_kv_heads)]
-    elif method == "kq":
-        k_blocks, v_blocks = [], []
-        for j in range(num_kv_heads):
-            heads = range(j * qpk, (j + 1) * qpk)
-            k_blocks.append(sum(
-                rope_query_metric(stats.sq[i], inv_freq, stats.dist[i], neox) for i in heads
-            ))
-            v_blocks.append(value_output_metric(
-                [w_o[:, i * head_dim:(i + 1) * head_dim].T.float() for i in heads]
-            ))
-        k_metric, v_metric = k_blocks, v_blocks
-    out = []
-    for w, metric in ((w_k, k_metric), (w_v, v_metric)):
-        bases = []
-        for g in range(num_kv_heads // group_size):
-            wg = w[g * gw:(g + 1) * gw].float().T
-            if metric is None:
-                t = None
-            elif method == "fisher":  # full gradient covariance of the group's columns
-                t = torch.cat(metric[g * group_size:(g + 1) * group_size], dim=0)
-                t = t[:, g * gw:(g + 1) * gw] / stats.tokens
-            else:
-                t = _blockdiag(metric[g * group_size:(g + 1) * group_size])
-            bases.append(output_aware_basis(wg, sx, t))
-        out.append(bases)
-    return out[0], out[1]
+        return tuple(
+            [output_aware_basis(cols(w, g), sx, block(gm, g) / stats.tokens) for g in groups]
+            for w, gm in ((w_k, stats.gk), (w_v, stats.gv))
+        )
+    # Per KV head j: summed pre-RoPE second moment of the query heads reading it.
+    sq = [stats.sq[j * qpk:(j + 1) * qpk].sum(0) / stats.tokens for j in range(num_kv_heads)]
+    if method == "kq":
+        k_t = [sum(rope_query_metric(stats.sq[i] / stats.tokens, inv_freq, stats.dist[i], neox)
+                   for i in range(j * qpk, (j + 1) * qpk)) for j in range(num_kv_heads)]
+        v_t = [value_output_metric([w_o[:, i * d:(i + 1) * d].T.float()
+                                    for i in range(j * qpk, (j + 1) * qpk)])
+               for j in range(num_kv_heads)]
+        return tuple(
+            [output_aware_basis(cols(w, g), sx,
+                                torch.block_diag(*t[g * group_size:(g + 1) * group_size]))
+             for g in groups]
+            for w, t in ((w_k, k_t), (w_v, v_t))
+        )
+    values = [pca_basis(cols(w_v, g).double().T @ sx @ cols(w_v, g).double(), cols(w_v, g))
+              for g in groups]
+    if method == "eigen":
+        keys = []
+        for g in groups:
+            wg = cols(w_k, g).double()
+            q = torch.block_diag(*sq[g * group_size:(g + 1) * group_size])
+            keys.append(pca_basis(wg.T @ sx @ wg + q, cols(w_k, g)))
+        return keys, values
+    if method == "post_rope":
+        if group_size != 1:
+            raise LowRankConfigError(
+                "method post_rope projects each KV head after RoPE (ZACK); it needs "
+                f"group_size 1, got {group_size}"
+            )
+        uniform = torch.ones(WINDOW, dtype=torch.float64)
+        keys = []
+        for g in groups:
+            wg = cols(w_k, g).double()
+            m = rope_query_metric(wg.T @ sx @ wg + sq[g], inv_freq, uniform, neox)
+            keys.append(pca_basis(m, cols(w_k, g)))
+        return keys, values
+    raise LowRankConfigError(f"method={method!r} is not one of {list(METHODS)}")
 
 
 def calibrate_model(
@@ -130,7 +158,7 @@ def calibrate_model(
 
     Args:
         model_path: Hugging Face checkpoint directory.
-        method: ``svd``, ``whitened``, ``kq`` or ``fisher``.
+        method: One of :data:`~vllm_lowrank.config.METHODS`.
         group_size: KV heads per group (``None``: all of a layer).
         num_tokens: Calibration tokens (rounded down to whole windows of
             :data:`WINDOW`).
@@ -163,7 +191,8 @@ def calibrate_model(
     stats = None
     if method != "svd":
         windows = texts.token_windows(tok, documents, num_windows, WINDOW)
-        stats = collect_stats(model, windows, queries=method == "kq",
+        stats = collect_stats(model, windows,
+                              queries=method in ("kq", "eigen", "post_rope"),
                               gradients=method == "fisher")
     inv_freq = getattr(model.model, "rotary_emb", None)
     inv_freq = None if inv_freq is None else inv_freq.inv_freq.detach().float()

@@ -38,6 +38,16 @@ The methods differ only in ``S_x`` and ``T``:
       slides: ``T_v = sum_{i reading kv head j} W_O^{(i)} W_O^{(i)T}``
       (:func:`value_output_metric`), i.e. errors are measured after ``o_proj``.
 
+Two methods are PCA in the output space instead (orthonormal ``B``, ``A = W B^T``):
+
+- ``eigen``: eigenvectors of ``W^T S_x W + S_q`` (keys stacked with the group's
+  pre-RoPE queries) and of ``W_v^T S_x W_v`` (values): Eigen Attention sec. 4.1
+  (Saxena et al. 2024), from second moments instead of stacked samples.
+- ``post_rope``: eigenvectors of the post-RoPE second moments of keys and
+  queries, ``E_t[R_t (W^T S_x W + S_q) R_t^T]`` over positions (ZACK sec. 4,
+  Zhang & Shen 2025): queries and keys are then projected *after* RoPE and
+  attention scores are computed in the latent space without a key rebuild.
+
 At full rank (``r = n``) any basis is exact; :func:`factors_for_rank` then
 returns the identity basis (``A = W``, ``B = I``), so the cached latent equals
 the key or value bit for bit.
@@ -121,6 +131,25 @@ def output_aware_basis(
     a = u if lt is None else torch.linalg.solve_triangular(lt, u, upper=True)
     b = u.T @ (w64 if lt is None else lt @ w64)
     return GroupBasis(a=a.float(), b=b.float(), energy=(s**2).float())
+
+
+def pca_basis(m: torch.Tensor, w: torch.Tensor) -> GroupBasis:
+    """Output-space PCA basis: ``B`` = top eigenvectors of ``m`` (rows),
+    ``A = w @ B^T`` (see ``eigen`` / ``post_rope`` in the module docstring).
+
+    Args:
+        m: ``[n, n]`` PSD second moment in the output space.
+        w: ``[hidden, n]`` projection.
+
+    Returns:
+        Basis with ``energy`` the eigenvalues (descending).
+    """
+    evals, evecs = torch.linalg.eigh(m.to(torch.float64))
+    order = torch.argsort(evals, descending=True)
+    v = evecs[:, order]  # [n, n], columns = components
+    a = w.detach().to(torch.float64) @ v
+    return GroupBasis(a=a.float(), b=v.T.contiguous().float(),
+                      energy=evals[order].clamp_min(0).float())
 
 
 def factors_for_rank(

@@ -27,7 +27,8 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     Checks: architecture, attention kind (no MLA, no cross-attention), weight
     quantization (factorization needs float weights), vLLM's own KV cache dtype,
     head divisibility under tensor parallelism, group size and the ratio giving
-    a non-zero rank, and the artifact's geometry when one is given by path.
+    a non-zero rank, and, for an artifact given by path, the whole artifact
+    (:func:`check_artifact`).
 
     Raises:
         LowRankConfigError: with the supported alternatives.
@@ -75,12 +76,54 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
                 f"0..{len(shapes) - 1}"
             )
     if cfg.artifact not in ("auto", "none"):
-        from vllm_lowrank.calibration import artifact as art
-        from vllm_lowrank.models.compression import manifest_shape
+        check_artifact(vllm_config, cfg)
 
-        manifest = art.read_manifest(cfg.artifact)
-        art.check_model_matches(
-            manifest, cfg.artifact, architecture=supported[0],
-            num_layers=hf_config.num_hidden_layers,
-            shape=manifest_shape(model_shapes(hf_config, 1)[0]),
-        )
+
+def check_artifact(vllm_config, cfg: LowRankConfig) -> None:
+    """Validate an artifact given by path in full, in the front-end process.
+
+    Loads it exactly as the worker will (manifest, every basis tensor and its
+    shape, the model geometry, group size, the resulting ranks), then compares
+    its weight fingerprint with the k/v/o tensors of the checkpoint, read from
+    the model folder's safetensors files. Skipped for the fingerprint when the
+    weights are not local safetensors (the worker still checks while loading).
+
+    Raises:
+        LowRankConfigError: missing, truncated or damaged files, another model's
+            geometry or weights, or settings the artifact cannot serve.
+    """
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.models.compression import manifest_shape, model_shapes, resolve
+
+    hf_config = vllm_config.model_config.hf_config
+    # geometry first (manifest only): "made for another model" beats a shape error
+    art.check_model_matches(
+        art.read_manifest(cfg.artifact), cfg.artifact,
+        architecture=hf_config.architectures[0], num_layers=hf_config.num_hidden_layers,
+        shape=manifest_shape(model_shapes(hf_config, 1)[0]),
+    )
+    compression = resolve(vllm_config, cfg)
+    if vllm_config.load_config.load_format not in ("auto", "safetensors"):
+        return
+    folder = _local_checkpoint(vllm_config.model_config)
+    fingerprint = art.checkpoint_fingerprint(folder) if folder else None
+    if fingerprint is not None:
+        art.check_fingerprint(compression.artifact.manifest, cfg.artifact, fingerprint)
+
+
+def _local_checkpoint(model_config) -> str | None:
+    """The folder holding the checkpoint: the model path, or the local Hugging
+    Face cache snapshot of a hub id (never downloads); ``None`` if neither."""
+    import os
+
+    model = model_config.model
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=model_config.revision,
+                                 local_files_only=True,
+                                 allow_patterns=["*.safetensors", "*.json"])
+    except Exception:  # not cached (yet): the worker checks after downloading
+        return None

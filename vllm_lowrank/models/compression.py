@@ -62,6 +62,14 @@ class ModelCompression:
     artifact: art.Artifact | None
     artifact_path: str | None
 
+    @property
+    def post_rope(self) -> bool:
+        """True when keys are cached as post-RoPE latents (``post_rope`` bases)."""
+        if self.artifact is not None:
+            return self.artifact.manifest["method"] == "post_rope"
+        full_rank = self.cfg.ratio == 1.0 and not self.cfg.ranks
+        return full_rank and self.cfg.method == "post_rope"
+
     def bases(self, layer: int):
         """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
         return None if self.artifact is None else self.artifact.bases[layer]
@@ -100,7 +108,9 @@ class ModelCompression:
         plans = list(self.plans.values())
         k = sum(p.k_width for p in plans) / len(plans)
         v = sum(p.v_width for p in plans) / len(plans)
-        source = self.artifact_path or "weight SVD (no calibration)"
+        source = self.artifact_path or (
+            "none needed (full rank: identity bases)" if self.cfg.ratio == 1.0 and not self.cfg.ranks
+            else "weight SVD (no calibration)")
         return (f"{len(plans)} layers, mean latent width K {k:.1f} / V {v:.1f}, "
                 f"compression ratio {compression_ratio(plans):.2f}x, bases from {source}")
 
@@ -180,6 +190,11 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     tp = vllm_config.parallel_config.tensor_parallel_size
     shapes = model_shapes(hf_config, tp)
     artifact, path = None, None
+    if cfg.ratio == 1.0 and not cfg.ranks and cfg.artifact in ("auto", "none"):
+        # Full rank everywhere: every group uses its exact identity basis, so no
+        # calibration is needed (and none is run).
+        plans = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()}
+        return ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     if cfg.artifact == "auto" and cfg.needs_calibration:
         artifact, path = load_or_calibrate(vllm_config.model_config.model, cfg)
     elif cfg.artifact not in ("auto", "none"):
@@ -206,14 +221,35 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path)
 
 
+def record_ranks(artifact: art.Artifact, plans: dict[int, LayerPlan], cfg: LowRankConfig,
+                 fixed: bool = False) -> None:
+    """Write the allocation for ``cfg`` into the artifact's manifest (``ranks``:
+    ratio, allocation, per-layer ``[k_ranks, v_ranks]`` per head group). With
+    ``fixed`` it is served as is; otherwise it documents what ``cfg.ratio``
+    gives and serving re-derives it from the spectra for any ratio."""
+    artifact.manifest["ranks"] = {
+        "ratio": cfg.ratio, "allocation": cfg.rank_allocation, "fixed": fixed,
+        "layers": {str(i): [list(p.k_ranks), list(p.v_ranks)] for i, p in plans.items()},
+    }
+
+
+def allocate(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
+             artifact: art.Artifact | None) -> dict[int, LayerPlan]:
+    """Layer plans for ``cfg`` (public alias of the resolver's allocation step)."""
+    return _plans(cfg, shapes, artifact)
+
+
 def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
            artifact: art.Artifact | None) -> dict[int, LayerPlan]:
     fixed = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()
              if cfg.ranks and i in cfg.ranks}
-    if artifact is not None and artifact.manifest.get("ranks"):
-        stored = artifact.manifest["ranks"]
+    stored = artifact.manifest.get("ranks") if artifact is not None else None
+    if stored and stored.get("fixed"):
+        # An allocation chosen at calibration time (e.g. a byte-budget search):
+        # served as recorded, whatever the ratio.
         g = artifact.group_size
-        return {i: LayerPlan(s, g, tuple(stored[str(i)][0]), tuple(stored[str(i)][1]))
+        return {i: LayerPlan(s, g, tuple(stored["layers"][str(i)][0]),
+                             tuple(stored["layers"][str(i)][1]))
                 for i, s in shapes.items()}
     free = {i: s for i, s in shapes.items() if i not in fixed}
     if cfg.rank_allocation != "uniform" and artifact is not None and free:

@@ -1,12 +1,19 @@
 """Self-attention block of a decoder layer, rebuilt around the latent cache.
 
 Replaces a model's own attention module (e.g. vLLM's ``LlamaAttention``) when
-compression is on. Forward::
+compression is on. Forward (pre-RoPE latents, the default)::
 
     [q | c_k | c_v] = x @ [W_q; A_k^T; A_v^T]^T        one fused GEMM
     q = RoPE(q)                                         the model's rotary module
     o = LatentAttention(q, c_k, c_v)                    cache latents, attend
     y = o @ W_o'^T                                      value up-projection folded in
+
+Post-RoPE latents (``method="post_rope"``, ZACK sec. 4; one KV head per group)::
+
+    [q | k | c_v] = x @ [W_q; W_k; A_v^T]^T
+    q, k = RoPE(q), RoPE(k)
+    c_k[j] = k[j] @ P_j,   q~[i] = q[i] @ P_j     P_j = B_k[j]^T [d, r_j]  (KV head j of i)
+    o = LatentAttention(q~, c_k, c_v)                   scores q~ . c_k: no key rebuild
 
 Weights are produced at load time by :meth:`LatentSelfAttention.load_factorized`
 from the checkpoint's q/k/v/o weights and the layer's bases
@@ -37,20 +44,39 @@ class LatentSelfAttention(nn.Module):
         scale: Softmax scale.
         qkv_bias: Whether q_proj has a bias (loaded into the fused projection).
         o_bias: Whether o_proj has (or needs, for a folded value bias) a bias.
+        post_rope: Cache post-RoPE key latents (needs ``group_size`` 1).
         cache_config, quant_config: vLLM configs.
         prefix: Module prefix (``model.layers.N.self_attn``).
+
+    Buffers (post-RoPE only):
+        k_down: ``[num_kv_heads, head_dim, r_max]`` float32 per-KV-head key
+            projections ``P_j``, zero-padded to the largest rank.
+        k_cols: ``[Rk]`` int64 columns of the flattened ``[num_kv_heads * r_max]``
+            projection output that hold real latents.
     """
 
     def __init__(self, plan: LayerPlan, rotary: nn.Module, scale: float, *,
-                 qkv_bias: bool = False, o_bias: bool = False, cache_config=None,
-                 quant_config=None, prefix: str = "") -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, post_rope: bool = False,
+                 cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
         self.plan = plan
+        self.post_rope = post_rope
         self.q_size = shape.num_heads * shape.head_dim
+        self.k_size = shape.kv_width if post_rope else plan.k_width
+        if post_rope:
+            if plan.group_size != 1:
+                raise ValueError("post-RoPE latents need one KV head per group")
+            r_max = max(plan.k_ranks)
+            self.register_buffer("k_down", torch.zeros(
+                shape.num_kv_heads, shape.head_dim, r_max, dtype=torch.float32),
+                persistent=False)
+            cols = [j * r_max + c for j, r in enumerate(plan.k_ranks) for c in range(r)]
+            self.register_buffer("k_cols", torch.tensor(cols, dtype=torch.int64),
+                                 persistent=False)
         self.qkv_proj = MergedColumnParallelLinear(
             input_size=shape.hidden_size,
-            output_sizes=[self.q_size, plan.k_width, plan.v_width],
+            output_sizes=[self.q_size, self.k_size, plan.v_width],
             bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
@@ -63,17 +89,35 @@ class LatentSelfAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary
-        self.attn = LatentAttention(plan, scale, rotary, cache_config=cache_config,
-                                    quant_config=quant_config, prefix=f"{prefix}.attn")
+        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope,
+                                    cache_config=cache_config, quant_config=quant_config,
+                                    prefix=f"{prefix}.attn")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
         qkv, _ = self.qkv_proj(hidden_states)
-        q, c_k, c_v = qkv.split([self.q_size, self.plan.k_width, self.plan.v_width], dim=-1)
-        q, _ = self.rotary_emb(positions, q, None)
+        q, k, c_v = qkv.split([self.q_size, self.k_size, self.plan.v_width], dim=-1)
+        if self.post_rope:
+            q, k = self.rotary_emb(positions, q, k)
+            q, c_k = self._project(q, k)
+        else:
+            q, _ = self.rotary_emb(positions, q, None)
+            c_k = k
         o = self.attn(q, c_k, c_v)
         out, _ = self.o_proj(o)
         return out
+
+    def _project(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-RoPE projection: ``q [T, H*d]``, ``k [T, kv_width]`` ->
+        (``q~ [T, H * r_max]`` zero-padded per head, ``c_k [T, Rk]``)."""
+        s = self.plan.shape
+        t = q.shape[0]
+        down = self.k_down.to(q.dtype)
+        q_lat = torch.einsum("tjqd,jdr->tjqr",
+                             q.view(t, s.num_kv_heads, s.queries_per_kv, s.head_dim), down)
+        c_k = torch.einsum("tjd,jdr->tjr", k.view(t, s.num_kv_heads, s.head_dim), down)
+        c_k = c_k.reshape(t, -1).index_select(1, self.k_cols)
+        return q_lat.reshape(t, -1), c_k
 
     def load_factorized(
         self,
@@ -102,18 +146,26 @@ class LatentSelfAttention(nn.Module):
             )
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
         param = self.qkv_proj.weight
-        for shard, w in enumerate((w_q, f.a_k.T, f.a_v.T)):
+        if self.post_rope:  # keys stay full until RoPE; their projection P_j = B_k^T
+            with torch.no_grad():
+                self.k_down.zero_()
+                d = plan.shape.head_dim
+                for j, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+                    self.k_down[j, :, :r] = f.k_up[off:off + r, j * d:(j + 1) * d].T
+        key_weight = w_k.float() if self.post_rope else f.a_k.T
+        for shard, w in enumerate((w_q, key_weight, f.a_v.T)):
             param.weight_loader(param, w.to(param.dtype).contiguous(), shard)
         loaded = ["qkv_proj.weight"]
         if self.qkv_proj.bias is not None:
             bias = self.qkv_proj.bias
-            zeros_k = torch.zeros(plan.k_width, dtype=bias.dtype)
+            zeros_k = torch.zeros(self.k_size, dtype=bias.dtype)
             zeros_v = torch.zeros(plan.v_width, dtype=bias.dtype)
             for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), zeros_k, zeros_v)):
                 bias.weight_loader(bias, b, shard)
             loaded.append("qkv_proj.bias")
-        with torch.no_grad():
-            self.attn.k_up.copy_(f.k_up)
+        if not self.post_rope:
+            with torch.no_grad():
+                self.attn.k_up.copy_(f.k_up)
         o_weight = fold.folded_o_proj(plan, w_o, f.v_up)
         p = self.o_proj.weight
         p.weight_loader(p, o_weight.to(p.dtype))

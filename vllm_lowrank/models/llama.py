@@ -20,6 +20,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
+from vllm_lowrank import metrics
 from vllm_lowrank.config import config_from_vllm
 from vllm_lowrank.models import compression as comp
 from vllm_lowrank.models.latent_self_attention import LatentSelfAttention
@@ -51,7 +52,7 @@ def _latent_llama_attention(*, config, hidden_size, num_heads, num_kv_heads,
                       is_neox_style=True)
     return LatentSelfAttention(
         plan, rotary, head_dim**-0.5, qkv_bias=bias,
-        o_bias=bias_o_proj or bias, cache_config=cache_config,
+        o_bias=bias_o_proj or bias, post_rope=c.post_rope, cache_config=cache_config,
         quant_config=quant_config, prefix=prefix,
     )
 
@@ -74,6 +75,7 @@ class LowRankLlamaForCausalLM(LlamaForCausalLM):
             super().__init__(vllm_config=vllm_config, prefix=prefix,
                              layer_type=layer_type, **kwargs)
         self._lowrank = c
+        metrics.publish(self)  # what is in force here, for /metrics (vllm_lowrank.metrics)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self._lowrank is None:

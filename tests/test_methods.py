@@ -1,0 +1,126 @@
+"""Each calibration method on synthetic statistics where the optimum is known."""
+
+import pytest
+import torch
+
+from vllm_lowrank.calibration.calibrate import layer_bases
+from vllm_lowrank.calibration.collect import LayerStats, _distance_mass
+from vllm_lowrank.config import LowRankConfigError
+from vllm_lowrank.factorization.bases import factors_for_rank, rope_query_metric
+
+H, KV, D, HID = 4, 2, 8, 24
+torch.manual_seed(0)
+
+
+def _stats(x, q=None, gk=None, gv=None, dist=None):
+    st = LayerStats(sx=x.T @ x, tokens=x.shape[0])
+    st.sq = q
+    st.gk, st.gv, st.dist = gk, gv, dist
+    return st
+
+
+def _kw(group):
+    return dict(num_heads=H, num_kv_heads=KV, head_dim=D, group_size=group,
+                inv_freq=torch.tensor([1.0, 0.5, 0.1, 0.01]))
+
+
+def _weights():
+    return (torch.randn(KV * D, HID), torch.randn(KV * D, HID), torch.randn(HID, H * D))
+
+
+def _low_rank_inputs(rank, n=300):
+    return (torch.randn(n, rank) @ torch.randn(rank, HID)).double()
+
+
+@pytest.mark.parametrize("method", ["whitened", "eigen", "kq", "fisher"])
+def test_exact_recovery_when_inputs_are_low_rank(method):
+    """If X spans only r dimensions, every data-aware method rebuilds X W
+    exactly at rank r (the weight-only SVD does not)."""
+    w_k, w_v, w_o = _weights()
+    x = _low_rank_inputs(4)
+    # eigen: no query energy, so its PCA sees the keys only; kq: any full-rank
+    # query metric (errors are measured through the queries).
+    q = torch.zeros(H, D, D, dtype=torch.float64)
+    if method == "kq":
+        q = torch.randn(H, D, D, dtype=torch.float64)
+        q = q @ q.transpose(1, 2) + torch.eye(D, dtype=torch.float64)
+    g = torch.eye(KV * D, dtype=torch.float64) * x.shape[0]
+    st = _stats(x, q=q, gk=g, gv=g, dist=torch.ones(H, 16, dtype=torch.float64))
+    kb, vb = layer_bases(method, w_k, w_v, w_o, st, **_kw(KV))
+    for w, basis in ((w_k, kb[0]), (w_v, vb[0])):
+        a, b = factors_for_rank(basis, 4, w.T)
+        err = x.float() @ (w.T - a @ b)
+        assert err.norm() <= 1e-3 * (x.float() @ w.T).norm()
+    kb_svd, _ = layer_bases("svd", w_k, w_v, w_o, st, **_kw(KV))
+    a, b = factors_for_rank(kb_svd[0], 4, w_k.T)
+    assert (x.float() @ (w_k.T - a @ b)).norm() > 1e-2 * (x.float() @ w_k.T).norm()
+
+
+def test_eigen_basis_is_top_eigenspace_of_keys_and_queries():
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(500, HID, dtype=torch.float64)
+    q = torch.randn(H, D, D, dtype=torch.float64)
+    q = q @ q.transpose(1, 2) * 50
+    st = _stats(x, q=q)
+    kb, _ = layer_bases("eigen", w_k, w_v, w_o, st, **_kw(1))
+    wk0 = w_k[:D].double().T
+    m = wk0.T @ (x.T @ x / 500) @ wk0 + q[:2].sum(0) / 500
+    evals, evecs = torch.linalg.eigh(m)
+    top = evecs[:, -3:]
+    proj_ref = top @ top.T
+    b = kb[0].b[:3].double()
+    assert torch.allclose(b.T @ b, proj_ref, atol=1e-4)
+
+
+def test_fisher_minimises_the_kfac_objective():
+    """fisher == closed form of tr(S_x E G E^T) with the collected moments;
+    no other rank-r factorization does better on that objective."""
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(400, HID, dtype=torch.float64)
+    gm = torch.randn(KV * D, KV * D, dtype=torch.float64)
+    gm = gm @ gm.T
+    st = _stats(x, gk=gm, gv=gm)
+    kb, _ = layer_bases("fisher", w_k, w_v, w_o, st, **_kw(KV))
+    sx, g = x.T @ x / 400, gm / 400
+
+    def objective(a, b):
+        e = w_k.T.double() - a.double() @ b.double()
+        return float(torch.trace(sx @ e @ g @ e.T))
+
+    a, b = factors_for_rank(kb[0], 5, w_k.T)
+    best = objective(a, b)
+    assert best == pytest.approx(float(kb[0].energy[5:].double().sum()), rel=1e-3)
+    for _ in range(10):
+        ra = torch.randn(HID, 5, dtype=torch.float64)
+        # optimal B for this A under the same objective: (A^T Sx A)^{-1} A^T Sx W
+        rb = torch.linalg.solve(ra.T @ sx @ ra, ra.T @ sx @ w_k.T.double())
+        assert best <= objective(ra, rb) * (1 + 1e-6)
+
+
+def test_post_rope_basis_from_rotated_moments():
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(300, HID, dtype=torch.float64)
+    q = torch.randn(H, D, D, dtype=torch.float64)
+    q = q @ q.transpose(1, 2)
+    st = _stats(x, q=q)
+    kw = _kw(1)
+    kb, _ = layer_bases("post_rope", w_k, w_v, w_o, st, **kw)
+    wk0 = w_k[:D].double().T
+    m = wk0.T @ (x.T @ x / 300) @ wk0 + q[:2].sum(0) / 300
+    from vllm_lowrank.calibration.calibrate import WINDOW
+
+    ref = rope_query_metric(m, kw["inv_freq"], torch.ones(WINDOW, dtype=torch.float64))
+    evals = torch.linalg.eigvalsh(ref).flip(0)
+    assert torch.allclose(kb[0].energy.double(), evals.clamp_min(0), rtol=1e-4, atol=1e-6)
+    with pytest.raises(LowRankConfigError, match="group_size 1"):
+        layer_bases("post_rope", w_k, w_v, w_o, st, **_kw(2))
+
+
+def test_distance_mass_sums_each_diagonal():
+    p = torch.softmax(torch.randn(2, 3, 5, 5).masked_fill(
+        torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), float("-inf")), -1)
+    out = _distance_mass(p)
+    for h in range(3):
+        for delta in range(5):
+            ref = sum(float(p[b, h, m, m - delta]) for b in range(2) for m in range(delta, 5))
+            assert out[h, delta] == pytest.approx(ref, rel=1e-5)

@@ -1,0 +1,352 @@
+"""Prometheus metrics of the latent KV cache, served on vLLM's own ``/metrics``.
+
+vLLM runs the API server, the engine core and the workers in separate
+processes; the values must be the ones in force in the worker, so they travel
+through a small state directory:
+
+1. Front end (:func:`install`, called by ``plugin.register()``): in a top-level
+   process (not a ``multiprocessing`` child) it picks a fresh, private state
+   directory, exports its path as :data:`STATE_DIR_ENV` *before* vLLM spawns
+   the engine processes (children inherit the environment; a value inherited
+   from another top-level process is replaced), and registers
+   :class:`LowRankCollector` on ``prometheus_client.REGISTRY``, the registry
+   vLLM serves at ``/metrics`` with one API server.
+2. Worker (:func:`publish`, one call in the model's constructor once the
+   compression plan is resolved): writes
+   ``ModelCompression.summary(dtype_bytes)`` of its shard as JSON, atomically,
+   to ``worker-dp<d>-pp<p>-tp<t>.json`` in that directory.
+3. Scrape: the collector reads the state files, and the KV token capacity vLLM
+   allocated from vLLM's own ``vllm:cache_config_info`` (the front end learns
+   ``num_gpu_blocks`` and ``kv_cache_size_tokens`` from the engine at start-up).
+
+Metrics (all gauges):
+
+============================================== ===========================================
+``vllm_lowrank_compression_enabled``           1 when a worker runs the latent cache, else 0
+``vllm_lowrank_configured_ratio``              the ``ratio`` setting (fraction of K+V width)
+``vllm_lowrank_kv_compression_ratio``          original KV bytes / stored bytes per token
+``vllm_lowrank_original_bytes_per_token``      KV bytes per token without compression
+``vllm_lowrank_stored_bytes_per_token``        latent bytes per token actually cached
+``vllm_lowrank_layer_rank{layer,side[,group]}`` latent width of a layer's keys (``k``) or
+                                               values (``v``); per head group (global
+                                               group index) when a layer has several
+``vllm_lowrank_info{method,artifact}``          1; where the bases came from
+``vllm_lowrank_kv_cache_capacity_tokens{engine}`` KV tokens vLLM allocated (with or without
+                                               compression)
+============================================== ===========================================
+
+With compression off only ``vllm_lowrank_compression_enabled 0`` and the
+capacity are exported. Limitation: with ``--api-server-count > 1`` vLLM serves a
+multiprocess registry and these metrics are not exported (logged once).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger("vllm.lowrank")
+
+STATE_DIR_ENV = "VLLM_LOWRANK_METRICS_DIR"
+"""Environment variable holding the state directory (set by :func:`install`)."""
+PREFIX = "vllm_lowrank_"
+_CACHE_INFO = "vllm:cache_config_info"
+
+_installed = False
+_lock = threading.Lock()
+
+
+def _is_top_level_process() -> bool:
+    """True outside ``multiprocessing`` children (engine core, workers, extra
+    API servers are children; ``vllm serve`` itself is not)."""
+    return multiprocessing.parent_process() is None
+
+
+def install() -> str | None:
+    """Front-end half: export a fresh state directory and register the collector.
+
+    Idempotent; does nothing in ``multiprocessing`` children (they use the
+    directory inherited from their top-level process).
+
+    Returns:
+        The state directory path, or ``None`` in a child process.
+    """
+    global _installed
+    if not _is_top_level_process():
+        return None
+    with _lock:
+        if _installed:
+            return os.environ[STATE_DIR_ENV]
+        path = os.path.join(tempfile.gettempdir(),
+                            f"vllm-lowrank-metrics-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.environ[STATE_DIR_ENV] = path
+        owner = os.getpid()
+        atexit.register(_cleanup, path, owner)
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(LowRankCollector(path))
+        _installed = True
+        return path
+
+
+def _cleanup(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _dtype_bytes(model) -> int:
+    """Bytes per cached element: the KV cache dtype of the model's attention
+    layers (vLLM sets ``kv_cache_torch_dtype``), else the parameter dtype."""
+    for m in model.modules():
+        dtype = getattr(m, "kv_cache_torch_dtype", None)
+        if dtype is not None:
+            return dtype.itemsize
+    return next(model.parameters()).dtype.itemsize
+
+
+def _parallel_ranks() -> dict[str, int]:
+    """This worker's data/pipeline/tensor parallel ranks (0 when unset)."""
+    ranks = {"dp": 0, "pp": 0, "tp": 0}
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        ranks["tp"] = ps.get_tp_group().rank_in_group
+        ranks["pp"] = ps.get_pp_group().rank_in_group
+    except (AssertionError, AttributeError, ImportError):
+        pass
+    try:
+        from vllm.config.vllm import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        if config is not None:
+            ranks["dp"] = int(config.parallel_config.data_parallel_rank or 0)
+    except (AttributeError, ImportError):
+        pass
+    return ranks
+
+
+def publish(model) -> str | None:
+    """Worker half: write what is in force in this worker to the state directory.
+
+    Args:
+        model: A model whose ``_lowrank`` is the resolved
+            :class:`~vllm_lowrank.models.compression.ModelCompression` (its
+            attention layers built, so their KV cache dtype is known).
+
+    Returns:
+        The file written, or ``None`` when no state directory is exported (the
+        plugin was not registered in a top-level process) or writing failed
+        (logged; serving never fails because of metrics).
+    """
+    directory = os.environ.get(STATE_DIR_ENV)
+    compression = getattr(model, "_lowrank", None)
+    if not directory or compression is None:
+        return None
+    ranks = _parallel_ranks()
+    state = compression.summary(_dtype_bytes(model))
+    state.update(pid=os.getpid(), parallel=ranks,
+                 groups_per_layer={str(i): p.num_groups
+                                   for i, p in compression.plans.items()})
+    path = os.path.join(directory, f"worker-dp{ranks['dp']}-pp{ranks['pp']}-tp{ranks['tp']}.json")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("vllm-lowrank: cannot write metrics state to %s (%s); "
+                       "vllm_lowrank_* metrics will show compression disabled", path, e)
+        return None
+    return path
+
+
+def read_states(directory: str) -> list[dict[str, Any]]:
+    """The worker states in ``directory`` of the lowest data-parallel rank
+    (every DP engine serves the same plan); unreadable files are skipped."""
+    states = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith("worker-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                states.append(json.load(f))
+        except (OSError, ValueError) as e:
+            logger.warning("vllm-lowrank: skipping unreadable metrics state %s (%s)", name, e)
+    if not states:
+        return []
+    dp = min(s["parallel"]["dp"] for s in states)
+    return [s for s in states if s["parallel"]["dp"] == dp]
+
+
+def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Combine the workers of one engine (tensor/pipeline shards) into one view.
+
+    Returns:
+        ``None`` when no worker runs compression, else ``configured_ratio``,
+        ``method``, ``artifact``, ``original_bytes_per_token`` and
+        ``stored_bytes_per_token`` (summed over shards: bytes per token of the
+        whole engine), ``compression_ratio`` and ``ranks``: ``{(layer, side,
+        group): rank}`` with global group indices (``tp_rank * local_groups +
+        g``) and ``grouped``, whether any layer has more than one group overall.
+    """
+    states = [s for s in states if s.get("enabled")]
+    if not states:
+        return None
+    original = sum(s["original_bytes_per_token"] for s in states)
+    stored = sum(s["stored_bytes_per_token"] for s in states)
+    ranks: dict[tuple[int, str, int], int] = {}
+    tp_size = 1 + max(s["parallel"]["tp"] for s in states)
+    grouped = False
+    for s in states:
+        for layer, entry in s["layers"].items():
+            local = len(entry["k_ranks"])
+            grouped |= local * tp_size > 1
+            for side in ("k", "v"):
+                for g, r in enumerate(entry[f"{side}_ranks"]):
+                    ranks[(int(layer), side, s["parallel"]["tp"] * local + g)] = int(r)
+    first = states[0]
+    return {
+        "configured_ratio": first["configured_ratio"],
+        "method": first["method"],
+        "artifact": first["artifact"],
+        "original_bytes_per_token": original,
+        "stored_bytes_per_token": stored,
+        "compression_ratio": original / stored,
+        "ranks": ranks,
+        "grouped": grouped,
+    }
+
+
+class LowRankCollector:
+    """``prometheus_client`` collector exporting the ``vllm_lowrank_*`` gauges
+    at scrape time (see the module docstring).
+
+    Args:
+        directory: State directory the workers write to.
+        registry: Where to find vLLM's ``vllm:cache_config_info`` (default:
+            the global registry).
+    """
+
+    def __init__(self, directory: str, registry=None) -> None:
+        self.directory = directory
+        self._registry = registry
+        self._in_collect = threading.local()
+        self._warned = False
+
+    def describe(self) -> Iterable:
+        """The metric names (so the registry never collects us to learn them)."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        return [GaugeMetricFamily(PREFIX + n, "") for n in (
+            "compression_enabled", "configured_ratio", "kv_compression_ratio",
+            "original_bytes_per_token", "stored_bytes_per_token", "layer_rank", "info",
+            "kv_cache_capacity_tokens")]
+
+    def collect(self) -> Iterator:
+        """Yield the gauges; never raises (a broken state file is skipped)."""
+        if getattr(self._in_collect, "active", False):  # re-entered via the registry
+            return
+        self._in_collect.active = True
+        try:
+            yield from self._collect()
+        finally:
+            self._in_collect.active = False
+
+    def _collect(self) -> Iterator:
+        from prometheus_client.core import GaugeMetricFamily
+
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not self._warned:
+            self._warned = True
+            logger.warning("vllm-lowrank: PROMETHEUS_MULTIPROC_DIR is set (api_server_count "
+                           "> 1?); vLLM serves a multiprocess registry there and the "
+                           "vllm_lowrank_* metrics are not exported")
+        view = aggregate(read_states(self.directory))
+        yield GaugeMetricFamily(
+            PREFIX + "compression_enabled",
+            "1 when the workers run the latent (low-rank) KV cache, else 0",
+            value=0 if view is None else 1)
+        if view is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "configured_ratio",
+                "Configured fraction of the K+V cache width kept (ratio setting)",
+                value=view["configured_ratio"])
+            yield GaugeMetricFamily(
+                PREFIX + "kv_compression_ratio",
+                "Achieved KV compression: original KV bytes / stored bytes per token",
+                value=view["compression_ratio"])
+            yield GaugeMetricFamily(
+                PREFIX + "original_bytes_per_token",
+                "KV cache bytes per token without compression (all layers, K and V)",
+                value=view["original_bytes_per_token"])
+            yield GaugeMetricFamily(
+                PREFIX + "stored_bytes_per_token",
+                "KV cache bytes per token actually stored (latents of all layers)",
+                value=view["stored_bytes_per_token"])
+            labels = ["layer", "side"] + (["group"] if view["grouped"] else [])
+            ranks = GaugeMetricFamily(
+                PREFIX + "layer_rank",
+                "Latent width (rank) cached per token for a layer's keys (side=k) or "
+                "values (side=v), per head group when a layer has several",
+                labels=labels)
+            for (layer, side, group), r in sorted(view["ranks"].items()):
+                values = [str(layer), side] + ([str(group)] if view["grouped"] else [])
+                ranks.add_metric(values, r)
+            yield ranks
+            info = GaugeMetricFamily(PREFIX + "info",
+                                     "Source of the factorization bases (always 1)",
+                                     labels=["method", "artifact"])
+            info.add_metric([str(view["method"]), str(view["artifact"])], 1)
+            yield info
+        capacity = self._capacity()
+        if capacity:
+            fam = GaugeMetricFamily(
+                PREFIX + "kv_cache_capacity_tokens",
+                "KV cache capacity vLLM allocated, in tokens (per engine)",
+                labels=["engine"])
+            for engine, tokens in sorted(capacity.items()):
+                fam.add_metric([engine], tokens)
+            yield fam
+
+    def _capacity(self) -> dict[str, int]:
+        """``{engine: tokens}`` from vLLM's ``vllm:cache_config_info`` labels
+        (``kv_cache_size_tokens``, else ``num_gpu_blocks * block_size``); empty
+        before the engine reported its cache."""
+        from prometheus_client import REGISTRY
+
+        registry = self._registry or REGISTRY
+        out: dict[str, int] = {}
+        try:
+            for metric in registry.restricted_registry([_CACHE_INFO]).collect():
+                for sample in metric.samples:
+                    labels = sample.labels
+                    tokens = _int(labels.get("kv_cache_size_tokens"))
+                    if tokens is None:
+                        blocks = _int(labels.get("num_gpu_blocks"))
+                        size = _int(labels.get("block_size"))
+                        tokens = blocks * size if blocks and size else None
+                    if tokens:
+                        out[labels.get("engine", "0")] = tokens
+        except Exception as e:  # a scrape must not fail because of us
+            logger.debug("vllm-lowrank: no KV capacity for metrics (%s)", e)
+        return out
+
+
+def _int(text) -> int | None:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return None
