@@ -153,3 +153,27 @@ def test_preempted_requests_resume_with_the_same_tokens(model_path):
     gc.collect()
     assert preemptions > 0
     assert got == expected
+
+
+def test_quantized_latents_capacity_matches_packed_bytes(model_path, stock):
+    """ratio 0.5 with 4-bit K and V latents and one float16 scale/zero pair
+    per side per token: the capacity is the one computed from those bytes."""
+    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 0.5, "k_bits": 4, "v_bits": 4})
+    capacity = _capacity(llm)
+    del llm
+    gc.collect()
+    layers, kv_width, fp32 = 30, 3 * 64, 4
+    original = layers * 2 * kv_width * fp32  # stock float32 K+V per token
+    latent_columns = int(0.5 * layers * 2 * kv_width)  # sum of all ranks
+    stored = latent_columns * 4 // 8 + layers * 2 * (2 + 2)  # codes + fp16 scale, zero
+    assert capacity / stock["capacity"] == pytest.approx(original / stored, rel=0.03)
+
+
+def test_full_rank_8bit_latents_keep_greedy_tokens(model_path, stock):
+    """Full rank, 8-bit K and V latents (Hadamard-rotated): the first 16
+    greedy tokens of every prompt equal the uncompressed model's."""
+    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 1.0, "k_bits": 8, "v_bits": 8})
+    got = _greedy(llm, PROMPTS, max_tokens=16)
+    del llm
+    gc.collect()
+    assert [g[:16] for g in got] == [s[:16] for s in stock["short"]]

@@ -31,6 +31,7 @@ ADDITIONAL_CONFIG_KEY = "kv_compression"
 MODES = ("none", "lowrank")
 METHODS = ("svd", "whitened", "eigen", "kq", "post_rope", "fisher")
 RANK_ALLOCATIONS = ("uniform", "energy", "fisher")
+STORAGE_BITS = (16, 8, 4, 3, 2)
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
@@ -70,6 +71,14 @@ class LowRankConfig:
             default text if there is none) or ``"none"`` (no calibration: weight
             SVD, logged).
         calibration_tokens: Tokens of calibration text for ``artifact="auto"``.
+        k_bits, v_bits: Storage of the key / value latents: 16 (model dtype,
+            no quantization) or 8, 4, 3, 2 (per-token asymmetric integers with
+            float16 scale/zero, packed; :mod:`vllm_lowrank.quantization`).
+        quant_group_size: Latent channels per scale/zero pair; ``None`` = one
+            pair per head group per token. Must be a multiple of 8; ranks are
+            then allocated in multiples of it.
+        hadamard: Fold a randomised Walsh-Hadamard rotation into the factors of
+            quantized sides (Palu eq. 8); no run-time cost.
     """
 
     mode: str = "none"
@@ -80,6 +89,20 @@ class LowRankConfig:
     rank_allocation: str = "fisher"
     artifact: str = "auto"
     calibration_tokens: int = 16384
+    k_bits: int = 16
+    v_bits: int = 16
+    quant_group_size: int | None = None
+    hadamard: bool = True
+
+    @property
+    def quantized(self) -> bool:
+        """True when either side is stored below 16 bits."""
+        return self.k_bits < 16 or self.v_bits < 16
+
+    @property
+    def rank_multiple(self) -> int:
+        """Granularity of ranks (the quantization group when one is set)."""
+        return self.quant_group_size or RANK_MULTIPLE
 
     @property
     def enabled(self) -> bool:
@@ -122,7 +145,10 @@ class LowRankConfig:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
         if "ratio" in kwargs:
             kwargs["ratio"] = _number("ratio", kwargs["ratio"])
-        for key in ("group_size", "calibration_tokens"):
+        if "hadamard" in kwargs and not isinstance(kwargs["hadamard"], bool):
+            raise LowRankConfigError(f"hadamard must be true or false, got {kwargs['hadamard']!r}")
+        for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
+                    "quant_group_size"):
             if kwargs.get(key) is not None:
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs)
@@ -163,6 +189,18 @@ class LowRankConfig:
         if not isinstance(self.artifact, str) or not self.artifact:
             raise LowRankConfigError(
                 "artifact must be a directory path, \"auto\" or \"none\""
+            )
+        for side in ("k_bits", "v_bits"):
+            if getattr(self, side) not in STORAGE_BITS:
+                raise LowRankConfigError(
+                    f"{side}={getattr(self, side)} is not supported; choose one of "
+                    f"{list(STORAGE_BITS)} (16 = unquantized)"
+                )
+        q = self.quant_group_size
+        if q is not None and (q < RANK_MULTIPLE or q % RANK_MULTIPLE):
+            raise LowRankConfigError(
+                f"quant_group_size={q} must be a positive multiple of {RANK_MULTIPLE} "
+                "(or null: one scale per head group per token)"
             )
         if self.calibration_tokens < 512:
             raise LowRankConfigError(

@@ -21,23 +21,27 @@ through a small state directory:
 
 Metrics (all gauges):
 
-============================================== ===========================================
-``vllm_lowrank_compression_enabled``           1 when a worker runs the latent cache, else 0
-``vllm_lowrank_configured_ratio``              the ``ratio`` setting (fraction of K+V width)
-``vllm_lowrank_kv_compression_ratio``          original KV bytes / stored bytes per token
-``vllm_lowrank_original_bytes_per_token``      KV bytes per token without compression
-``vllm_lowrank_stored_bytes_per_token``        latent bytes per token actually cached
-``vllm_lowrank_layer_rank{layer,side[,group]}`` latent width of a layer's keys (``k``) or
-                                               values (``v``); per head group (global
-                                               group index) when a layer has several
-``vllm_lowrank_info{method,artifact}``          1; where the bases came from
-``vllm_lowrank_kv_cache_capacity_tokens{engine}`` KV tokens vLLM allocated (with or without
-                                               compression)
-============================================== ===========================================
+- ``vllm_lowrank_compression_enabled``: 1 when the workers run the latent
+  cache, else 0.
+- ``vllm_lowrank_configured_ratio``: the ``ratio`` setting (fraction of the
+  K+V width kept).
+- ``vllm_lowrank_kv_compression_ratio``: achieved, original KV bytes per token
+  / stored bytes per token.
+- ``vllm_lowrank_original_bytes_per_token``, ``vllm_lowrank_stored_bytes_per_token``:
+  bytes per token of all layers' K and V, without compression and as cached.
+- ``vllm_lowrank_layer_rank{layer, side[, group]}``: latent width (elements per
+  token) of a layer's keys (``side="k"``) or values (``side="v"``); labelled per
+  head group (global index) when a layer has several groups.
+- ``vllm_lowrank_info{method, artifact}``: 1; where the bases came from.
+- ``vllm_lowrank_kv_cache_capacity_tokens{engine}``: KV cache tokens vLLM
+  allocated (with or without compression); absent with ``--disable-log-stats``
+  (vLLM then has no ``vllm:cache_config_info``).
 
 With compression off only ``vllm_lowrank_compression_enabled 0`` and the
-capacity are exported. Limitation: with ``--api-server-count > 1`` vLLM serves a
-multiprocess registry and these metrics are not exported (logged once).
+capacity are exported. Limitations: with ``--api-server-count > 1`` vLLM serves
+a multiprocess registry and these metrics are not exported (logged once); the
+state directory is local, so workers must run on the API server's node and be
+``multiprocessing`` children of it (vLLM's default ``mp`` executor, not Ray).
 """
 
 from __future__ import annotations

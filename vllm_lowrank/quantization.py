@@ -24,16 +24,20 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_BITS = (8, 4, 3, 2)
+RAW_BITS = 16
+"""A side stored at 16 bits is kept as raw float16 values (no scale/zero)."""
 
 
 def packed_bytes(width: int, bits: int) -> int:
-    """Bytes of one packed row of ``width`` codes.
+    """Bytes of one packed row of ``width`` codes (``bits=16``: raw float16).
 
     Raises:
         ValueError: unsupported ``bits`` or ``width`` not a multiple of 8.
     """
+    if bits == RAW_BITS:
+        return 2 * width
     if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits} not in {SUPPORTED_BITS}")
+        raise ValueError(f"bits={bits} not in {SUPPORTED_BITS + (RAW_BITS,)}")
     if width % 8:
         raise ValueError(f"packed width {width} must be a multiple of 8")
     return width * bits // 8
@@ -97,6 +101,27 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     return codes, scale, zero
 
 
+def hadamard_rotation(width: int, seed: int = 0) -> torch.Tensor:
+    """Randomised block Walsh-Hadamard rotation ``R`` (``[width, width]``, float32,
+    orthogonal), for folding into factors (Palu eq. 8: ``A R``, ``R^T B``).
+
+    For a power-of-two width, ``R = D H / sqrt(width)`` with ``H`` the Sylvester
+    Hadamard matrix and ``D`` a random +-1 diagonal (seeded). Other widths (our
+    ranks are multiples of 8) use a block-diagonal ``R`` whose blocks are such
+    rotations of the largest power of two dividing ``width``: each block mixes
+    its channels fully, and every block has the same size, so no channel is
+    left unrotated.
+    """
+    block = width & -width  # largest power of two dividing width
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (width,), generator=g, dtype=torch.float64) * 2 - 1
+    r = torch.block_diag(*([h / block**0.5] * (width // block)))
+    return (signs[:, None] * r).float()
+
+
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                group: int) -> torch.Tensor:
     """``codes * scale + zero`` per channel group, float32 ``[..., width]``."""
@@ -122,7 +147,8 @@ class SlotLayout:
 
     Args:
         k_ranks, v_ranks: Latent width per head group.
-        k_bits, v_bits: Code widths (:data:`SUPPORTED_BITS`).
+        k_bits, v_bits: Code widths (:data:`SUPPORTED_BITS`, or 16 for raw
+            float16 values without scale/zero).
         k_group, v_group: Channels per scale/zero pair (``None`` = whole head
             group); must divide every rank of its side.
 
@@ -138,8 +164,10 @@ class SlotLayout:
         self.v_groups = self._groups(self.v_ranks, v_group)
         self.k_codes_bytes = sum(packed_bytes(r, k_bits) for r in self.k_ranks)
         self.v_codes_bytes = sum(packed_bytes(r, v_bits) for r in self.v_ranks)
-        self.k_params = sum(r // q for r, q in zip(self.k_ranks, self.k_groups))
-        self.v_params = sum(r // q for r, q in zip(self.v_ranks, self.v_groups))
+        self.k_params = 0 if k_bits == RAW_BITS else sum(
+            r // q for r, q in zip(self.k_ranks, self.k_groups))
+        self.v_params = 0 if v_bits == RAW_BITS else sum(
+            r // q for r, q in zip(self.v_ranks, self.v_groups))
         # Byte offsets of the six regions.
         self.v_codes_offset = self.k_codes_bytes
         self.k_scale_offset = self.k_codes_bytes + self.v_codes_bytes
@@ -159,6 +187,9 @@ class SlotLayout:
         return tuple(out)
 
     def _side(self, x, ranks, groups, bits):
+        if bits == RAW_BITS:
+            empty = x.new_zeros(*x.shape[:-1], 0, dtype=torch.float16)
+            return x.to(torch.float16).contiguous().view(torch.uint8), empty, empty
         codes, params_s, params_z, off = [], [], [], 0
         for r, q in zip(ranks, groups):
             c, s, z = quantize(x[..., off:off + r], bits, q)
@@ -179,6 +210,10 @@ class SlotLayout:
         """Inverse of :meth:`encode` up to quantization: ``[..., slot_bytes]``
         uint8 -> (``[..., Rk]``, ``[..., Rv]``) float32."""
         def side(codes_off, ranks, groups, bits, s_off, z_off, n_params):
+            if bits == RAW_BITS:
+                nb = 2 * sum(ranks)
+                return slots[..., codes_off:codes_off + nb].contiguous().view(
+                    torch.float16).float()
             scale = slots[..., s_off:s_off + 2 * n_params].contiguous().view(torch.float16)
             zero = slots[..., z_off:z_off + 2 * n_params].contiguous().view(torch.float16)
             parts, byte, p = [], codes_off, 0

@@ -148,6 +148,15 @@ def _gpu_decode():
     return latent_decode_attention
 
 
+def _gpu_supports(layout) -> bool:
+    """The Triton kernel reads unquantized caches and packed 8/4/3/2-bit
+    sides; a side kept as raw float16 inside a packed slot takes the torch path
+    (which runs on CUDA tensors too)."""
+    from vllm_lowrank.quantization import RAW_BITS
+
+    return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
+
+
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
     """Writes latents by slot mapping; attends through the block table.
 
@@ -182,8 +191,9 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         self.kv_sharing_target_layer_name = None
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        """Scatter latents ``key [T, 1, Rk]``, ``value [T, 1, Rv]`` into the cache."""
-        ops.write_latents(kv_cache, key, value, slot_mapping)
+        """Scatter latents ``key [T, 1, Rk]``, ``value [T, 1, Rv]`` into the cache
+        (quantized and packed on write when the layer has a slot layout)."""
+        ops.write_latents(kv_cache, key, value, slot_mapping, layer.layout)
 
     def forward(
         self,
@@ -205,22 +215,23 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         m = attn_metadata
         plan, k_up = layer.plan, layer.k_up
         rope = layer.rope_table(query.device)
-        post_rope = layer.post_rope
+        post_rope, layout = layer.post_rope, layer.layout
         if len(m.decode_reqs):
             args = (plan, k_up, rope, self.scale, query.index_select(0, m.decode_tokens),
                     kv_cache, m.block_table.index_select(0, m.decode_reqs),
                     m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
-            if query.is_cuda:
-                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope")
+            if query.is_cuda and _gpu_supports(layout):
+                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
+                                    layout=layout)
             else:
-                out = ops.decode_attention(*args, post_rope=post_rope)
+                out = ops.decode_attention(*args, post_rope=post_rope, layout=layout)
             output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
             out = ops.prefill_attention(
                 plan, k_up, rope, self.scale, query[start:stop], kv_cache,
-                m.block_table[r], int(m.seq_lens_cpu[r]), post_rope,
+                m.block_table[r], int(m.seq_lens_cpu[r]), post_rope, layout,
             )
             output[start:stop] = out.to(output.dtype)
         return output

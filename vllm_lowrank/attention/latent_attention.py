@@ -32,8 +32,9 @@ the cached key latent is ``c^k_t = R_t k_t P_j`` and the query arrives as
 ``s_{i,t} = q~_i . c^k_t`` needs neither a rebuild nor RoPE here.
 
 This module is the CPU path: vectorized torch over the decode batch (one
-gather, one GEMM per group for the key rebuild, one SDPA call per group) and
-per prefill request (prefill chunks are few and long). Prefill reads the keys
+gather, one GEMM per group for the key rebuild, two batched GEMMs per group for
+scores and values) and per prefill request (prefill chunks are few and long;
+torch's CPU flash kernel, no score matrix in memory). Prefill reads the keys
 and values back from the cache, exactly as decode will, so prompt
 log-probabilities measure the compressed model. CUDA tensors go to the kernels
 in :mod:`vllm_lowrank.triton_kernels` instead (dispatch in the backend).
@@ -48,8 +49,8 @@ from vllm_lowrank.attention.rope import RopeTable
 from vllm_lowrank.factorization.plan import LayerPlan
 
 PREFILL_QUERY_CHUNK = 1024
-"""Query rows per SDPA call in prefill: bounds the score buffer to
-``heads x 1024 x context`` float32."""
+"""Query rows per masked SDPA call in prefill off the CPU: bounds the score
+buffer to ``heads x 1024 x context`` float32."""
 
 
 def write_latents(
@@ -57,21 +58,27 @@ def write_latents(
     k_latent: torch.Tensor,
     v_latent: torch.Tensor,
     slot_mapping: torch.Tensor,
+    layout=None,
 ) -> None:
-    """Scatter this step's latents into their paged slots.
+    """Scatter this step's latents into their paged slots (quantize-on-write
+    when ``layout`` is given).
 
     Args:
-        kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]``.
+        kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]`` in the model dtype, or
+            ``[num_blocks, 1, block_size, slot_bytes]`` uint8 with ``layout``.
         k_latent: ``[num_tokens, Rk]`` (or ``[num_tokens, 1, Rk]``).
         v_latent: ``[num_tokens, Rv]``.
         slot_mapping: ``[num_tokens]`` int64 ``block * block_size + offset``;
             negative entries (padding) are skipped.
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` or ``None``.
     """
     n = slot_mapping.shape[0]
     block_size = kv_cache.shape[2]
-    rows = torch.cat(
-        (k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)), dim=-1
-    ).to(kv_cache.dtype)
+    k_rows, v_rows = k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)
+    if layout is not None:
+        rows = layout.encode(k_rows.float(), v_rows.float())
+    else:
+        rows = torch.cat((k_rows, v_rows), dim=-1).to(kv_cache.dtype)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         rows, slot_mapping = rows[valid], slot_mapping[valid]
@@ -80,23 +87,30 @@ def write_latents(
 
 
 def gather_latents(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, layout=None
 ) -> torch.Tensor:
     """Read positions ``0..length-1`` of each request from the paged cache.
 
     Args:
-        kv_cache: ``[num_blocks, 1, block_size, C]``.
+        kv_cache: ``[num_blocks, 1, block_size, C]`` (uint8 slots with ``layout``).
         block_table: ``[num_reqs, max_blocks]`` (rows of the requests to read).
         length: Positions to read (entries past a request's length are garbage
             and must be masked by the caller).
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` to dequantize
+            packed slots, or ``None``.
 
     Returns:
-        ``[num_reqs, length, C]`` in the cache dtype.
+        ``[num_reqs, length, Rk + Rv]`` in the cache dtype (float32 when
+        dequantized).
     """
     block_size = kv_cache.shape[2]
     pos = torch.arange(length, device=kv_cache.device)
     blocks = block_table[:, pos // block_size].long()  # [B, L]
-    return kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
+    rows = kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
+    if layout is None:
+        return rows
+    k, v = layout.decode(rows)
+    return torch.cat((k, v), dim=-1)
 
 
 def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
@@ -112,55 +126,60 @@ def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
     return rope.rebuild_rotated(c_k, b_k, positions, plan.shape.head_dim)
 
 
-def _attend(
-    plan: LayerPlan,
-    k_up: torch.Tensor,
-    rope: RopeTable,
-    scale: float,
-    query: torch.Tensor,
-    latents: torch.Tensor,
-    mask: torch.Tensor,
-    post_rope: bool = False,
-) -> torch.Tensor:
-    """Attention of ``query`` over ``latents`` for every head group.
+def _flash_cpu(q, k, v, causal: bool, scale: float):
+    """(out, lse) of torch's CPU flash kernel; ``q/k/v [H, *, D]`` float32."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, attn_mask=None, scale=scale)
+    return out[0], lse[0]
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of ``Q`` new tokens over ``context`` cached ones and
+    themselves.
 
     Args:
-        plan: Layer plan (groups and ranks).
-        k_up: ``[Rk, kv_width]`` float32 block-diagonal key up-projection.
-        rope: RoPE table.
-        scale: Softmax scale.
-        query: ``[B, Q, H, d]`` float32, post-RoPE (post-RoPE mode:
-            ``[B, Q, H, max r_k]`` latent queries).
-        latents: ``[B, L, Rk + Rv]`` (any float dtype), positions ``0..L-1``.
-        mask: ``[B, Q, L]`` bool, True where query ``q`` may attend position ``l``.
-        post_rope: Scores from post-RoPE latents (no rebuild).
+        q: ``[H, Q, dk]``; k: ``[H, context + Q, dk]``; v: ``[H, context + Q, dv]``
+            (float32; the new tokens are the last ``Q`` keys).
+        context: Positions before the first query.
 
     Returns:
-        ``[B, Q, out_width]`` float32.
+        ``[H, Q, dv]`` float32.
+
+    On CPU this runs torch's flash kernel, which needs equal head dims (wider
+    values run in key-width column slices, which share the scores; narrower
+    ones are zero-padded, which changes no output column; 9 heads x 1024
+    tokens with a 192-wide value latent: 218 ms padded, 55 ms sliced) and only
+    top-left causal masks: with a context, the cached part (no mask) and the new
+    chunk (causal) are attended separately and merged by log-sum-exp
+    (flash-decoding's reduction). Elsewhere: masked SDPA in query chunks.
     """
-    b, q_len = query.shape[:2]
-    length = latents.shape[1]
-    # Positions no query may see (padding past a request's length) hold
-    # whatever the paged cache has there; zero them so NaN/inf cannot leak
-    # through the masked softmax (0 * NaN is NaN).
-    visible = mask.any(dim=1)[..., None]  # [B, L, 1]
-    lat = torch.where(visible, latents.float(), 0.0)
-    positions = torch.arange(length, device=lat.device)
-    rk = plan.k_width
-    hg, gs = plan.heads_per_group, plan.group_size
-    attn_mask = mask[:, None, :, :]  # [B, 1, Q, L]
-    outs = []
-    for g, v_off in enumerate(plan.v_offsets()):
-        r_v = plan.v_ranks[g]
-        keys = _group_keys(plan, g, k_up, rope, lat, positions, post_rope).transpose(1, 2)
-        values = lat[:, :, rk + v_off : rk + v_off + r_v]
-        values = values[:, None].expand(b, gs, length, r_v)  # shared by the group
-        q_g = query[:, :, g * hg : (g + 1) * hg, : keys.shape[-1]].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q_g, keys, values, attn_mask=attn_mask, scale=scale, enable_gqa=True
-        )  # [B, Hg, Q, r_v]
-        outs.append(o.transpose(1, 2).reshape(b, q_len, hg * r_v))
-    return torch.cat(outs, dim=-1)
+    dk, dv = q.shape[-1], v.shape[-1]
+    if q.device.type != "cpu":
+        length = k.shape[1]
+        pos = torch.arange(length, device=q.device)
+        outs = []
+        for start in range(0, q.shape[1], PREFILL_QUERY_CHUNK):
+            stop = min(q.shape[1], start + PREFILL_QUERY_CHUNK)
+            mask = pos[None, :] <= (context + torch.arange(start, stop, device=q.device))[:, None]
+            outs.append(F.scaled_dot_product_attention(
+                q[:, start:stop], k, v, attn_mask=mask, scale=scale))
+        return torch.cat(outs, dim=1)
+    if dv > dk:  # value columns in key-width slices: same scores, one call each
+        return torch.cat([_causal_attention(q, k, v[..., i:i + dk], context, scale)
+                          for i in range(0, dv, dk)], dim=-1)
+    width = max(dk, dv)
+    if dv < width:
+        v = F.pad(v, (0, width - dv))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    new_out, new_lse = _flash_cpu(q, k[:, context:], v[:, context:], True, scale)
+    if context:
+        old_out, old_lse = _flash_cpu(q, k[:, :context], v[:, :context], False, scale)
+        top = torch.maximum(old_lse, new_lse)
+        w_old, w_new = (old_lse - top).exp(), (new_lse - top).exp()
+        new_out = (old_out * w_old[..., None] + new_out * w_new[..., None]) / (
+            w_old + w_new)[..., None]
+    return new_out[..., :dv]
 
 
 def decode_attention(
@@ -174,6 +193,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     post_rope: bool = False,
+    layout=None,
 ) -> torch.Tensor:
     """One new token per request, batched.
 
@@ -187,13 +207,14 @@ def decode_attention(
         block_table: ``[B, max_blocks]``; seq_lens: ``[B]`` (including this token).
         max_seq_len: ``max(seq_lens)`` (host int).
         post_rope: ``query`` is ``[B, H, max r_k]`` in the key latent basis.
+        layout: Packed-slot layout of a quantized cache, or ``None``.
 
     Returns:
         ``[B, out_width]`` float32.
     """
     b = query.shape[0]
     length = max_seq_len
-    latents = gather_latents(kv_cache, block_table, length)
+    latents = gather_latents(kv_cache, block_table, length, layout)
     pos = torch.arange(length, device=query.device)
     visible = pos[None, :] < seq_lens[:, None].to(pos.device)  # [B, L]
     rk = plan.k_width
@@ -227,6 +248,7 @@ def prefill_attention(
     block_table_row: torch.Tensor,
     seq_len: int,
     post_rope: bool = False,
+    layout=None,
 ) -> torch.Tensor:
     """A chunk of ``Q`` new tokens of one request (positions ``seq_len-Q ..
     seq_len-1``), causal, over everything cached so far (prefix-cache hits and
@@ -237,22 +259,23 @@ def prefill_attention(
         block_table_row: ``[max_blocks]``.
         seq_len: Tokens of the request after this chunk.
         post_rope: Scores from post-RoPE latents (no rebuild).
+        layout: Packed-slot layout of a quantized cache, or ``None``.
 
     Returns:
         ``[Q, out_width]`` float32.
     """
     q_len = query.shape[0]
-    latents = gather_latents(kv_cache, block_table_row[None], seq_len)
-    pos = torch.arange(seq_len, device=query.device)
+    latents = gather_latents(kv_cache, block_table_row[None], seq_len, layout).float()
+    positions = torch.arange(seq_len, device=query.device)
+    rk, hg = plan.k_width, plan.heads_per_group
     outs = []
-    for start in range(0, q_len, PREFILL_QUERY_CHUNK):
-        stop = min(q_len, start + PREFILL_QUERY_CHUNK)
-        q_pos = torch.arange(seq_len - q_len + start, seq_len - q_len + stop,
-                             device=query.device)
-        mask = (pos[None, :] <= q_pos[:, None])[None]  # [1, Qc, L]
-        end = int(q_pos[-1]) + 1
-        outs.append(
-            _attend(plan, k_up, rope, scale, query[None, start:stop].float(),
-                    latents[:, :end], mask[..., :end], post_rope)[0]
-        )
-    return torch.cat(outs, dim=0)
+    for g, v_off in enumerate(plan.v_offsets()):
+        r_v = plan.v_ranks[g]
+        keys = _group_keys(plan, g, k_up, rope, latents, positions, post_rope)[0]
+        keys = keys.repeat_interleave(hg // keys.shape[1], dim=1)  # [L, Hg, dk]
+        values = latents[0, :, rk + v_off:rk + v_off + r_v]
+        q_g = query[:, g * hg:(g + 1) * hg, :keys.shape[-1]].float()
+        o = _causal_attention(q_g.transpose(0, 1), keys.transpose(0, 1),
+                              values[None].expand(hg, -1, -1), seq_len - q_len, scale)
+        outs.append(o.transpose(0, 1).reshape(q_len, hg * r_v))
+    return torch.cat(outs, dim=-1)

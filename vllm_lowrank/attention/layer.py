@@ -33,6 +33,8 @@ class LatentAttention(Attention):
         rotary: The model's rotary module (its cos/sin table rotates the
             rebuilt keys).
         post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of packed
+            low-bit latents, or ``None`` to cache them in the model dtype.
         cache_config, quant_config, prefix: As for vLLM's ``Attention``.
 
     Buffers:
@@ -41,7 +43,7 @@ class LatentAttention(Attention):
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
-                 cache_config=None, quant_config=None, prefix: str = "") -> None:
+                 layout=None, cache_config=None, quant_config=None, prefix: str = "") -> None:
         shape = plan.shape
         # Post-RoPE queries arrive projected into the key latent basis, padded
         # to the largest key rank.
@@ -58,6 +60,7 @@ class LatentAttention(Attention):
         )
         self.plan = plan
         self.post_rope = post_rope
+        self.layout = layout
         self.register_buffer(
             "k_up", torch.zeros(0 if post_rope else plan.k_width, shape.kv_width,
                                 dtype=torch.float32),
@@ -72,13 +75,17 @@ class LatentAttention(Attention):
         return rope_table_for(self._rotary, device)
 
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
-        """One head slot per token holding ``[c_k | c_v]`` (``Rk + Rv`` elements)."""
+        """One head slot per token holding ``[c_k | c_v]``: ``Rk + Rv`` elements
+        of the model dtype, or ``layout.slot_bytes`` uint8 when quantized (vLLM's
+        ``state_content_bytes``: packed codes plus float16 scales/zeros)."""
+        quantized = self.layout is not None
         return FullAttentionSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
             head_size=self.plan.k_width,
             head_size_v=self.plan.v_width,
-            dtype=self.kv_cache_torch_dtype,
+            dtype=torch.uint8 if quantized else self.kv_cache_torch_dtype,
+            state_content_bytes=self.layout.slot_bytes if quantized else None,
         )
 
     def forward(self, query: torch.Tensor, k_latent: torch.Tensor,

@@ -91,6 +91,32 @@ def _side(plan: LayerPlan, bases: Sequence[GroupBasis], ranks: Sequence[int],
     return torch.cat(a_parts, dim=1), up
 
 
+def rotate_latents(plan: LayerPlan, f: LayerFactors, sides: str, seed: int) -> LayerFactors:
+    """Fold a randomised Hadamard rotation ``R`` into each group's latent
+    (Palu eq. 8): ``A' = A R``, ``B' = R^T B``, so ``A' B' = A B`` exactly and the
+    cached latent ``x A'`` has its energy spread over all channels (fewer
+    per-token outliers to quantize).
+
+    Args:
+        plan: The layer plan.
+        f: Factors to rotate.
+        sides: ``"k"``, ``"v"`` or ``"kv"``: which latents to rotate.
+        seed: Base seed (each layer/side/group gets its own rotation).
+    """
+    from vllm_lowrank.quantization import hadamard_rotation
+
+    out = LayerFactors(f.a_k.clone(), f.k_up.clone(), f.a_v.clone(), f.v_up.clone())
+    for side, a, up, ranks, offsets in (("k", out.a_k, out.k_up, plan.k_ranks, plan.k_offsets()),
+                                        ("v", out.a_v, out.v_up, plan.v_ranks, plan.v_offsets())):
+        if side not in sides:
+            continue
+        for g, (off, r) in enumerate(zip(offsets, ranks)):
+            rot = hadamard_rotation(r, seed=seed * 1000 + 10 * g + (side == "v"))
+            a[:, off:off + r] = a[:, off:off + r] @ rot
+            up[off:off + r] = rot.T @ up[off:off + r]
+    return out
+
+
 def fused_qkv_weight(w_q: torch.Tensor, f: LayerFactors) -> torch.Tensor:
     """``[q_size + Rk + Rv, hidden]`` in ``w_q``'s dtype."""
     return torch.cat([w_q.float(), f.a_k.T, f.a_v.T], dim=0).to(w_q.dtype)

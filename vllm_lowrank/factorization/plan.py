@@ -17,7 +17,6 @@ head ``i`` contributing ``r_v[group(i)]`` columns, where
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 from vllm_lowrank.config import RANK_MULTIPLE, LowRankConfig, LowRankConfigError
@@ -153,19 +152,20 @@ def resolve_group_size(cfg: LowRankConfig, shape: AttentionShape) -> int:
     return g
 
 
-def round_rank(width: float, full: int) -> int:
-    """Round a latent width to a multiple of :data:`RANK_MULTIPLE`, within
-    ``[RANK_MULTIPLE, full]`` (``full`` itself is always allowed).
+def round_rank(width: float, full: int, multiple: int = RANK_MULTIPLE) -> int:
+    """Round a latent width to a multiple of ``multiple`` (default
+    :data:`RANK_MULTIPLE`), within ``[multiple, full]`` (``full`` itself is
+    always allowed).
 
     Raises:
         LowRankConfigError: the width rounds to zero.
     """
     if width >= full:
         return full
-    r = int(round(width / RANK_MULTIPLE)) * RANK_MULTIPLE
+    r = int(round(width / multiple)) * multiple
     if r <= 0:
         raise LowRankConfigError(
-            f"the ratio gives rank {width:.1f} < {RANK_MULTIPLE / 2} for a head "
+            f"the ratio gives rank {width:.1f} < {multiple / 2} for a head "
             f"group of width {full}, which rounds to rank 0; raise ratio or "
             "group_size"
         )
@@ -193,18 +193,5 @@ def uniform_plan(
                     f"{n} head group(s) with 1..{full} per group"
                 )
         return LayerPlan(shape, g, (rk_total // n,) * n, (rv_total // n,) * n)
-    r = round_rank(cfg.ratio * full, full)
+    r = round_rank(cfg.ratio * full, full, cfg.rank_multiple)
     return LayerPlan(shape, g, (r,) * n, (r,) * n)
-
-
-def kv_bytes_per_token(plans: Sequence[LayerPlan], dtype_bytes: int) -> tuple[int, int]:
-    """(original, stored) KV cache bytes per token over ``plans``."""
-    original = sum(2 * p.shape.kv_width for p in plans) * dtype_bytes
-    stored = sum(p.k_width + p.v_width for p in plans) * dtype_bytes
-    return original, stored
-
-
-def compression_ratio(plans: Sequence[LayerPlan], dtype_bytes: int = 2) -> float:
-    """Original KV bytes / stored bytes per token."""
-    original, stored = kv_bytes_per_token(plans, dtype_bytes)
-    return original / stored if stored else math.inf

@@ -24,15 +24,16 @@ from vllm_lowrank.config import RANK_MULTIPLE, LowRankConfigError
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
 
 
-def _chunk_gains(energy: torch.Tensor, full: int, normalize: bool) -> list[float]:
+def _chunk_gains(energy: torch.Tensor, full: int, normalize: bool,
+                 multiple: int) -> list[float]:
     """Energy gained by each successive chunk of rank (last chunk may be
     shorter when ``full`` is not a multiple of the chunk), as a fraction of the
     basis' total when ``normalize``."""
     e = energy.double().clamp_min(0)
     total = (float(e.sum()) or 1.0) if normalize else 1.0
     gains = []
-    for start in range(0, full, RANK_MULTIPLE):
-        gains.append(float(e[start : start + RANK_MULTIPLE].sum()) / total)
+    for start in range(0, full, multiple):
+        gains.append(float(e[start : start + multiple].sum()) / total)
     return gains
 
 
@@ -42,6 +43,7 @@ def energy_plans(
     spectra: Mapping[int, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
     ratio: float,
     normalize: bool = True,
+    multiple: int = RANK_MULTIPLE,
 ) -> dict[int, LayerPlan]:
     """Per-layer plans from the greedy energy allocation (module docstring).
 
@@ -53,6 +55,7 @@ def energy_plans(
         normalize: Compare spectra as fractions of each basis' energy
             (``energy``); ``False`` compares raw energies, which is right when
             every objective is in the same unit (``fisher``: loss increase).
+        multiple: Rank granularity (chunk size).
 
     Returns:
         ``{layer: LayerPlan}``.
@@ -71,21 +74,21 @@ def energy_plans(
             for g, e in enumerate(energies):
                 key = (layer, side, g)
                 keys.append(key)
-                gains[key] = _chunk_gains(e, full, normalize)
+                gains[key] = _chunk_gains(e, full, normalize, multiple)
     budget = int(ratio * budget)
-    ranks = {k: min(RANK_MULTIPLE, _full(shapes, group_size, k)) for k in keys}
+    ranks = {k: min(multiple, _full(shapes, group_size, k)) for k in keys}
     spent = sum(ranks.values())
     if spent > budget:
         raise LowRankConfigError(
             f"ratio={ratio} leaves {budget} latent columns, fewer than the "
-            f"{spent} needed for rank {RANK_MULTIPLE} in every head group; raise ratio"
+            f"{spent} needed for rank {multiple} in every head group; raise ratio"
         )
     heap = [(-gains[k][1], k, 1) for k in keys if len(gains[k]) > 1]
     heapq.heapify(heap)
     while heap:
         neg_gain, key, chunk = heapq.heappop(heap)
         full = _full(shapes, group_size, key)
-        step = min(RANK_MULTIPLE, full - ranks[key])
+        step = min(multiple, full - ranks[key])
         if spent + step > budget:
             continue
         ranks[key] += step

@@ -74,6 +74,27 @@ class ModelCompression:
         """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
         return None if self.artifact is None else self.artifact.bases[layer]
 
+    def layout(self, layer: int):
+        """:class:`~vllm_lowrank.quantization.SlotLayout` of ``layer``'s packed
+        slot, or ``None`` when latents are stored unquantized."""
+        if not self.cfg.quantized:
+            return None
+        from vllm_lowrank.quantization import SlotLayout
+
+        p, q = self.plans[layer], self.cfg.quant_group_size
+        return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q)
+
+    def bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
+        """(original, stored) KV bytes per token over this worker's layers, for
+        a cache whose unquantized elements take ``dtype_bytes`` (scales and
+        zero points of quantized slots included)."""
+        original = stored = 0
+        for i, p in self.plans.items():
+            original += 2 * p.shape.kv_width * dtype_bytes
+            layout = self.layout(i)
+            stored += layout.slot_bytes if layout else (p.k_width + p.v_width) * dtype_bytes
+        return original, stored
+
     def summary(self, dtype_bytes: int) -> dict:
         """What is in force, for metrics and logs (JSON-safe).
 
@@ -86,10 +107,7 @@ class ModelCompression:
             ``original_bytes_per_token``, ``stored_bytes_per_token`` and
             ``compression_ratio`` (original / stored), over this worker's layers.
         """
-        from vllm_lowrank.factorization.plan import kv_bytes_per_token
-
-        plans = list(self.plans.values())
-        original, stored = kv_bytes_per_token(plans, dtype_bytes)
+        original, stored = self.bytes_per_token(dtype_bytes)
         return {
             "enabled": True,
             "configured_ratio": self.cfg.ratio,
@@ -100,19 +118,23 @@ class ModelCompression:
             "original_bytes_per_token": original,
             "stored_bytes_per_token": stored,
             "compression_ratio": original / stored,
+            "k_bits": self.cfg.k_bits,
+            "v_bits": self.cfg.v_bits,
         }
 
     def describe(self) -> str:
-        from vllm_lowrank.factorization.plan import compression_ratio
-
         plans = list(self.plans.values())
         k = sum(p.k_width for p in plans) / len(plans)
         v = sum(p.v_width for p in plans) / len(plans)
+        original, stored = self.bytes_per_token(2)
         source = self.artifact_path or (
             "none needed (full rank: identity bases)" if self.cfg.ratio == 1.0 and not self.cfg.ranks
             else "weight SVD (no calibration)")
-        return (f"{len(plans)} layers, mean latent width K {k:.1f} / V {v:.1f}, "
-                f"compression ratio {compression_ratio(plans):.2f}x, bases from {source}")
+        bits = (f", K/V latents at {self.cfg.k_bits}/{self.cfg.v_bits} bits"
+                if self.cfg.quantized else "")
+        return (f"{len(plans)} layers, mean latent width K {k:.1f} / V {v:.1f}{bits}, "
+                f"compression ratio {original / stored:.2f}x (vs 16-bit K/V), "
+                f"bases from {source}")
 
 
 def model_shapes(hf_config, tp_size: int = 1) -> dict[int, AttentionShape]:
@@ -262,7 +284,8 @@ def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
         spectra = artifact.spectra()
         allocated = energy_plans(free, artifact.group_size,
                                  {i: spectra[i] for i in free}, cfg.ratio,
-                                 normalize=cfg.rank_allocation == "energy")
+                                 normalize=cfg.rank_allocation == "energy",
+                                 multiple=cfg.rank_multiple)
     else:
         if cfg.rank_allocation != "uniform" and free:
             logger.warning("vllm-lowrank: energy rank allocation needs a calibration "

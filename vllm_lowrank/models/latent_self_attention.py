@@ -45,6 +45,10 @@ class LatentSelfAttention(nn.Module):
         qkv_bias: Whether q_proj has a bias (loaded into the fused projection).
         o_bias: Whether o_proj has (or needs, for a folded value bias) a bias.
         post_rope: Cache post-RoPE key latents (needs ``group_size`` 1).
+        layout: Packed low-bit slot layout (:mod:`vllm_lowrank.quantization`),
+            or ``None``.
+        hadamard_seed: Seed of the Hadamard rotation folded into quantized
+            sides, or ``None`` for no rotation.
         cache_config, quant_config: vLLM configs.
         prefix: Module prefix (``model.layers.N.self_attn``).
 
@@ -57,11 +61,14 @@ class LatentSelfAttention(nn.Module):
 
     def __init__(self, plan: LayerPlan, rotary: nn.Module, scale: float, *,
                  qkv_bias: bool = False, o_bias: bool = False, post_rope: bool = False,
-                 cache_config=None, quant_config=None, prefix: str = "") -> None:
+                 layout=None, hadamard_seed: int | None = None, cache_config=None,
+                 quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
         self.plan = plan
         self.post_rope = post_rope
+        self.layout = layout
+        self.hadamard_seed = hadamard_seed
         self.q_size = shape.num_heads * shape.head_dim
         self.k_size = shape.kv_width if post_rope else plan.k_width
         if post_rope:
@@ -89,7 +96,7 @@ class LatentSelfAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary
-        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope,
+        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope, layout=layout,
                                     cache_config=cache_config, quant_config=quant_config,
                                     prefix=f"{prefix}.attn")
 
@@ -145,6 +152,9 @@ class LatentSelfAttention(nn.Module):
                 for w in (w_k, w_v)
             )
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
+        if self.layout is not None and self.hadamard_seed is not None:
+            sides = ("k" if self.layout.k_bits < 16 else "") + ("v" if self.layout.v_bits < 16 else "")
+            f = fold.rotate_latents(plan, f, sides, self.hadamard_seed)
         param = self.qkv_proj.weight
         if self.post_rope:  # keys stay full until RoPE; their projection P_j = B_k^T
             with torch.no_grad():

@@ -45,14 +45,16 @@ def _latent_llama_attention(*, config, hidden_size, num_heads, num_kv_heads,
                             attn_type=None) -> LatentSelfAttention:
     """Signature of vLLM's ``LlamaAttention``; builds the latent block."""
     c = _BUILDING[-1]
-    plan = c.plans[extract_layer_index(prefix)]
+    layer = extract_layer_index(prefix)
+    plan = c.plans[layer]
     head_dim = plan.shape.head_dim
     rotary = get_rope(head_dim, max_position=max_position_embeddings,
                       rope_parameters=getattr(config, "rope_parameters", None),
                       is_neox_style=True)
     return LatentSelfAttention(
         plan, rotary, head_dim**-0.5, qkv_bias=bias,
-        o_bias=bias_o_proj or bias, post_rope=c.post_rope, cache_config=cache_config,
+        o_bias=bias_o_proj or bias, post_rope=c.post_rope, layout=c.layout(layer),
+        hadamard_seed=layer if c.cfg.hadamard else None, cache_config=cache_config,
         quant_config=quant_config, prefix=prefix,
     )
 
