@@ -19,4 +19,4 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   .venv/bin/python scripts/repair_cpu_install.py
   touch "$STAMP"
 fi
-.venv/bin/vllm-lowrank prepare-model smollm2-135m
+.venv/bin/vllm-lowrank prepare-model smollm2-135m --calibrate
