@@ -6,74 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
+from serving import VLLM, Server
 
 pytestmark = pytest.mark.slow
-
-VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, *args, log_dir):
-        self.port = _free_port()
-        self.log_path = os.path.join(log_dir, f"server-{self.port}.log")
-        self.log = open(self.log_path, "w")
-        cmd = [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", "m", "--dtype", "float32", "--max-model-len", "2048",
-               "--enforce-eager", *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 900
-        while time.time() < deadline:
-            assert self.proc.poll() is None, self.text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(self.text()[-3000:])
-
-    @property
-    def url(self):
-        return f"http://127.0.0.1:{self.port}"
-
-    def text(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def client(self):
-        from openai import OpenAI
-
-        return OpenAI(base_url=self.url + "/v1", api_key="x")
-
-    def greedy(self, prompts=PROMPTS, max_tokens=24):
-        out = []
-        for p in prompts:
-            r = self.client().completions.create(model="m", prompt=p, temperature=0,
-                                                 max_tokens=max_tokens, logprobs=1)
-            out.append(r.choices[0].logprobs.tokens)
-        return out
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,11 @@ Metrics (all gauges):
   head group (global index) when a layer has several groups.
 - ``vllm_lowrank_info{method, artifact}``: 1; where the bases came from.
 - ``vllm_lowrank_kv_cache_capacity_tokens{engine}``: KV cache tokens vLLM
-  allocated (with or without compression); absent with ``--disable-log-stats``
-  (vLLM then has no ``vllm:cache_config_info``).
+  allocated (with or without compression), the figure vLLM logs as "KV cache
+  size: N tokens" (``kv_cache_size_tokens``: max concurrency x max_model_len,
+  equal to blocks x block size when max_model_len is a multiple of the block
+  size); absent with ``--disable-log-stats`` (vLLM then has no
+  ``vllm:cache_config_info``).
 
 With compression off only ``vllm_lowrank_compression_enabled 0`` and the
 capacity are exported. Limitations: with ``--api-server-count > 1`` vLLM serves
@@ -162,7 +165,7 @@ def publish(model) -> str | None:
                                    for i, p in compression.plans.items()})
     path = os.path.join(directory, f"worker-dp{ranks['dp']}-pp{ranks['pp']}-tp{ranks['tp']}.json")
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(state, f)

@@ -1,0 +1,201 @@
+"""The ``vllm_lowrank_*`` Prometheus metrics: the collector and the worker
+state files on their own (fast), and ``/metrics`` of running servers (slow)
+checked against the capacity vLLM logged and ranks computed independently."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+from serving import Server, parse_metrics
+
+from vllm_lowrank import metrics
+from vllm_lowrank.config import LowRankConfig
+from vllm_lowrank.factorization.plan import AttentionShape, uniform_plan
+from vllm_lowrank.models.compression import ModelCompression
+
+SHAPE = AttentionShape(hidden_size=64, num_heads=8, num_kv_heads=4, head_dim=16)
+
+
+def _collect(directory, registry=None):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = registry or CollectorRegistry()
+    registry.register(metrics.LowRankCollector(str(directory), registry=registry))
+    return parse_metrics(generate_latest(registry).decode())
+
+
+class _Attn(torch.nn.Module):
+    kv_cache_torch_dtype = torch.bfloat16
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, compression):
+        super().__init__()
+        self.attn = _Attn()
+        self._lowrank = compression
+
+
+def test_no_state_means_disabled_and_no_ranks(tmp_path):
+    samples = _collect(tmp_path / "missing")
+    names = {n for n, _, _ in samples}
+    assert ("vllm_lowrank_compression_enabled", {}, 0.0) in samples
+    assert "vllm_lowrank_layer_rank" not in names
+    assert "vllm_lowrank_kv_cache_capacity_tokens" not in names  # no engine yet
+
+
+def test_published_state_is_exported(tmp_path, monkeypatch):
+    from prometheus_client import CollectorRegistry, Gauge
+
+    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
+    c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
+    monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
+    assert metrics.publish(_Model(c)).endswith("worker-dp0-pp0-tp0.json")
+
+    registry = CollectorRegistry()
+    info = Gauge("vllm:cache_config_info", "", ["engine", "kv_cache_size_tokens"],
+                 registry=registry)
+    info.labels(engine="0", kv_cache_size_tokens="4096").set(1)
+    samples = _collect(tmp_path, registry)
+    value = {n: v for n, labels, v in samples if not labels}
+    assert value["vllm_lowrank_compression_enabled"] == 1
+    assert value["vllm_lowrank_configured_ratio"] == 0.5
+    original = 3 * 2 * SHAPE.kv_width * 2  # bf16
+    stored = sum(p.k_width + p.v_width for p in plans.values()) * 2
+    assert value["vllm_lowrank_original_bytes_per_token"] == original
+    assert value["vllm_lowrank_stored_bytes_per_token"] == stored
+    assert value["vllm_lowrank_kv_compression_ratio"] == pytest.approx(original / stored)
+    ranks = {(l["layer"], l["side"], l["group"]): v for n, l, v in samples
+             if n == "vllm_lowrank_layer_rank"}
+    assert len(ranks) == 3 * 2 * 2  # layers x sides x groups
+    assert ranks[("1", "v", "1")] == plans[1].v_ranks[1]
+    assert ("vllm_lowrank_kv_cache_capacity_tokens", {"engine": "0"}, 4096.0) in samples
+
+
+def test_tensor_parallel_shards_are_combined():
+    def shard(tp, k, v):
+        return {"enabled": True, "configured_ratio": 0.5, "method": "svd", "artifact": "none",
+                "layers": {"0": {"k_ranks": [k], "v_ranks": [v]}},
+                "original_bytes_per_token": 256, "stored_bytes_per_token": 2 * (k + v),
+                "parallel": {"dp": 0, "pp": 0, "tp": tp}}
+
+    view = metrics.aggregate([shard(0, 8, 16), shard(1, 24, 32)])
+    assert view["grouped"]
+    assert view["ranks"] == {(0, "k", 0): 8, (0, "v", 0): 16, (0, "k", 1): 24, (0, "v", 1): 32}
+    assert view["stored_bytes_per_token"] == 160
+    assert view["compression_ratio"] == pytest.approx(512 / 160)
+    assert metrics.aggregate([{"enabled": False}]) is None
+
+
+def test_unreadable_state_is_skipped(tmp_path):
+    (tmp_path / "worker-dp0-pp0-tp0.json").write_text("{truncated")
+    assert metrics.read_states(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------- servers
+
+class OneServer:
+    """At most one server alive in this module (2 shared CPU cores): asking for
+    another setting stops the current one."""
+
+    def __init__(self, model, log_dir):
+        self.model, self.log_dir = model, log_dir
+        self.key, self.server = None, None
+
+    def get(self, *args) -> Server:
+        if self.key != args:
+            self.stop()
+            self.server, self.key = Server(self.model, *args, log_dir=self.log_dir), args
+        return self.server
+
+    def stop(self):
+        if self.server is not None:
+            self.server.stop()
+        self.key, self.server = None, None
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, tmp_path_factory):
+    one = OneServer(model_path, str(tmp_path_factory.mktemp("metrics-servers")))
+    yield one
+    one.stop()
+
+
+def _scrape_lowrank(server) -> list[str]:
+    """``curl 127.0.0.1:PORT/metrics | grep vllm_lowrank_`` (urllib without curl)."""
+    if shutil.which("curl"):
+        text = subprocess.run(["curl", "-sf", f"127.0.0.1:{server.port}/metrics"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+    else:
+        text = server.metrics_text()
+    return [line for line in text.splitlines() if "vllm_lowrank_" in line]
+
+
+def _logged_capacity(server) -> int:
+    m = re.search(r"KV cache size: ([\d,]+) tokens", server.text())
+    return int(m.group(1).replace(",", ""))
+
+
+@pytest.mark.slow
+def test_compressed_server_exports_the_values_in_force(servers, model_path):
+    from transformers import AutoConfig
+
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.models import compression as comp
+
+    compressed_server = servers.get("--kv-compression", "lowrank",
+                                    "--kv-compression-config", '{"ratio": 0.5}')
+    lines = _scrape_lowrank(compressed_server)
+    samples = parse_metrics("\n".join(lines))
+    value = {n: v for n, labels, v in samples if not labels}
+    assert value["vllm_lowrank_compression_enabled"] == 1
+    assert value["vllm_lowrank_configured_ratio"] == 0.5
+
+    # capacity: what vLLM logged when it allocated the cache
+    capacity = {n: v for n, labels, v in samples if labels.get("engine") == "0"}
+    assert capacity["vllm_lowrank_kv_cache_capacity_tokens"] == _logged_capacity(compressed_server)
+
+    # ranks: recomputed here from the artifact the server used and the settings
+    (info,) = [labels for n, labels, _ in samples if n == "vllm_lowrank_info"]
+    assert info["method"] == "fisher" and os.path.isdir(info["artifact"])
+    hf = AutoConfig.from_pretrained(model_path)
+    cfg = LowRankConfig(mode="lowrank", ratio=0.5)
+    plans = comp._plans(cfg, comp.model_shapes(hf), art.load_artifact(info["artifact"]))
+    ranks = {(int(l["layer"]), l["side"]): v for n, l, v in samples
+             if n == "vllm_lowrank_layer_rank"}
+    expected = {}
+    for i, p in plans.items():
+        expected[(i, "k")], expected[(i, "v")] = p.k_width, p.v_width
+    assert ranks == expected
+    assert len(set(ranks.values())) > 2  # Fisher allocation: ranks differ across layers
+
+    # bytes per token: float32 cache, 30 layers x 3 KV heads x 64
+    original = hf.num_hidden_layers * 2 * hf.num_key_value_heads * hf.head_dim * 4
+    stored = sum(ranks.values()) * 4
+    assert value["vllm_lowrank_original_bytes_per_token"] == original
+    assert value["vllm_lowrank_stored_bytes_per_token"] == stored
+    assert value["vllm_lowrank_kv_compression_ratio"] == pytest.approx(original / stored)
+    assert value["vllm_lowrank_kv_compression_ratio"] == pytest.approx(2.0, rel=0.03)
+    # the capacity is what the configured memory holds at the stored width
+    budget = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    (cache_info,) = [labels for n, labels, _ in compressed_server.metrics()
+                     if n == "vllm:cache_config_info"]
+    block = int(cache_info["block_size"])
+    assert capacity["vllm_lowrank_kv_cache_capacity_tokens"] * stored <= budget
+    assert (capacity["vllm_lowrank_kv_cache_capacity_tokens"] + block) * stored > budget
+
+
+@pytest.mark.slow
+def test_stock_server_reports_compression_off(servers):
+    s = servers.get()
+    text = "\n".join(_scrape_lowrank(s))
+    assert "vllm_lowrank_compression_enabled 0.0" in text
+    for absent in ("layer_rank", "configured_ratio", "stored_bytes_per_token"):
+        assert f"vllm_lowrank_{absent}" not in text
+    assert re.search(r'vllm_lowrank_kv_cache_capacity_tokens\{engine="0"\} '
+                     f"{_logged_capacity(s)}.0", text)
