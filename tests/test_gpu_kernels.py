@@ -210,3 +210,32 @@ def test_triton_post_rope_serving_shape_bf16(ratio):
             ref[b, hg * vo:hg * (vo + r)] = o.flatten()
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("ratio,bits,qgroup", [(0.5, (8, 4), None), (0.25, (8, 4), None),
+                                               (0.5, (4, 2), None), (0.25, (3, 3), 8),
+                                               (0.5, (2, 4), 16)])
+def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
+    """Post-RoPE mode on packed caches (bf16 queries, default launch parameters):
+    per-row scales applied after the dots, grouped scales on the tile, 8/4/3/2-bit
+    codes unpacked in registers; against float64 on the decoded latents."""
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    r = int(ratio * 128)
+    lens = [4000, 1, 777, 2500]
+    plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(
+        (r,) * 8, (r,) * 8, bits, qgroup, lens, seed=11)
+    q = torch.randn(4, 32, r, device="cuda", generator=g).bfloat16()
+    out = torch.full((4, plan.out_width), float("nan"), device="cuda")
+    latent_decode_attention(plan, None, None, 0.1, q, cache, bt, lens_t, max(lens),
+                            layout=layout, out=out, mode="post_rope")
+    hg = plan.heads_per_group
+    kl, vl = _gather(kd, bt, lens_t, page), _gather(vd, bt, lens_t, page)
+    ref = torch.zeros_like(out, dtype=torch.float64)
+    for b in range(len(lens)):
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            s = 0.1 * q[b, gi * hg:(gi + 1) * hg].double() @ kl[b][:, ko:ko + r].T
+            o = torch.softmax(s, -1) @ vl[b][:, vo:vo + r]
+            ref[b, hg * vo:hg * (vo + r)] = o.flatten()
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-2

@@ -237,15 +237,25 @@ def test_post_rope_float32(splits):
 # ---------------------------------------------------------------------------------
 # Packed low-bit caches
 # ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("k_bits,v_bits,qgroup,mode,k_ranks", [
-    (8, 4, None, "pre_rope", (8, 24, 16, 32)),
-    (4, 4, None, "pre_rope", (16, 16, 32, 32)),
-    (3, 2, None, "pre_rope", (8, 24, 16, 32)),
-    (2, 3, 8, "pre_rope", (8, 24, 16, 32)),
-    (4, 8, 8, "post_rope", (8, 24, 16, 32)),
-    (3, 4, None, "post_rope", (8, 16, 8, 24)),  # odd code bytes: unaligned fp16 params
+@pytest.mark.parametrize("k_bits,v_bits,qgroup,mode,k_ranks,trans", [
+    (8, 4, None, "pre_rope", (8, 24, 16, 32), True),
+    (8, 4, None, "pre_rope", (8, 24, 16, 32), False),
+    (4, 4, None, "pre_rope", (16, 16, 32, 32), True),
+    (3, 2, None, "pre_rope", (8, 24, 16, 32), True),
+    (2, 3, 8, "pre_rope", (8, 24, 16, 32), True),
+    (2, 4, 8, "pre_rope", (8, 24, 16, 32), False),
+    (8, 4, None, "post_rope", (8, 24, 16, 32), True),
+    (8, 4, None, "post_rope", (8, 24, 16, 32), False),
+    (2, 2, None, "post_rope", (16, 24, 16, 32), False),
+    (4, 8, 8, "post_rope", (8, 24, 16, 32), True),
+    (3, 4, None, "post_rope", (8, 16, 8, 24), True),  # odd code bytes: unaligned fp16 params
+    (3, 3, 8, "post_rope", (8, 16, 8, 24), False),
 ])
-def test_quantized(k_bits, v_bits, qgroup, mode, k_ranks):
+def test_quantized(k_bits, v_bits, qgroup, mode, k_ranks, trans):
+    """Every code width, per-row and grouped scales: codes unpacked in registers,
+    per-row scales applied after the dots or (grouped, or pre-RoPE keys) to the
+    dequantized tile. ``trans`` False forces the ``S = q' K'^T`` layout; True
+    takes the device's default launch parameters (``S^T`` under the interpreter)."""
     vr = (16, 8, 32, 24)
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=k_ranks, v_ranks=vr, seed=11)
     layout = SlotLayout(k_ranks, vr, k_bits, v_bits, qgroup, qgroup)
@@ -257,6 +267,27 @@ def test_quantized(k_bits, v_bits, qgroup, mode, k_ranks):
     rope = make_rope(32)
     width = 32 if mode == "pre_rope" else 32
     q = torch.randn(3, 8, width, generator=g)
+    out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
+              slots.view(nblk, 1, page, -1), bt, lens, num_splits=2, layout=layout, mode=mode,
+              config=None if trans else dec.KernelConfig(transposed=False, block_n=16))
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    ref = reference(plan, k_up, rope, scale, q, gather(kd, bt, lens, page),
+                    gather(vd, bt, lens, page), lens, mode=mode)
+    assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
+def test_quantized_uneven_scale_groups(mode):
+    """A scale group that is not a power of two (24 channels; ranks 48 and 24 in
+    groups of two KV heads): one scale/zero pair gathered per element."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=2, k_ranks=(48, 24),
+                                                       v_ranks=(24, 48), seed=23)
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, 4, 8, 24, 24)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    kd, vd = layout.decode(slots)
+    rope = make_rope(32)
+    q = torch.randn(3, 8, 48 if mode == "post_rope" else 32, generator=g)
     out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
               slots.view(nblk, 1, page, -1), bt, lens, num_splits=2, layout=layout, mode=mode)
     scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
@@ -345,12 +376,16 @@ def test_non_transposed_variant(mode):
     assert rel_err(out, ref) < TOL32
 
 
-@pytest.mark.parametrize("gpp,mode,bits", [
-    (2, "pre_rope", None), (4, "pre_rope", None), (4, "post_rope", None),
-    (4, "pre_rope", (8, 4)), (2, "post_rope", (4, 2)), (1, "pre_rope", None),
+@pytest.mark.parametrize("gpp,mode,bits,trans", [
+    (2, "pre_rope", None, None), (4, "pre_rope", None, None), (4, "post_rope", None, None),
+    (4, "pre_rope", (8, 4), None), (2, "post_rope", (4, 2), None), (1, "pre_rope", None, None),
+    (2, "pre_rope", (8, 4), False), (4, "post_rope", (8, 4), False),
+    (2, "post_rope", (8, 4, 8, 8), False), (4, "pre_rope", (3, 4, 8, 16), None),
 ])
-def test_groups_per_program(gpp, mode, bits):
-    """Several head groups in one score tile (equal ranks) against the reference."""
+def test_groups_per_program(gpp, mode, bits, trans):
+    """Several head groups in one score tile (equal ranks) against the reference;
+    packed caches with per-row (one pair per group) and grouped scales. ``trans``
+    None: the device's default score layout."""
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(32,) * 4,
                                                        lens=(45, 3, 33), seed=19)
     rope = make_rope(32)
@@ -362,7 +397,7 @@ def test_groups_per_program(gpp, mode, bits):
     else:
         cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
         kd, vd = layout.decode(cache)
-    cfg = dec.KernelConfig(groups_per_program=gpp, block_n=16)
+    cfg = dec.KernelConfig(groups_per_program=gpp, block_n=16, transposed=trans)
     out = run(plan, k_up, rope if mode == "pre_rope" else None, q,
               cache.view(nblk, 1, page, -1), bt, lens, num_splits=2, mode=mode,
               layout=layout, config=cfg)

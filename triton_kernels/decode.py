@@ -39,9 +39,14 @@ basis (head ``i`` uses its first ``r_k[group(i)]`` entries); ``S = C_k q~^T``, n
 rebuild, no RoPE; the rest is shared.
 
 Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): the
-cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; the codes of a tile are
-unpacked in registers (one byte load per code, L1-resident duplicates),
-dequantized with the token's fp16 scale/zero and fed to the same dots.
+cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; each tile's packed codes
+are read once as rows of contiguous bytes (16-byte loads / ``cp.async`` when the
+offsets and ranks allow) and unpacked in registers with broadcast shifts and a
+reshape (:func:`_load_codes`). Post-RoPE mode with one fp16 scale/zero per token
+and group feeds the centred codes to the dots and applies the scales per token
+afterwards (scores ``s_k (codes q~) + z_k sum(q~)``; values through ``P * s_v``
+and a running ``sum P z_v``); pre-RoPE mode and grouped scales dequantize the
+tile with the tokens' fp16 scale/zero first.
 
 Split-K (flash-decoding): the context of a sequence is cut into ``num_splits``
 chunks, each program writes a normalised partial output and its base-2
@@ -131,61 +136,161 @@ def _load_f16_param(ptrs, mask, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr):
+def _load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr,
+                RMULT: tl.constexpr):
     """Unpack the ``PAD`` (>= r) codes of each row: ``rows`` [N] uint8 pointers to
-    the slots, ``code_off`` byte offset of the group's codes. Returns int32 [N, PAD]
-    (0 beyond ``r``).
+    the slots, ``code_off`` byte offset of the group's codes, ``r`` (a multiple of
+    8, and of ``RMULT``) codes stored. Returns int32 [N, PAD] (0 beyond ``r`` and
+    on invalid rows).
 
-    Code ``c`` sits at bit ``c * BITS`` of the little-endian stream: one byte load
-    per code (the bytes shared by several codes hit L1), two for a 3-bit code
-    that straddles a byte boundary. (Unpacking whole bytes with ``tl.interleave``
-    was miscompiled by triton 3.6 for several layouts: wrong codes, no fault.)"""
-    c = tl.arange(0, PAD)
-    m = valid[:, None] & (c[None, :] < r)
+    Code ``c`` sits at bit ``c * BITS`` of the little-endian stream
+    (:func:`vllm_lowrank.quantization.pack`). Every byte is loaded once, as a row
+    of contiguous bytes (vectorizable), and expanded in registers with broadcast
+    shifts and a reshape; no ``tl.interleave`` (miscompiled by triton 3.6):
+
+    - 8/4/2 bits: bytes ``[N, PAD*BITS/8]``; byte ``j`` holds codes
+      ``j*CPB .. j*CPB+CPB-1`` (``CPB = 8/BITS``) at bits ``0, BITS, ...``:
+      ``(byte[:, :, None] >> (BITS * arange(CPB))) & mask`` -> ``[N, PAD/CPB, CPB]``
+      -> row-major reshape to ``[N, PAD]``.
+    - 3 bits: 8 codes fill 3 bytes (codes straddle bytes); the 3 bytes of each
+      octet are loaded as 3 strided tiles ``[N, PAD/8]`` and joined into a 24-bit
+      word, then ``(word[:, :, None] >> (3 * arange(8))) & 7`` -> reshape."""
     if BITS == 8:
-        x = tl.load(rows[:, None] + code_off + c[None, :], mask=m, other=0)
+        c = tl.arange(0, PAD)
+        x = tl.load(rows[:, None] + code_off + c[None, :],
+                    mask=valid[:, None] & (c[None, :] < r), other=0)
         return x.to(tl.int32)
+    elif BITS == 3:
+        NOCT: tl.constexpr = PAD // 8
+        o = tl.arange(0, NOCT)
+        m = valid[:, None] & (o[None, :] < r // 8)
+        base = rows[:, None] + code_off + 3 * o[None, :]
+        b0 = tl.load(base, mask=m, other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)  # [N, NOCT]
+        sh = tl.arange(0, 8) * 3
+        codes = (word[:, :, None] >> sh[None, None, :]) & 7  # [N, NOCT, 8]
+        return tl.reshape(codes, [rows.shape[0], PAD])
     else:
-        bit = c * BITS
-        byte = bit // 8
-        sh = bit % 8
-        x = tl.load(rows[:, None] + code_off + byte[None, :], mask=m, other=0).to(tl.int32)
-        if 8 % BITS != 0:  # 3 bits: the code may continue in the next byte
-            nxt = tl.load(rows[:, None] + code_off + byte[None, :] + 1,
-                          mask=m & (sh > 8 - BITS)[None, :], other=0).to(tl.int32)
-            x = x | (nxt << 8)
-        return (x >> sh[None, :]) & ((1 << BITS) - 1)
+        CPB: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = PAD // CPB
+        j = tl.arange(0, NB)
+        rb = r // CPB  # bytes stored
+        if RMULT // CPB > 1:
+            rb = tl.multiple_of(rb, RMULT // CPB)
+        x = tl.load(rows[:, None] + code_off + j[None, :],
+                    mask=valid[:, None] & (j[None, :] < rb), other=0).to(tl.int32)
+        sh = tl.arange(0, CPB) * BITS
+        codes = (x[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)  # [N, NB, CPB]
+        return tl.reshape(codes, [rows.shape[0], PAD])
+
+
+@triton.jit
+def _codes_f32(codes, OFFSET: tl.constexpr):
+    """``codes - OFFSET`` as float32 for int32 codes ``0 <= c < 2^22``, through
+    the exponent bits (``2^23 + c`` is the float with those low mantissa bits):
+    exact, and two full-rate ALU/FMA operations instead of one quarter-rate
+    integer conversion."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _per_head(v0, v1, v2, v3, h, HG: tl.constexpr, GPP: tl.constexpr, TRANS: tl.constexpr):
+    """Per-token values ``v_j`` [N] of the ``GPP`` groups as a score-shaped tile:
+    ``[N, HG_PAD]`` (``TRANS``) or ``[HG_PAD, N]``, query head ``h`` taking its
+    group's ``v_{h // HG}`` (padding heads take ``v0``; GPP = 1: a broadcastable
+    ``[N, 1]`` / ``[1, N]``)."""
+    if TRANS:
+        out = v0[:, None]
+        if GPP > 1:
+            out = tl.where((h // HG == 1)[None, :], v1[:, None], out)
+        if GPP > 2:
+            out = tl.where((h // HG == 2)[None, :], v2[:, None], out)
+            out = tl.where((h // HG == 3)[None, :], v3[:, None], out)
+    else:
+        out = v0[None, :]
+        if GPP > 1:
+            out = tl.where((h // HG == 1)[:, None], v1[None, :], out)
+        if GPP > 2:
+            out = tl.where((h // HG == 2)[:, None], v2[None, :], out)
+            out = tl.where((h // HG == 3)[:, None], v3[None, :], out)
+    return out
+
+
+@triton.jit
+def _load_pair(rows, valid, par, scale_off, zero_off, ALIGNED: tl.constexpr):
+    """Scale and zero point ``par`` of each row (``rows`` [N] uint8 slot pointers),
+    float32 [N] each (0 on invalid rows)."""
+    sc = _load_f16_param(rows + scale_off + 2 * par, valid, ALIGNED)
+    ze = _load_f16_param(rows + zero_off + 2 * par, valid, ALIGNED)
+    return sc, ze
 
 
 @triton.jit
 def _load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero_off,
                  DT: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
-                 PAD: tl.constexpr, QG: tl.constexpr, ALIGNED: tl.constexpr):
-    """Latent tile ``[N, PAD]`` in ``DT`` (zero beyond rank ``r`` and on invalid rows).
+                 PAD: tl.constexpr, QG: tl.constexpr, ALIGNED: tl.constexpr,
+                 RMULT: tl.constexpr, POST: tl.constexpr):
+    """``(x, scale, zero)``: the latent tile ``x`` [N, PAD] in ``DT`` and, for a
+    post-scaled packed side (``POST``), the rows' scale and zero point [N] float32.
+
+    ``POST`` (packed, one pair per row and group, ``QG = 0``): ``x`` holds the
+    centred codes ``code - 2^(BITS-1)`` (integers in ``[-128, 127]``: exact in
+    bf16/fp16/fp32 and tf32), ``zero`` the matching ``zero + 2^(BITS-1) * scale``,
+    so that latent = ``x * scale + zero`` is applied after the dot. Centring keeps
+    the products in the dot as small as the latents (uncentred codes are all
+    positive: their sum nearly cancels against the zero-point term, which
+    magnified the rounding of the probabilities and the accumulation, measured
+    rel. error 1.3e-2 at 8 x 128k). Invalid rows get scale = zero = 0 (their
+    centred codes are -2^(BITS-1); callers multiply them by 0 or by a zero
+    probability). Otherwise ``x`` is the dequantized (or float) latent tile and
+    ``scale``/``zero`` are unused zeros; ``x`` is zero on invalid rows and, for a
+    float cache, beyond rank ``r``.
 
     Float cache: ``row_off``/``col_off`` in elements. Quantized cache: in bytes;
     ``par_base`` is the group's first scale/zero index, ``QG`` channels per
-    scale/zero pair (0: one pair per row)."""
+    scale/zero pair (0: one pair per row, one head group). A power-of-two ``QG``
+    loads the ``[N, PAD/QG]`` pairs once and broadcasts them over
+    ``[N, PAD/QG, QG]``; any other ``QG`` gathers one pair per element."""
     c = tl.arange(0, PAD)
-    if QUANT:
+    sc_out = tl.full([valid.shape[0]], 0.0, tl.float32)
+    ze_out = sc_out
+    if POST:
         rows = cache_ptr + row_off
-        codes = _load_codes(rows, col_off, r, valid, BITS, PAD).to(tl.float32)
+        x = _codes_f32(_load_codes(rows, col_off, r, valid, BITS, PAD, RMULT),
+                       1 << (BITS - 1))
+        sc_out, ze_out = _load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
+        ze_out = ze_out + (1 << (BITS - 1)) * sc_out
+    elif QUANT:
+        rows = cache_ptr + row_off
+        codes = _codes_f32(_load_codes(rows, col_off, r, valid, BITS, PAD, RMULT), 0)
         if QG == 0:
-            sc = _load_f16_param(rows + scale_off + 2 * par_base, valid, ALIGNED)
-            ze = _load_f16_param(rows + zero_off + 2 * par_base, valid, ALIGNED)
+            sc, ze = _load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
             x = codes * sc[:, None] + ze[:, None]
+        elif (QG & (QG - 1)) == 0:
+            NQ: tl.constexpr = PAD // QG
+            qi = tl.arange(0, NQ)
+            pm = valid[:, None] & (qi[None, :] * QG < r)
+            pidx = 2 * (par_base + qi)
+            sc = _load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
+            ze = _load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
+            x3 = tl.reshape(codes, [rows.shape[0], NQ, QG]) * sc[:, :, None] + ze[:, :, None]
+            x = tl.reshape(x3, [rows.shape[0], PAD])
         else:
             pm = valid[:, None] & (c[None, :] < r)
             pidx = 2 * (par_base + c // QG)
             sc = _load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
             ze = _load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
             x = codes * sc + ze
-        x = tl.where(valid[:, None] & (c[None, :] < r), x, 0.0)
-        return x.to(DT)
+        # No select on the tile: invalid rows have zero codes and parameters (masked
+        # loads), so they are 0; channels c >= r of a valid row hold the zero point
+        # (QG = 0) but only meet zero-padded operands (query columns >= r_k, B_k
+        # rows >= r_k) or output columns that are never stored (>= r_v).
     else:
         x = tl.load(cache_ptr + row_off[:, None] + col_off + c[None, :],
                     mask=valid[:, None] & (c[None, :] < r), other=0.0)
-        return x.to(DT)
+    return x.to(DT), sc_out, ze_out
 
 
 @triton.jit
@@ -222,12 +327,19 @@ def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
 
 
 @triton.jit
-def _group_latent_scores(sc, ck, qk, j, h, HG: tl.constexpr, TRANS: tl.constexpr,
-                         DT: tl.constexpr, GPP: tl.constexpr):
-    """Post-RoPE mode: one group's scores ``q~ . c_k`` added to ``sc``."""
+def _group_latent_scores(sc, ck, qk, ks, j, h, HG: tl.constexpr, TRANS: tl.constexpr,
+                         DT: tl.constexpr, GPP: tl.constexpr, KPOST: tl.constexpr):
+    """Post-RoPE mode: one group's scores ``q~ . c_k`` added to ``sc``. ``KPOST``:
+    ``ck`` holds the centred integer codes and ``ks`` [N] the tokens' scales; the
+    dot's result is scaled per token (the zero points are added by the caller)."""
     if GPP > 1:
         qk = tl.where((h // HG == j)[None, :], qk, 0.0)
-    if TRANS:
+    if KPOST:
+        if TRANS:
+            sc += tl.dot(ck, qk.to(DT)) * ks[:, None]
+        else:
+            sc += tl.dot(tl.trans(qk.to(DT)), tl.trans(ck)) * ks[None, :]
+    elif TRANS:
         sc = tl.dot(ck, qk.to(DT), sc)
     else:
         sc = tl.dot(tl.trans(qk.to(DT)), tl.trans(ck), sc)
@@ -253,14 +365,25 @@ def _attend_chunk(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
-    SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, GPP: tl.constexpr,
+    SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr,
 ):
     """One work item: sequence ``b``, head groups ``g .. g+GPP-1``, split ``s``.
 
     ``GPP`` (groups per program, 1/2/4; > 1 only for equal power-of-two ranks)
     puts the query heads of several groups into one score tile: softmax, the
     value product, the tile bookkeeping and the offset cos/sin are shared, and
-    the value latents of the groups are one contiguous load."""
+    the value latents of the groups are one contiguous load.
+
+    Post-RoPE mode, packed sides with one scale/zero pair per row and group
+    (``*_QG = 0``): the (centred) codes enter the dots and the scales are applied
+    per token afterwards, which keeps per-element work to the unpacking: keys
+    ``S = s_k * (codes_k q~) + z_k * sum(q~)``; values
+    ``O = (P * s_v) codes_v + sum_t P z_v`` (the last sum kept per (token slot,
+    head) like the softmax denominator). Pre-RoPE mode and grouped scales
+    dequantize the tiles (measured on an H200: post-scaling the values in the
+    pre-RoPE kernel was 5-15 % slower, at 255 registers)."""
+    KPOST: tl.constexpr = QUANT and MODE == 1 and K_QG == 0
+    VPOST: tl.constexpr = QUANT and MODE == 1 and V_QG == 0
     # Group table rows (see _Prepared.group_table).
     k_off = tl.load(gt_ptr + 0 * num_groups + g)
     v_off = tl.load(gt_ptr + 1 * num_groups + g)
@@ -274,10 +397,12 @@ def _attend_chunk(
         # 16-byte vector loads / cp.async for the latent rows.
         k_off = tl.multiple_of(k_off, OFF_MULT)
         v_off = tl.multiple_of(v_off, OFF_MULT)
-        # Ranks are multiples of 8 as well: the rank masks are then constant over
-        # 8 channels, which keeps the masked loads vectorized.
-        rk = tl.multiple_of(rk, 8)
-        rv = tl.multiple_of(rv, 8)
+    if RANK_MULT > 1:
+        # Every rank is a multiple of RANK_MULT (host-checked; 8 for float caches):
+        # the rank masks are then constant over RANK_MULT channels (packed: over
+        # RANK_MULT * bits / 8 bytes), which keeps the masked loads vectorized.
+        rk = tl.multiple_of(rk, RANK_MULT)
+        rv = tl.multiple_of(rv, RANK_MULT)
     if GPP > 1:
         k_off1 = tl.load(gt_ptr + 0 * num_groups + g + 1)
         kpar1 = tl.load(gt_ptr + 4 * num_groups + g + 1)
@@ -292,8 +417,9 @@ def _attend_chunk(
             k_off2 = tl.multiple_of(k_off2, OFF_MULT)
             k_off3 = tl.multiple_of(k_off3, OFF_MULT)
     # Value latents of the GPP groups are one contiguous row segment of
-    # GPP * RV_PAD channels (with one scale/zero per group and row, the host
-    # passes V_QG = RV_PAD: one pair per group's channels).
+    # GPP * RV_PAD channels (packed: with V_QG > 0 their scale/zero pairs are
+    # contiguous too, and the host passes V_QG = RV_PAD for one pair per group in
+    # pre-RoPE mode; with VPOST each group's pair is loaded on its own).
 
     seq_len = tl.load(seq_lens_ptr + b)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
@@ -359,6 +485,9 @@ def _attend_chunk(
     else:
         qk = tl.load(qrow[None, :] + rr[:, None], mask=hmask[None, :] & (rr[:, None] < rk),
                      other=0.0).to(tl.float32)  # [RK_PAD, HG_PAD]
+        if KPOST:
+            # sum_c q~[c, h] of the operand the dot sees: the zero points' term.
+            qs = tl.reduce(qk.to(DT).to(tl.float32), 0, _add_combine)  # [HG_PAD]
 
     m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
     # Row sums kept per (token slot, head) and reduced once at the end: no
@@ -369,6 +498,8 @@ def _attend_chunk(
     else:
         l2 = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
         acc = tl.full([HG_PAD, GPP * RV_PAD], 0.0, tl.float32)  # O
+    if VPOST:
+        z2 = l2  # sum of P * (value zero point), per (token slot, head)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for t in range(t_lo, t_hi):
         p0 = t * BLOCK_N
@@ -380,18 +511,49 @@ def _attend_chunk(
             sc = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
         else:
             sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        ck = _load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off, k_zero_off,
-                          DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+        ck, ks0, kz0 = _load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off,
+                                    k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
+                                    RANK_MULT, KPOST)
+        ks1 = ks0
+        kz1 = kz0
+        ks2 = ks0
+        kz2 = kz0
+        ks3 = ks0
+        kz3 = kz0
         if GPP > 1:
-            ck1 = _load_latent(cache_ptr, row, valid, k_off1, rk, kpar1, k_scale_off,
-                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
+            ck1, ks1, kz1 = _load_latent(cache_ptr, row, valid, k_off1, rk, kpar1, k_scale_off,
+                                         k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
+                                         RANK_MULT, KPOST)
         if GPP > 2:
-            ck2 = _load_latent(cache_ptr, row, valid, k_off2, rk, kpar2, k_scale_off,
-                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
-            ck3 = _load_latent(cache_ptr, row, valid, k_off3, rk, kpar3, k_scale_off,
-                               k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED)
-        cv = _load_latent(cache_ptr, row, valid, v_off, GPP * rv, vpar, v_scale_off,
-                          v_zero_off, DT, QUANT, V_BITS, GPP * RV_PAD, V_QG, ALIGNED)
+            ck2, ks2, kz2 = _load_latent(cache_ptr, row, valid, k_off2, rk, kpar2, k_scale_off,
+                                         k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
+                                         RANK_MULT, KPOST)
+            ck3, ks3, kz3 = _load_latent(cache_ptr, row, valid, k_off3, rk, kpar3, k_scale_off,
+                                         k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
+                                         RANK_MULT, KPOST)
+        # The GPP groups' value codes are one contiguous load; with VPOST each
+        # group has its own pair per row (indices vpar, vpar + 1, ...).
+        cv, vs0, vz0 = _load_latent(cache_ptr, row, valid, v_off, GPP * rv, vpar, v_scale_off,
+                                    v_zero_off, DT, QUANT, V_BITS, GPP * RV_PAD, V_QG, ALIGNED,
+                                    RANK_MULT, VPOST)
+        vs1 = vs0
+        vz1 = vz0
+        vs2 = vs0
+        vz2 = vz0
+        vs3 = vs0
+        vz3 = vz0
+        if VPOST:  # the other groups' pairs, zero points for centred codes
+            if GPP > 1:
+                vs1, vz1 = _load_pair(cache_ptr + row, valid, vpar + 1, v_scale_off,
+                                      v_zero_off, ALIGNED)
+                vz1 = vz1 + (1 << (V_BITS - 1)) * vs1
+            if GPP > 2:
+                vs2, vz2 = _load_pair(cache_ptr + row, valid, vpar + 2, v_scale_off,
+                                      v_zero_off, ALIGNED)
+                vs3, vz3 = _load_pair(cache_ptr + row, valid, vpar + 3, v_scale_off,
+                                      v_zero_off, ALIGNED)
+                vz2 = vz2 + (1 << (V_BITS - 1)) * vs2
+                vz3 = vz3 + (1 << (V_BITS - 1)) * vs3
         if MODE == 0:
             if ROPE_DIRECT:
                 tm = valid[:, None] & pvalid[None, :]
@@ -418,12 +580,18 @@ def _attend_chunk(
                 sc = _group_keys_scores(sc, ck3, w1_3, w2_3, w3_3, qa, qb, q3, ci, si, 3, h,
                                         HG, C3, TRANS, DT, GPP)
         else:
-            sc = _group_latent_scores(sc, ck, qk, 0, h, HG, TRANS, DT, GPP)
+            sc = _group_latent_scores(sc, ck, qk, ks0, 0, h, HG, TRANS, DT, GPP, KPOST)
             if GPP > 1:
-                sc = _group_latent_scores(sc, ck1, qk, 1, h, HG, TRANS, DT, GPP)
+                sc = _group_latent_scores(sc, ck1, qk, ks1, 1, h, HG, TRANS, DT, GPP, KPOST)
             if GPP > 2:
-                sc = _group_latent_scores(sc, ck2, qk, 2, h, HG, TRANS, DT, GPP)
-                sc = _group_latent_scores(sc, ck3, qk, 3, h, HG, TRANS, DT, GPP)
+                sc = _group_latent_scores(sc, ck2, qk, ks2, 2, h, HG, TRANS, DT, GPP, KPOST)
+                sc = _group_latent_scores(sc, ck3, qk, ks3, 3, h, HG, TRANS, DT, GPP, KPOST)
+            if KPOST:
+                kz = _per_head(kz0, kz1, kz2, kz3, h, HG, GPP, TRANS)
+                if TRANS:
+                    sc += kz * qs[None, :]
+                else:
+                    sc += kz * qs[:, None]
         if TRANS:
             sc = tl.where(valid[:, None], sc * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(sc, 0, _max_combine))
@@ -431,6 +599,9 @@ def _attend_chunk(
             p = tl.exp2(sc - m_new[None, :])
             l2 = l2 * alpha[None, :] + p
             acc = acc * alpha[None, :]
+            if VPOST:
+                z2 = z2 * alpha[None, :] + p * _per_head(vz0, vz1, vz2, vz3, h, HG, GPP, TRANS)
+                p = p * _per_head(vs0, vs1, vs2, vs3, h, HG, GPP, TRANS)
             acc = tl.dot(tl.trans(cv), p.to(DT), acc)  # [GPP * RV_PAD, HG_PAD]
         else:
             sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
@@ -439,16 +610,23 @@ def _attend_chunk(
             p = tl.exp2(sc - m_new[:, None])
             l2 = l2 * alpha[:, None] + p
             acc = acc * alpha[:, None]
+            if VPOST:
+                z2 = z2 * alpha[:, None] + p * _per_head(vz0, vz1, vz2, vz3, h, HG, GPP, TRANS)
+                p = p * _per_head(vs0, vs1, vs2, vs3, h, HG, GPP, TRANS)
             acc = tl.dot(p.to(DT), cv, acc)  # [HG_PAD, GPP * RV_PAD]
         m_i = m_new
 
     if TRANS:
         l_i = tl.reduce(l2, 0, _add_combine)
         has = l_i > 0.0
+        if VPOST:
+            acc = acc + tl.reduce(z2, 0, _add_combine)[None, :]
         o = acc / tl.where(has, l_i, 1.0)[None, :]
     else:
         l_i = tl.reduce(l2, 1, _add_combine)
         has = l_i > 0.0
+        if VPOST:
+            acc = acc + tl.reduce(z2, 1, _add_combine)[:, None]
         o = tl.trans(acc / tl.where(has, l_i, 1.0)[:, None])  # [GPP * RV_PAD, HG_PAD]
     # Row r of O^T is channel r % RV_PAD of group r // RV_PAD; column h is query
     # head h of the program; keep the diagonal blocks (a head's own group).
@@ -480,7 +658,7 @@ def _dispatch(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -495,7 +673,7 @@ def _dispatch(
             s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
     if NUM_CLS > 1:
         if cls == 1:
             _attend_chunk(
@@ -504,7 +682,7 @@ def _dispatch(
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
     if NUM_CLS > 2:
         if cls == 2:
             _attend_chunk(
@@ -513,7 +691,7 @@ def _dispatch(
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
     if NUM_CLS > 3:
         if cls == 3:
             _attend_chunk(
@@ -522,7 +700,7 @@ def _dispatch(
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
 
 
 @triton.jit
@@ -538,7 +716,7 @@ def _decode_grid_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -553,7 +731,7 @@ def _decode_grid_kernel(
         k_scale_off, k_zero_off, v_scale_off, v_zero_off,
         po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
         MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP,
+        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
         NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
 
 
@@ -571,7 +749,7 @@ def _decode_persistent_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -594,7 +772,7 @@ def _decode_persistent_kernel(
             k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, GPP,
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
             NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)
 
@@ -1061,22 +1239,32 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         q_offs = (layout.k_scale_offset, layout.k_zero_offset, layout.v_scale_offset,
                   layout.v_zero_offset)
         k_bits, v_bits = layout.k_bits, layout.v_bits
-        if gpp > 1 and v_qg == 0:
-            v_qg = classes[0][1]  # one scale/zero pair per group inside the GPP segment
+        if gpp > 1 and v_qg == 0 and mode == "pre_rope":
+            # Dequantized value tile of the GPP groups' contiguous segment: one
+            # scale/zero pair per group = per RV_PAD channels. (Post-RoPE mode
+            # keeps V_QG = 0: per-group pairs applied after the dot.)
+            v_qg = classes[0][1]
     else:
         k_qg = v_qg = 0
         aligned = True
         q_offs = (0, 0, 0, 0)
         k_bits = v_bits = 16
     # Largest power of two (<= 16 bytes' worth) dividing every group offset: an
-    # alignment hint for vector loads (ranks are multiples of 8).
+    # alignment hint for vector loads.
     elem = 1 if quant else kv_cache.element_size()
     offs = prep.offsets
     off_mult = 16 // elem
     while off_mult > 1 and any(o % off_mult for o in offs):
         off_mult //= 2
-    if any(r % 8 for r in plan.k_ranks + plan.v_ranks):
-        off_mult = 1  # the hint also asserts ranks are multiples of 8
+    # Largest power of two dividing every rank (a hint for the rank masks): 8 for
+    # float caches (16 bytes of bf16), up to 64 for packed ones (a rank-64 group
+    # of 8-bit codes is one 64-byte row segment); 1 if a rank is not a multiple of 8.
+    ranks = plan.k_ranks + plan.v_ranks
+    rank_mult = 64 if quant else 8
+    while rank_mult > 8 and any(r % rank_mult for r in ranks):
+        rank_mult //= 2
+    if any(r % 8 for r in ranks):
+        off_mult = rank_mult = 1
     common = dict(
         MODE=0 if mode == "pre_rope" else 1, ROPE_DIRECT=rope_direct,
         TRANS=trans,
@@ -1084,7 +1272,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         C1=prep.c1, C3=prep.c3, CW=prep.cw,
         BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=_DT[dt_torch],
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
-        ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, NUM_CLS=len(prep.classes),
+        ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
+        NUM_CLS=len(prep.classes),
         RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
         RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
         num_warps=num_warps, num_stages=num_stages,
