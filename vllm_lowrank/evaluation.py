@@ -13,6 +13,7 @@ held-out split, BBC News); calibration never sees them.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -80,6 +81,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         from vllm_lowrank.passkey import passkey_accuracy
 
         result["passkey"] = passkey_accuracy(llm, **spec["passkey"])
+    del llm  # shuts the engine down here, not at interpreter exit
+    gc.collect()
     return result
 
 
@@ -93,22 +96,31 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             :func:`vllm_lowrank.passkey.passkey_accuracy`).
 
     Raises:
-        RuntimeError: the subprocess failed (its stderr tail is included).
+        RuntimeError: the subprocess failed (the tail of its output, vLLM's
+            log included, is in the message).
     """
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         out_path = os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        code = ("import json,sys\nfrom vllm_lowrank.evaluation import _worker\n"
+        code = ("import json,os,sys\nfrom vllm_lowrank.evaluation import _worker\n"
                 "if __name__ == '__main__':\n"
                 f"    r = _worker(json.load(open({spec_path!r})))\n"
-                f"    json.dump(r, open({out_path!r}, 'w'))\n")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                              text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
-                                              os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+                f"    with open({out_path!r}, 'w') as f:\n"
+                "        json.dump(r, f)\n"
+                # vLLM's CPU build sometimes aborts in its own teardown
+                # ("terminate called without an active exception") after the
+                # engine is gone; the result is on disk by then.
+                "    os._exit(0)\n")
+        proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
+                                   os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
         if proc.returncode != 0 or not os.path.exists(out_path):
-            tail = "\n".join(proc.stderr.strip().splitlines()[-25:])
+            lines = proc.stdout.strip().splitlines()
+            starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+            tail = "\n".join(lines[starts[-1]:][:60] if starts else lines[-40:])
             raise RuntimeError(f"evaluation of {spec.get('compression')} failed:\n{tail}")
         with open(out_path) as f:
             return json.load(f)
