@@ -36,92 +36,32 @@ import asyncio
 import datetime
 import json
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
-HOST = "127.0.0.1"
-_SAMPLE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{[^}]*\})?\s+(\S+)$')
+from vllm_lowrank.local_server import LocalServer, metric_totals
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """``{name: value}`` summed over label sets, from Prometheus text."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-    return out
-
-
-class Server:
-    """A ``vllm serve`` subprocess on a free loopback port, log in a temp file.
+def start(model: str, extra: list[str], name: str, kv_cache_bytes: int, max_model_len: int,
+          max_num_seqs: int, max_batched_tokens: int, timeout: float = 900) -> LocalServer:
+    """A ready ``vllm serve`` for one setting (served as ``m``, float32, eager),
+    its KV cache set in bytes; ``VLLM_CPU_KVCACHE_SPACE`` is removed from its
+    environment because it would override ``--kv-cache-memory-bytes``.
 
     Raises:
         RuntimeError: the server exits before it is ready (log tail attached).
         TimeoutError: not ready within ``timeout`` seconds.
     """
-
-    def __init__(self, model: str, extra: list[str], name: str, kv_cache_bytes: int,
-                 max_model_len: int, max_num_seqs: int, max_batched_tokens: int,
-                 timeout: float = 900) -> None:
-        self.port = free_port()
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"serve-load-{name}-",
-                                               suffix=".log", delete=False)
-        cmd = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model,
-               "--host", HOST, "--port", str(self.port), "--served-model-name", "m",
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-               "--max-num-seqs", str(max_num_seqs),
-               "--max-num-batched-tokens", str(max_batched_tokens),
-               "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra]
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log "
-                                   f"{self.log.name}:\n" + self.tail())
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(1)
-        self.stop()
-        raise TimeoutError(f"server not ready after {timeout:.0f} s; log {self.log.name}")
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def tail(self, n: int = 3000) -> str:
-        with open(self.log.name, encoding="utf-8", errors="replace") as f:
-            return f.read()[-n:]
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            return parse_metrics(r.read().decode())
-
-    def stop(self) -> int:
-        """SIGTERM, wait 60 s, then kill; the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    server = LocalServer(
+        model, ["--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
+                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                "--max-num-batched-tokens", str(max_batched_tokens),
+                "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra],
+        log_dir=tempfile.gettempdir(), name=f"serve-load-{name}",
+        env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"})
+    server.wait_ready(timeout)
+    return server
 
 
 async def _one(session, url: str, prompt: list[int], max_tokens: int, t0: float) -> dict:
@@ -145,7 +85,7 @@ async def _scrape(session, url: str, interval: float, peaks: dict, stop: asyncio
     while not stop.is_set():
         try:
             async with session.get(url + "/metrics") as r:
-                m = parse_metrics(await r.text())
+                m = metric_totals(await r.text())
             peaks["running"] = max(peaks["running"], m.get("vllm:num_requests_running", 0))
             peaks["usage"] = max(peaks["usage"], m.get("vllm:kv_cache_usage_perc", 0))
             peaks["scrapes"] += 1
@@ -193,17 +133,17 @@ def run_setting(name: str, extra: list[str], model: str, prompts: list[list[int]
                 args) -> dict:
     """Start the server for one setting, load it, stop it; the table row."""
     print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
-    server = Server(model, extra, name.replace(" ", "-"), args.kv_cache_mib * 2**20,
+    server = start(model, extra, name.replace(" ", "-"), args.kv_cache_mib * 2**20,
                     args.prompt_tokens + args.max_tokens + 16, args.max_num_seqs,
                     args.max_batched_tokens)
     try:
         # warm-up outside the measurement (first shapes are slow on CPU)
         asyncio.run(_load(server.url, [prompts[0][:64]], 4, 10.0, 300))
-        before = server.metrics()
+        before = metric_totals(server.metrics_text())
         print(f"[{name}] ready; {len(prompts)} requests ...", file=sys.stderr, flush=True)
         load = asyncio.run(_load(server.url, prompts, args.max_tokens, args.scrape_interval,
                                  args.run_timeout))
-        after = server.metrics()
+        after = metric_totals(server.metrics_text())
     finally:
         code = server.stop()
     ok = [r for r in load["results"] if r["ok"]]
