@@ -33,26 +33,23 @@ def _long_prompt(tokenizer) -> list[int]:
 
 
 def _greedy(llm, prompts, max_tokens=24):
-    from vllm import SamplingParams
-
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return _greedy_with_margins(llm, prompts, max_tokens)[0]
 
 
-def _margins(llm, prompts, max_tokens=16) -> list[list[float]]:
-    """Per prompt, the greedy step's log-probability gap between the chosen
-    token and the runner-up (nats), one per generated token."""
+def _greedy_with_margins(llm, prompts, max_tokens=24):
+    """Greedy tokens, and per step the log-probability gap between the chosen
+    token and the runner-up (nats), per prompt."""
     from vllm import SamplingParams
 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                 logprobs=2), use_tqdm=False)
-    gaps = []
+    tokens, gaps = [], []
     for o in outs:
+        tokens.append(list(o.outputs[0].token_ids))
         steps = [sorted((x.logprob for x in lp.values()), reverse=True)
                  for lp in o.outputs[0].logprobs]
         gaps.append([s[0] - s[1] for s in steps])
-    return gaps
+    return tokens, gaps
 
 
 def _capacity(llm) -> int:
@@ -69,8 +66,8 @@ def _run(model_path, compression, **kwargs):
                    enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,
                    disable_log_stats=False, **kwargs)
     long_ids = _long_prompt(llm.get_tokenizer())
-    result = {"capacity": _capacity(llm), "short": _greedy(llm, PROMPTS),
-              "margins": _margins(llm, PROMPTS)}
+    result = {"capacity": _capacity(llm)}
+    result["short"], result["margins"] = _greedy_with_margins(llm, PROMPTS)
     result["long"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
     result["long_hit"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
     result["long_branch"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids[:450] + long_ids[:40])])
