@@ -35,8 +35,10 @@ def rotate64(x, pos, rope):
     return out
 
 
-def reference(plan, k_up, rope, scale, q, latents, q_pos):
-    """o[token, head] by explicit loops in float64. latents: [L, Rk+Rv]."""
+def reference(plan, k_up, rope, scale, q, latents, q_pos, bias=None, norm=None, window=None):
+    """o[token, head] by explicit loops in float64. latents: [L, Rk+Rv];
+    ``bias [kv_width]`` added to and ``norm = (weight [d], eps)`` applied to
+    each rebuilt key before RoPE; ``window``: keys ``p - window < t <= p``."""
     s = plan.shape
     d = s.head_dim
     rk = plan.k_width
@@ -51,11 +53,17 @@ def reference(plan, k_up, rope, scale, q, latents, q_pos):
             rkg, rvg = plan.k_ranks[g], plan.v_ranks[g]
             bk = k_up[ko:ko + rkg, g * plan.group_width + jl * d: g * plan.group_width + (jl + 1) * d]
             scores = []
-            for t in range(p + 1):
-                k = rotate64(latents[t, ko:ko + rkg].double() @ bk.double(), t, rope)
+            first = 0 if window is None else max(0, p - window + 1)
+            for t in range(first, p + 1):
+                k = latents[t, ko:ko + rkg].double() @ bk.double()
+                if bias is not None:
+                    k = k + bias[j * d:(j + 1) * d].double()
+                if norm is not None:
+                    k = k / torch.sqrt((k * k).mean() + norm[1]) * norm[0].double()
+                k = rotate64(k, t, rope)
                 scores.append(float(q[qi, i].double() @ k) * scale)
             w = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
-            vals = latents[: p + 1, rk + vo: rk + vo + rvg].double()
+            vals = latents[first: p + 1, rk + vo: rk + vo + rvg].double()
             row.append(w @ vals)
         out.append(torch.cat(row))
     return torch.stack(out)
@@ -184,3 +192,61 @@ def test_post_rope_decode_and_prefill_score_in_latent_space():
     dec = ops.decode_attention(plan, torch.zeros(0, 48), rope, 0.2, q[-1:], cache, table[None],
                                torch.tensor([n], dtype=torch.int32), n, post_rope=True)
     assert torch.allclose(dec.double(), ref[-1:], rtol=1e-4, atol=1e-5)
+
+
+def _transform(plan, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(plan.shape.kv_width, generator=g)
+    weight = 1 + 0.5 * torch.randn(plan.shape.head_dim, generator=g)
+    return ops.KeyTransform(bias=bias, norm_weight=weight, norm_eps=1e-6), bias, (weight, 1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_key_bias_norm_and_window_decode(window):
+    """Qwen2 key bias, Qwen3/Gemma QK-norm and a sliding window in decode; the
+    blocks wholly before every window hold NaN, as vLLM's freed (null) blocks
+    may, and must not leak into any output."""
+    plan, k_up, rope, cache = setup_case()
+    transform, bias, norm = _transform(plan)
+    lens = [5, 13, 11]
+    perm = torch.randperm(23) + 1  # block 0: the poisoned "null" block
+    tables = torch.zeros(3, 6, dtype=torch.int32)
+    lat, used = {}, 0
+    for b, n in enumerate(lens):
+        nb = (n + BLOCK - 1) // BLOCK
+        tables[b, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+        lat[b] = torch.randn(n, plan.k_width + plan.v_width)
+        fill(cache, tables[b], lat[b])
+        if window is not None:  # free the blocks before the window
+            tables[b, :max(0, n - window) // BLOCK] = 0
+    q = torch.randn(3, 8, 16)
+    out = ops.decode_attention(plan, k_up, rope, 0.25, q, cache, tables,
+                               torch.tensor(lens, dtype=torch.int32), max(lens),
+                               transform=transform, window=window, min_seq_len=min(lens))
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens):
+        ref = reference(plan, k_up, rope, 0.25, q[b:b + 1], lat[b], [n - 1], bias, norm, window)
+        assert torch.allclose(out[b:b + 1].double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_key_bias_norm_and_window_chunked_prefill(window):
+    plan, k_up, rope, cache = setup_case()
+    transform, bias, norm = _transform(plan, seed=2)
+    n, ctx = 17, 9
+    table = torch.tensor([7, 2, 19, 11, 5], dtype=torch.int32)
+    lat = torch.randn(n, plan.k_width + plan.v_width)
+    fill(cache, table, lat)
+    if window is not None:  # vLLM frees blocks wholly before the chunk's first window
+        table[:(ctx - window + 1) // BLOCK] = 0
+    q = torch.randn(n - ctx, 8, 16)
+    old = ops.PREFILL_QUERY_CHUNK
+    ops.PREFILL_QUERY_CHUNK = 3
+    try:
+        out = ops.prefill_attention(plan, k_up, rope, 0.3, q, cache, table, n,
+                                    transform=transform, window=window)
+    finally:
+        ops.PREFILL_QUERY_CHUNK = old
+    ref = reference(plan, k_up, rope, 0.3, q, lat, list(range(ctx, n)), bias, norm, window)
+    assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ Subcommands:
   perplexity through vLLM on held-out real text, as a table.
 
 ``MODEL`` is a Hugging Face folder or an embedded model alias
-(``smollm2-135m``). Bad input prints one line and exits with status 2.
+(``smollm2-135m``, ``gemma3-270m``). Bad input prints one line and exits with status 2.
 """
 
 from __future__ import annotations

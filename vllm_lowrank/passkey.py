@@ -26,13 +26,14 @@ def passkey_prompts(tokenizer, num_cases: int, context_tokens: int,
         ``(prompt_ids, key, depth)`` per case; cases cycle over ``depths``
         and over different haystack offsets.
     """
-    from vllm_lowrank.calibration.text import wikipedia_split
+    from vllm_lowrank.calibration.text import adds_bos, wikipedia_split
 
     rng = random.Random(seed)
     haystack: list[int] = []
     for doc in wikipedia_split("heldout"):
         haystack.extend(tokenizer.encode(doc + "\n\n", add_special_tokens=False))
-    intro = tokenizer.encode(INTRO, add_special_tokens=False)
+    intro = ([tokenizer.bos_token_id] if adds_bos(tokenizer) else []) + tokenizer.encode(
+        INTRO, add_special_tokens=False)
     question = tokenizer.encode(QUESTION, add_special_tokens=False)
     cases = []
     for n in range(num_cases):

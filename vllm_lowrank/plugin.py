@@ -23,11 +23,12 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from vllm_lowrank import metrics, patches
-    from vllm_lowrank.models.adapters import SUPPORTED_ARCHITECTURES
+    from vllm_lowrank.models.architectures import ARCHITECTURES
+    from vllm_lowrank.models.causal_lm import class_path
 
     patches.apply()
     metrics.install()  # front end only: state dir for the workers, /metrics collector
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         AttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)
-    for arch, class_path in SUPPORTED_ARCHITECTURES.items():
-        ModelRegistry.register_model(arch, class_path)
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, class_path(arch))

@@ -89,6 +89,7 @@ class LatentAttentionMetadata:
         decode_tokens: ``[num_decodes]`` int64 token index of each of them.
         prefill_reqs: Host indices of the requests with more than one new token.
         max_decode_seq_len: Longest context among decode requests.
+        min_decode_seq_len: Shortest context among decode requests.
     """
 
     num_actual_tokens: int
@@ -101,6 +102,7 @@ class LatentAttentionMetadata:
     decode_tokens: torch.Tensor
     prefill_reqs: list[int]
     max_decode_seq_len: int
+    min_decode_seq_len: int
 
 
 class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMetadata]):
@@ -138,6 +140,7 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
             decode_tokens=qsl[:-1][decode_reqs].long().to(device),
             prefill_reqs=prefill_reqs,
             max_decode_seq_len=int(seq_lens_cpu[decode_reqs].max()) if len(decode_reqs) else 0,
+            min_decode_seq_len=int(seq_lens_cpu[decode_reqs].min()) if len(decode_reqs) else 0,
         )
 
 
@@ -148,13 +151,16 @@ def _gpu_decode():
     return latent_decode_attention
 
 
-def _gpu_supports(layout) -> bool:
+def _gpu_supports(layout, transform, window) -> bool:
     """The Triton kernel reads unquantized caches and packed 8/4/3/2-bit
-    sides; a side kept as raw float16 inside a packed slot takes the torch path
-    (which runs on CUDA tensors too)."""
+    sides of full-attention layers whose keys are plain ``c_k B_k``; a side
+    kept as raw float16 inside a packed slot, a key bias or QK-norm
+    (Qwen2/Qwen3/Gemma-3) and sliding windows take the torch path (which runs
+    on CUDA tensors too)."""
     from vllm_lowrank.quantization import RAW_BITS
 
-    return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
+    plain = transform is None and window is None
+    return plain and (layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits))
 
 
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
@@ -216,15 +222,18 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         plan, k_up = layer.plan, layer.k_up
         rope = layer.rope_table(query.device)
         post_rope, layout = layer.post_rope, layer.layout
+        transform, window = layer.key_transform(), self.sliding_window
         if len(m.decode_reqs):
             args = (plan, k_up, rope, self.scale, query.index_select(0, m.decode_tokens),
                     kv_cache, m.block_table.index_select(0, m.decode_reqs),
                     m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
-            if query.is_cuda and _gpu_supports(layout):
+            if query.is_cuda and _gpu_supports(layout, transform, window):
                 out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
                                     layout=layout)
             else:
-                out = ops.decode_attention(*args, post_rope=post_rope, layout=layout)
+                out = ops.decode_attention(*args, post_rope=post_rope, layout=layout,
+                                           transform=transform, window=window,
+                                           min_seq_len=m.min_decode_seq_len)
             output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
@@ -232,6 +241,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             out = ops.prefill_attention(
                 plan, k_up, rope, self.scale, query[start:stop], kv_cache,
                 m.block_table[r], int(m.seq_lens_cpu[r]), post_rope, layout,
+                transform=transform, window=window,
             )
             output[start:stop] = out.to(output.dtype)
         return output

@@ -31,6 +31,11 @@ the cached key latent is ``c^k_t = R_t k_t P_j`` and the query arrives as
 ``q~_i = (R q_i) P_j`` (``[num_heads, max r_k]``, zero-padded), so
 ``s_{i,t} = q~_i . c^k_t`` needs neither a rebuild nor RoPE here.
 
+Models with a key bias or QK-norm (Qwen2, Qwen3, Gemma-3) rebuild
+``k_{t,j} = R_t norm(c^k_t B_k[g][:, j] + b_j)`` (:class:`KeyTransform`).
+Sliding-window layers (Gemma-3, Mistral) see keys ``t`` with
+``pos - window < t <= pos`` only.
+
 This module is the CPU path: vectorized torch over the decode batch (one
 gather, one GEMM per group for the key rebuild, two batched GEMMs per group for
 scores and values) and per prefill request (prefill chunks are few and long;
@@ -42,6 +47,8 @@ in :mod:`vllm_lowrank.triton_kernels` instead (dispatch in the backend).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +58,35 @@ from vllm_lowrank.factorization.plan import LayerPlan
 PREFILL_QUERY_CHUNK = 1024
 """Query rows per masked SDPA call in prefill off the CPU: bounds the score
 buffer to ``heads x 1024 x context`` float32."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTransform:
+    """What is applied to a rebuilt pre-RoPE key before RoPE.
+
+    ``k = norm(c_k B_k + bias)`` with ``norm(x) = x / sqrt(mean(x^2) + eps) * w``
+    per head (RMSNorm, Zhang & Sennrich 2019, eq. 4; QK-norm of Qwen3/Gemma-3).
+
+    Attributes:
+        bias: ``[num_kv_heads * head_dim]`` float32 k_proj bias, or ``None``.
+        norm_weight: ``[head_dim]`` float32 effective norm weight ``w``
+            (Gemma's ``1 + w`` already added), or ``None`` for no norm.
+        norm_eps: The norm's epsilon.
+    """
+
+    bias: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
+    norm_eps: float = 0.0
+
+    def apply(self, keys: torch.Tensor, group_cols: slice) -> torch.Tensor:
+        """Transform ``keys [B, L, G, d]`` (float32, in place where possible)
+        of the KV heads whose flattened columns are ``group_cols``."""
+        if self.bias is not None:
+            keys = keys + self.bias[group_cols].view(keys.shape[-2], keys.shape[-1])
+        if self.norm_weight is not None:
+            var = keys.pow(2).mean(dim=-1, keepdim=True)
+            keys = keys * torch.rsqrt(var + self.norm_eps) * self.norm_weight
+        return keys
 
 
 def write_latents(
@@ -87,9 +123,10 @@ def write_latents(
 
 
 def gather_latents(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, layout=None
+    kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, layout=None,
+    start: int = 0,
 ) -> torch.Tensor:
-    """Read positions ``0..length-1`` of each request from the paged cache.
+    """Read positions ``start..length-1`` of each request from the paged cache.
 
     Args:
         kv_cache: ``[num_blocks, 1, block_size, C]`` (uint8 slots with ``layout``).
@@ -98,13 +135,14 @@ def gather_latents(
             and must be masked by the caller).
         layout: :class:`~vllm_lowrank.quantization.SlotLayout` to dequantize
             packed slots, or ``None``.
+        start: First position to read.
 
     Returns:
-        ``[num_reqs, length, Rk + Rv]`` in the cache dtype (float32 when
-        dequantized).
+        ``[num_reqs, length - start, Rk + Rv]`` in the cache dtype (float32
+        when dequantized).
     """
     block_size = kv_cache.shape[2]
-    pos = torch.arange(length, device=kv_cache.device)
+    pos = torch.arange(start, length, device=kv_cache.device)
     blocks = block_table[:, pos // block_size].long()  # [B, L]
     rows = kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
     if layout is None:
@@ -114,16 +152,22 @@ def gather_latents(
 
 
 def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
-                lat: torch.Tensor, positions: torch.Tensor, post_rope: bool) -> torch.Tensor:
+                lat: torch.Tensor, positions: torch.Tensor, post_rope: bool,
+                transform: KeyTransform | None = None) -> torch.Tensor:
     """Keys of head group ``g`` over ``lat [B, L, Rk + Rv]`` (float32):
-    ``[B, L, G, d]`` rebuilt and rotated, or ``[B, L, 1, r_k]`` post-RoPE latents."""
+    ``[B, L, G, d]`` rebuilt (then ``transform``-ed) and rotated, or
+    ``[B, L, 1, r_k]`` post-RoPE latents."""
     k_off, r_k = plan.k_offsets()[g], plan.k_ranks[g]
     c_k = lat[:, :, k_off:k_off + r_k]
     if post_rope:
         return c_k[:, :, None, :]
-    gw = plan.group_width
+    gw, d = plan.group_width, plan.shape.head_dim
     b_k = k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw]
-    return rope.rebuild_rotated(c_k, b_k, positions, plan.shape.head_dim)
+    if transform is None:
+        return rope.rebuild_rotated(c_k, b_k, positions, d)
+    keys = (c_k @ b_k).view(c_k.shape[0], c_k.shape[1], -1, d)
+    keys = transform.apply(keys, slice(g * gw, (g + 1) * gw))
+    return rope.rotate_(keys.contiguous(), positions)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):
@@ -182,6 +226,31 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     return new_out[..., :dv]
 
 
+def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        first_key: int, first_query: int, window: int,
+                        scale: float) -> torch.Tensor:
+    """Sliding-window causal attention: the query at position ``p`` sees keys
+    at ``p - window < t <= p``.
+
+    Args:
+        q: ``[H, Q, dk]`` at positions ``first_query ..``; k: ``[H, K, dk]`` and
+            v: ``[H, K, dv]`` at positions ``first_key ..`` (float32).
+
+    Returns:
+        ``[H, Q, dv]`` float32 (masked SDPA in chunks of
+        :data:`PREFILL_QUERY_CHUNK` queries).
+    """
+    kpos = first_key + torch.arange(k.shape[1], device=q.device)
+    outs = []
+    for start in range(0, q.shape[1], PREFILL_QUERY_CHUNK):
+        stop = min(q.shape[1], start + PREFILL_QUERY_CHUNK)
+        qpos = first_query + torch.arange(start, stop, device=q.device)[:, None]
+        mask = (kpos[None, :] <= qpos) & (kpos[None, :] > qpos - window)
+        outs.append(F.scaled_dot_product_attention(q[:, start:stop], k, v,
+                                                   attn_mask=mask, scale=scale))
+    return torch.cat(outs, dim=1)
+
+
 def decode_attention(
     plan: LayerPlan,
     k_up: torch.Tensor,
@@ -194,6 +263,9 @@ def decode_attention(
     max_seq_len: int,
     post_rope: bool = False,
     layout=None,
+    transform: KeyTransform | None = None,
+    window: int | None = None,
+    min_seq_len: int = 0,
 ) -> torch.Tensor:
     """One new token per request, batched.
 
@@ -208,15 +280,24 @@ def decode_attention(
         max_seq_len: ``max(seq_lens)`` (host int).
         post_rope: ``query`` is ``[B, H, max r_k]`` in the key latent basis.
         layout: Packed-slot layout of a quantized cache, or ``None``.
+        transform: Key bias / QK-norm applied to rebuilt keys, or ``None``.
+        window: Sliding window (keys ``seq_len - window <= t < seq_len``), or
+            ``None``.
+        min_seq_len: ``min(seq_lens)`` (host int); with ``window``, positions
+            before ``min_seq_len - window`` are not read.
 
     Returns:
         ``[B, out_width]`` float32.
     """
     b = query.shape[0]
-    length = max_seq_len
-    latents = gather_latents(kv_cache, block_table, length, layout)
-    pos = torch.arange(length, device=query.device)
-    visible = pos[None, :] < seq_lens[:, None].to(pos.device)  # [B, L]
+    first = max(0, min_seq_len - window) if window is not None else 0
+    latents = gather_latents(kv_cache, block_table, max_seq_len, layout, start=first)
+    pos = torch.arange(first, max_seq_len, device=query.device)
+    length = pos.shape[0]
+    lens = seq_lens[:, None].to(pos.device)
+    visible = pos[None, :] < lens  # [B, L]
+    if window is not None:
+        visible &= pos[None, :] >= lens - window
     rk = plan.k_width
     gs, qpk = plan.group_size, plan.shape.queries_per_kv
     hg = plan.heads_per_group
@@ -225,7 +306,7 @@ def decode_attention(
     outs = []
     for g, v_off in enumerate(plan.v_offsets()):
         r_v = plan.v_ranks[g]
-        keys = _group_keys(plan, g, k_up, rope, lat, pos, post_rope)
+        keys = _group_keys(plan, g, k_up, rope, lat, pos, post_rope, transform)
         width = keys.shape[-1]
         keys = keys.permute(0, 2, 3, 1)  # [B, G, width, L]
         q_g = q[:, g * hg:(g + 1) * hg, :width].reshape(b, gs, qpk, width)
@@ -249,6 +330,8 @@ def prefill_attention(
     seq_len: int,
     post_rope: bool = False,
     layout=None,
+    transform: KeyTransform | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A chunk of ``Q`` new tokens of one request (positions ``seq_len-Q ..
     seq_len-1``), causal, over everything cached so far (prefix-cache hits and
@@ -260,22 +343,31 @@ def prefill_attention(
         seq_len: Tokens of the request after this chunk.
         post_rope: Scores from post-RoPE latents (no rebuild).
         layout: Packed-slot layout of a quantized cache, or ``None``.
+        transform: Key bias / QK-norm applied to rebuilt keys, or ``None``.
+        window: Sliding window of the layer, or ``None``.
 
     Returns:
         ``[Q, out_width]`` float32.
     """
     q_len = query.shape[0]
-    latents = gather_latents(kv_cache, block_table_row[None], seq_len, layout).float()
-    positions = torch.arange(seq_len, device=query.device)
+    first_query = seq_len - q_len
+    first = max(0, first_query - window + 1) if window is not None else 0
+    latents = gather_latents(kv_cache, block_table_row[None], seq_len, layout,
+                             start=first).float()
+    positions = torch.arange(first, seq_len, device=query.device)
     rk, hg = plan.k_width, plan.heads_per_group
     outs = []
     for g, v_off in enumerate(plan.v_offsets()):
         r_v = plan.v_ranks[g]
-        keys = _group_keys(plan, g, k_up, rope, latents, positions, post_rope)[0]
+        keys = _group_keys(plan, g, k_up, rope, latents, positions, post_rope, transform)[0]
         keys = keys.repeat_interleave(hg // keys.shape[1], dim=1)  # [L, Hg, dk]
         values = latents[0, :, rk + v_off:rk + v_off + r_v]
         q_g = query[:, g * hg:(g + 1) * hg, :keys.shape[-1]].float()
-        o = _causal_attention(q_g.transpose(0, 1), keys.transpose(0, 1),
-                              values[None].expand(hg, -1, -1), seq_len - q_len, scale)
+        q_g, keys = q_g.transpose(0, 1), keys.transpose(0, 1)
+        values = values[None].expand(hg, -1, -1)
+        if window is not None:
+            o = _windowed_attention(q_g, keys, values, first, first_query, window, scale)
+        else:
+            o = _causal_attention(q_g, keys, values, first_query, scale)
         outs.append(o.transpose(0, 1).reshape(q_len, hg * r_v))
     return torch.cat(outs, dim=-1)

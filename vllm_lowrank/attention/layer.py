@@ -6,7 +6,9 @@ dispatch, cache binding) and changes three things:
 - the backend is always :class:`~vllm_lowrank.attention.backend.LatentAttentionBackend`;
 - :meth:`get_kv_cache_spec` describes one head slot of ``Rk + Rv`` elements per
   token, so vLLM allocates only the latent bytes (ranks may differ per layer:
-  vLLM groups such layers in one ``UniformTypeKVCacheSpecs``);
+  vLLM groups such layers in one ``UniformTypeKVCacheSpecs``); sliding-window
+  layers use vLLM's ``SlidingWindowSpec`` with the same latent slot, so vLLM
+  frees their blocks once they leave the window;
 - :meth:`forward` takes the query and the two latents and returns the attention
   output in the value latent space (``[T, out_width]``).
 """
@@ -17,9 +19,10 @@ import torch
 
 from vllm.model_executor.layers.attention import Attention
 from vllm.utils.torch_utils import _encode_layer_name
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 from vllm_lowrank.attention.backend import LatentAttentionBackend
+from vllm_lowrank.attention.latent_attention import KeyTransform
 from vllm_lowrank.attention.rope import RopeTable, rope_table_for
 from vllm_lowrank.factorization.plan import LayerPlan
 
@@ -35,15 +38,23 @@ class LatentAttention(Attention):
         post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
         layout: :class:`~vllm_lowrank.quantization.SlotLayout` of packed
             low-bit latents, or ``None`` to cache them in the model dtype.
+        key_norm: The model's per-head key norm module (QK-norm), applied to
+            rebuilt keys before RoPE, or ``None``.
+        key_bias: Rebuilt keys get the k_proj bias (buffer ``k_bias``).
+        sliding_window: Tokens each query sees (itself included), or ``None``.
         cache_config, quant_config, prefix: As for vLLM's ``Attention``.
 
     Buffers:
         k_up: ``[Rk, num_kv_heads * head_dim]`` float32 block-diagonal key
             up-projection, filled at weight loading.
+        k_bias: ``[num_kv_heads * head_dim]`` float32 key bias (empty without
+            ``key_bias``), filled at weight loading.
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
-                 layout=None, cache_config=None, quant_config=None, prefix: str = "") -> None:
+                 layout=None, key_norm=None, key_bias: bool = False,
+                 sliding_window: int | None = None, cache_config=None, quant_config=None,
+                 prefix: str = "") -> None:
         shape = plan.shape
         # Post-RoPE queries arrive projected into the key latent basis, padded
         # to the largest key rank.
@@ -55,6 +66,7 @@ class LatentAttention(Attention):
             num_kv_heads=shape.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
+            per_layer_sliding_window=sliding_window,
             prefix=prefix,
             attn_backend=LatentAttentionBackend,
         )
@@ -66,20 +78,40 @@ class LatentAttention(Attention):
                                 dtype=torch.float32),
             persistent=False,
         )
-        # A plain attribute, not a submodule: the rotary module belongs to the
-        # attention block and is shared across layers.
+        self.register_buffer(
+            "k_bias", torch.zeros(shape.kv_width if key_bias else 0, dtype=torch.float32),
+            persistent=False)
+        # Plain attributes, not submodules: the rotary module is shared across
+        # layers, and the key norm belongs to (and loads into) the attention block.
         self.__dict__["_rotary"] = rotary
+        self.__dict__["_key_norm"] = key_norm
 
     def rope_table(self, device: torch.device) -> RopeTable:
         """float32 RoPE table of this layer's rotary module on ``device``."""
         return rope_table_for(self._rotary, device)
+
+    def key_transform(self) -> KeyTransform | None:
+        """What is applied to a rebuilt key before RoPE (bias, QK-norm), or
+        ``None`` when nothing is (read at each step: the norm's weight is loaded
+        after construction)."""
+        norm = self._key_norm
+        if norm is None and not self.k_bias.numel():
+            return None
+        weight = None
+        if norm is not None:
+            weight = norm.weight.float()
+            if type(norm).__name__ == "GemmaRMSNorm":  # x * (1 + w)
+                weight = weight + 1.0
+        return KeyTransform(bias=self.k_bias if self.k_bias.numel() else None,
+                            norm_weight=weight,
+                            norm_eps=float(norm.variance_epsilon) if norm is not None else 0.0)
 
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
         """One head slot per token holding ``[c_k | c_v]``: ``Rk + Rv`` elements
         of the model dtype, or ``layout.slot_bytes`` uint8 when quantized (vLLM's
         ``state_content_bytes``: packed codes plus float16 scales/zeros)."""
         quantized = self.layout is not None
-        return FullAttentionSpec(
+        slot = dict(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
             head_size=self.plan.k_width,
@@ -87,6 +119,9 @@ class LatentAttention(Attention):
             dtype=torch.uint8 if quantized else self.kv_cache_torch_dtype,
             state_content_bytes=self.layout.slot_bytes if quantized else None,
         )
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(sliding_window=self.sliding_window, **slot)
+        return FullAttentionSpec(**slot)
 
     def forward(self, query: torch.Tensor, k_latent: torch.Tensor,
                 v_latent: torch.Tensor) -> torch.Tensor:

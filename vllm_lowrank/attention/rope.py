@@ -99,9 +99,13 @@ class RopeTable:
         """
         g = up.shape[1] // head_dim
         b, length = latent.shape[0], latent.shape[1]
-        keys = (latent @ up).view(b, length, g, head_dim)
+        return self.rotate_((latent @ up).view(b, length, g, head_dim), positions)
+
+    def rotate_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of ``keys [B, L, G, head_dim]`` float32 at ``positions [L]``, in
+        place (returns ``keys``)."""
         keys_rh = self.rotate_half(keys)
-        c, s = self.full_tables(head_dim, positions)
+        c, s = self.full_tables(keys.shape[-1], positions)
         keys.mul_(c[:, None, :])
         keys.addcmul_(keys_rh, s[:, None, :])
         return keys

@@ -53,6 +53,20 @@ def load_hf_model(model_path: str):
     return model, tok
 
 
+def _inv_freq(model, layer: int) -> torch.Tensor | None:
+    """``[rot/2]`` float32 RoPE inverse frequencies of ``layer`` from the Hugging
+    Face rotary module: one table (Llama, Qwen, Mistral) or one per layer type
+    (Gemma-3: ``{layer_type}_inv_freq``); ``None`` without a rotary module."""
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None:
+        return None
+    types = getattr(model.config, "layer_types", None)
+    table = getattr(rotary, f"{types[layer]}_inv_freq", None) if types else None
+    if table is None:
+        table = rotary.inv_freq
+    return table.detach().float()
+
+
 def layer_bases(
     method: str,
     w_k: torch.Tensor,
@@ -194,8 +208,6 @@ def calibrate_model(
         stats = collect_stats(model, windows,
                               queries=method in ("kq", "eigen", "post_rope"),
                               gradients=method == "fisher")
-    inv_freq = getattr(model.model, "rotary_emb", None)
-    inv_freq = None if inv_freq is None else inv_freq.inv_freq.detach().float()
     state = dict(model.state_dict())
     layers = {}
     for i in range(cfg.num_hidden_layers):
@@ -204,7 +216,7 @@ def calibrate_model(
             method, state[p + "k_proj.weight"], state[p + "v_proj.weight"],
             state[p + "o_proj.weight"], None if stats is None else stats[i],
             num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
-            group_size=g, inv_freq=inv_freq,
+            group_size=g, inv_freq=_inv_freq(model, i),
         )
     manifest = art.new_manifest(
         model_id=getattr(cfg, "_name_or_path", None) or model_path,

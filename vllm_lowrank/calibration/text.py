@@ -115,8 +115,16 @@ def read_text_file(path: str) -> list[str]:
     return [content]
 
 
+def adds_bos(tokenizer) -> bool:
+    """True when ``tokenizer`` puts a BOS token in front of every encoded text
+    (Gemma does, SmolLM2 does not): windows and prompts built from raw token
+    ids then need it too, as the model never saw a sequence without it."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer.encode("a")[:1] == [bos]
+
+
 def token_windows(tokenizer, documents: list[str], num_windows: int, window: int,
-                  bos: bool = False) -> list[list[int]]:
+                  bos: bool | None = None) -> list[list[int]]:
     """Non-overlapping windows of ``window`` tokens from the concatenated
     documents (separated by a blank line), in order.
 
@@ -125,11 +133,14 @@ def token_windows(tokenizer, documents: list[str], num_windows: int, window: int
         documents: Texts.
         num_windows: Windows wanted.
         window: Tokens per window (including the BOS token when ``bos``).
-        bos: Start each window with the tokenizer's BOS token.
+        bos: Start each window with the tokenizer's BOS token (default: when
+            the tokenizer adds one itself, :func:`adds_bos`).
 
     Raises:
         LowRankConfigError: the documents are too short.
     """
+    if bos is None:
+        bos = adds_bos(tokenizer)
     body = window - 1 if bos else window
     ids: list[int] = []
     for doc in documents:

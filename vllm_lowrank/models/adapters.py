@@ -10,21 +10,20 @@ model or setting is refused before any engine process starts.
 from __future__ import annotations
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
-
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "vllm_lowrank.models.llama:LowRankLlamaForCausalLM",
-}
+from vllm_lowrank.models.architectures import ARCHITECTURES
 
 
 def supported_list() -> str:
     """Comma-separated supported architecture names."""
-    return ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    return ", ".join(sorted(ARCHITECTURES))
 
 
 def check_model(vllm_config, cfg: LowRankConfig) -> None:
     """Refuse models and settings the latent cache cannot serve.
 
-    Checks: architecture, attention kind (no MLA, no cross-attention), weight
+    Checks: attention kind (no MLA, no cross-attention), architecture and its
+    own limits (:attr:`Architecture.refuse`: soft-capping, bidirectional or
+    dual-chunk attention, position-dependent query scaling), weight
     quantization (factorization needs float weights), vLLM's own KV cache dtype,
     head divisibility under tensor parallelism, group size and the ratio giving
     a non-zero rank, and, for an artifact given by path, the whole artifact
@@ -36,17 +35,29 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     model_config = vllm_config.model_config
     hf_config = model_config.hf_config
     archs = list(getattr(hf_config, "architectures", None) or [])
-    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if getattr(model_config, "use_mla", False):
+        raise LowRankConfigError(
+            f"--kv-compression lowrank cannot serve MLA models ({model_config.model!r}): "
+            f"their cache is already a latent; supported: {supported_list()}"
+        )
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise LowRankConfigError(
+            f"--kv-compression lowrank cannot serve encoder-decoder models "
+            f"({model_config.model!r}): cross-attention caches are not compressed; "
+            f"supported: {supported_list()}"
+        )
+    supported = [a for a in archs if a in ARCHITECTURES]
     if not supported:
         raise LowRankConfigError(
             f"--kv-compression lowrank does not support architecture "
             f"{', '.join(archs) or '(unknown)'} of model {model_config.model!r}; "
             f"supported: {supported_list()}"
         )
-    if getattr(model_config, "use_mla", False):
+    reason = ARCHITECTURES[supported[0]].refuse(hf_config)
+    if reason:
         raise LowRankConfigError(
-            "--kv-compression lowrank cannot serve MLA models: their cache is "
-            f"already a latent; supported: {supported_list()}"
+            f"--kv-compression lowrank cannot serve {model_config.model!r} "
+            f"({supported[0]}): {reason}; serve it without --kv-compression"
         )
     if vllm_config.quant_config is not None or model_config.quantization:
         raise LowRankConfigError(

@@ -3,15 +3,20 @@
 Replaces a model's own attention module (e.g. vLLM's ``LlamaAttention``) when
 compression is on. Forward (pre-RoPE latents, the default)::
 
-    [q | c_k | c_v] = x @ [W_q; A_k^T; A_v^T]^T        one fused GEMM
-    q = RoPE(q)                                         the model's rotary module
-    o = LatentAttention(q, c_k, c_v)                    cache latents, attend
+    [q | c_k | c_v] = x @ [W_q; A_k^T; A_v^T]^T        one fused GEMM (+ q bias)
+    q = RoPE(norm_q(q))                                 norm_q: QK-norm or identity
+    o = LatentAttention(q, c_k, c_v)                    cache latents, attend; keys
+                                                        k = RoPE(norm_k(c_k B_k + b_k))
     y = o @ W_o'^T                                      value up-projection folded in
+
+The key bias ``b_k`` (Qwen2) and the key norm (Qwen3, Gemma-3) are applied to
+the rebuilt key, not to the latent: both are exact whatever the rank, and the
+norm, being nonlinear, cannot be folded into ``A_k``.
 
 Post-RoPE latents (``method="post_rope"``, ZACK sec. 4; one KV head per group)::
 
     [q | k | c_v] = x @ [W_q; W_k; A_v^T]^T
-    q, k = RoPE(q), RoPE(k)
+    q, k = RoPE(norm_q(q)), RoPE(norm_k(k))
     c_k[j] = k[j] @ P_j,   q~[i] = q[i] @ P_j     P_j = B_k[j]^T [d, r_j]  (KV head j of i)
     o = LatentAttention(q~, c_k, c_v)                   scores q~ . c_k: no key rebuild
 
@@ -42,8 +47,16 @@ class LatentSelfAttention(nn.Module):
         plan: Head groups and ranks of the layer.
         rotary: The model's rotary embedding module for this layer.
         scale: Softmax scale.
-        qkv_bias: Whether q_proj has a bias (loaded into the fused projection).
+        qkv_bias: Whether q/k/v_proj have biases (the query bias is loaded
+            into the fused projection, the key bias into the key rebuild, the
+            value bias folded into o_proj's).
         o_bias: Whether o_proj has (or needs, for a folded value bias) a bias.
+        qk_norm: Per-head norm of queries and keys before RoPE: ``None``,
+            ``"rms"`` (vLLM ``RMSNorm``) or ``"gemma"`` (``GemmaRMSNorm``);
+            its weights load as ``q_norm.weight`` / ``k_norm.weight``.
+        norm_eps: Epsilon of that norm.
+        sliding_window: Tokens each query sees on a sliding-window layer
+            (``None``: full attention).
         post_rope: Cache post-RoPE key latents (needs ``group_size`` 1).
         layout: Packed low-bit slot layout (:mod:`vllm_lowrank.quantization`),
             or ``None``.
@@ -60,9 +73,10 @@ class LatentSelfAttention(nn.Module):
     """
 
     def __init__(self, plan: LayerPlan, rotary: nn.Module, scale: float, *,
-                 qkv_bias: bool = False, o_bias: bool = False, post_rope: bool = False,
-                 layout=None, hadamard_seed: int | None = None, cache_config=None,
-                 quant_config=None, prefix: str = "") -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
+                 norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 post_rope: bool = False, layout=None, hadamard_seed: int | None = None,
+                 cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
         self.plan = plan
@@ -96,15 +110,31 @@ class LatentSelfAttention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+            norm = {"rms": RMSNorm, "gemma": GemmaRMSNorm}[qk_norm]
+            self.q_norm = norm(shape.head_dim, eps=norm_eps)
+            self.k_norm = norm(shape.head_dim, eps=norm_eps)
         self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope, layout=layout,
+                                    key_norm=None if post_rope else self.k_norm,
+                                    key_bias=qkv_bias and not post_rope,
+                                    sliding_window=sliding_window,
                                     cache_config=cache_config, quant_config=quant_config,
                                     prefix=f"{prefix}.attn")
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                **_: object) -> torch.Tensor:
+        """``hidden_states [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``
+        (extra keyword arguments some decoder layers pass are ignored)."""
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, c_v = qkv.split([self.q_size, self.k_size, self.plan.v_width], dim=-1)
+        if self.q_norm is not None:
+            q = self._per_head(self.q_norm, q)
         if self.post_rope:
+            if self.k_norm is not None:
+                k = self._per_head(self.k_norm, k)
             q, k = self.rotary_emb(positions, q, k)
             q, c_k = self._project(q, k)
         else:
@@ -113,6 +143,11 @@ class LatentSelfAttention(nn.Module):
         o = self.attn(q, c_k, c_v)
         out, _ = self.o_proj(o)
         return out
+
+    def _per_head(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm`` over each head of ``x [T, heads * head_dim]``."""
+        d = self.plan.shape.head_dim
+        return norm(x.view(*x.shape[:-1], -1, d)).view(x.shape)
 
     def _project(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-RoPE projection: ``q [T, H*d]``, ``k [T, kv_width]`` ->
@@ -136,7 +171,8 @@ class LatentSelfAttention(nn.Module):
         Args:
             weights: Checkpoint tensors of the layer by short name: ``q_proj``,
                 ``k_proj``, ``v_proj``, ``o_proj`` (``nn.Linear`` weights) and
-                optional ``q_proj.bias``, ``v_proj.bias``, ``o_proj.bias``.
+                optional ``q_proj.bias``, ``k_proj.bias``, ``v_proj.bias``,
+                ``o_proj.bias``.
             bases: Calibrated ``(k_bases, v_bases)`` per head group, or ``None``
                 for plain weight SVD (Palu eq. 4).
 
@@ -168,11 +204,19 @@ class LatentSelfAttention(nn.Module):
         loaded = ["qkv_proj.weight"]
         if self.qkv_proj.bias is not None:
             bias = self.qkv_proj.bias
-            zeros_k = torch.zeros(self.k_size, dtype=bias.dtype)
+            k_bias = weights.get("k_proj.bias")
+            if k_bias is None or not self.post_rope:  # pre-RoPE: added at the rebuild
+                k_bias_here = torch.zeros(self.k_size, dtype=bias.dtype)
+            else:
+                k_bias_here = k_bias.to(bias.dtype)
             zeros_v = torch.zeros(plan.v_width, dtype=bias.dtype)
-            for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), zeros_k, zeros_v)):
+            for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), k_bias_here,
+                                       zeros_v)):
                 bias.weight_loader(bias, b, shard)
             loaded.append("qkv_proj.bias")
+            if k_bias is not None and not self.post_rope:
+                with torch.no_grad():
+                    self.attn.k_bias.copy_(k_bias.float())
         if not self.post_rope:
             with torch.no_grad():
                 self.attn.k_up.copy_(f.k_up)

@@ -1,0 +1,113 @@
+"""The real Gemma-3-270M through vLLM (issue 7): one KV head, head_dim 256,
+QK-norm between k_proj and RoPE (applied to rebuilt keys), sliding-window
+attention on 5 of 6 layers (vLLM's ``SlidingWindowSpec`` over latent slots,
+blocks freed as they leave the window) with its own RoPE theta, BOS-prefixed
+prompts.
+
+- ratio 1.0 gives the stock engine's greedy tokens, for short prompts and for a
+  1,100-token prompt prefilled in 256-token chunks (windowed attention over
+  cached context, then decode past the 512-token window) and its prefix-cache
+  hit;
+- ratio 0.5: vLLM's KV capacity grows by the ratio of original to latent bytes
+  of both layer kinds.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from conftest import make_llm
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Water boils at a temperature of"]
+STEPS = 24
+CHUNK = 256
+TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> str:
+    from vllm_lowrank import embedded
+
+    return embedded.prepare("gemma3-270m")
+
+
+def _greedy(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=2, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for o in outs:
+        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
+                 for lp in o.outputs[0].logprobs]
+        result.append((list(o.outputs[0].token_ids), [s[0] - s[1] for s in steps]))
+    return result
+
+
+def _run(path: str, compression: dict | None) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    from vllm_lowrank.evaluation import eval_windows
+
+    llm = make_llm(path, compression, enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=CHUNK)
+    long_ids = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 1100)[0]
+    cc = llm.llm_engine.vllm_config.cache_config
+    out = {"capacity": cc.num_gpu_blocks * cc.block_size,
+           "short": _greedy(llm, PROMPTS),
+           "long": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
+           "long_hit": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
+           "bos": long_ids[0] == llm.get_tokenizer().bos_token_id}
+    del llm
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(gemma_path):
+    return {name: _run(gemma_path, c) for name, c in (
+        ("stock", None), ("full", {"ratio": 1.0}),
+        # uniform weight-SVD ranks: no calibration needed to check the bytes
+        ("half", {"ratio": 0.5, "artifact": "none", "rank_allocation": "uniform"}))}
+
+
+def _same_until_tie(stock, other, label):
+    compared = 0
+    for p, ((a, gaps), (b, _)) in enumerate(zip(stock, other)):
+        for step in range(STEPS):
+            assert a[step] == b[step], f"{label} prompt {p} step {step}"
+            compared += 1
+            if gaps[step] < TIE:
+                break
+    return compared
+
+
+def test_windows_start_with_bos(runs):
+    assert runs["stock"]["bos"]
+
+
+def test_ratio_one_matches_stock_engine(runs):
+    stock, full = runs["stock"], runs["full"]
+    compared = sum(_same_until_tie(stock[k], full[k], k) for k in ("short", "long", "long_hit"))
+    assert compared >= (len(PROMPTS) + 2) * STEPS // 2
+    assert stock["long"][0][0] == stock["long_hit"][0][0]
+    assert full["capacity"] == stock["capacity"]
+
+
+def test_half_ratio_capacity_follows_latent_bytes(runs, gemma_path):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(gemma_path)
+    kinds = set(config.layer_types)
+    assert kinds == {"sliding_attention", "full_attention"}
+    # uniform ranks: every layer of both kinds keeps 128 + 128 of 2 x 256
+    original = 2 * config.num_key_value_heads * config.head_dim
+    stored = 2 * 128
+    expected = original / stored
+    assert runs["half"]["capacity"] / runs["stock"]["capacity"] == pytest.approx(expected,
+                                                                               rel=0.03)
