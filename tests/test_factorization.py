@@ -229,3 +229,25 @@ def test_energy_allocation_meets_budget_and_is_monotone(normalize):
         kept_prev = kept
     full = energy_plans(shapes, 1, spectra, 1.0, normalize=normalize)
     assert all(p.k_ranks == (64,) and p.v_ranks == (64,) for p in full.values())
+
+
+def test_per_layer_budget_gives_every_layer_the_same_width():
+    """Models mixing attention kinds (Gemma-3) need one page size: with
+    ``per_layer`` every layer gets ``ratio`` of its own width, split between K
+    and V by the spectra; the global budget instead moves width across layers."""
+    from types import SimpleNamespace
+
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models import compression as comp
+
+    shape = AttentionShape(64, 2, 1, 64)
+    shapes = {i: shape for i in range(6)}
+    artifact = SimpleNamespace(manifest={"method": "fisher"}, group_size=1,
+                               spectra=lambda: _spectra(6))
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.5})
+    free = comp.allocate(cfg, shapes, artifact)
+    per_layer = comp.allocate(cfg, shapes, artifact, per_layer=True)
+    assert len({p.k_width + p.v_width for p in free.values()}) > 1
+    assert {p.k_width + p.v_width for p in per_layer.values()} == {64}
+    assert any(p.k_width != p.v_width for p in per_layer.values())
+    assert sum(p.k_width + p.v_width for p in free.values()) == 6 * 64

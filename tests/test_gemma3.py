@@ -8,8 +8,10 @@ prompts.
   1,100-token prompt prefilled in 256-token chunks (windowed attention over
   cached context, then decode past the 512-token window) and its prefix-cache
   hit;
-- ratio 0.5: vLLM's KV capacity grows by the ratio of original to latent bytes
-  of both layer kinds.
+- ratio 0.5 (Fisher bases and ranks, calibrated here on 1,024 tokens): every
+  layer of both kinds gets the same latent width (vLLM's hybrid manager needs
+  one page size), K and V split it unevenly, and vLLM's KV capacity grows by
+  the ratio of original to latent bytes.
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ def _greedy(llm, prompts):
 
 
 def _run(path: str, compression: dict | None) -> dict:
+    import os
+
     from vllm.inputs import TokensPrompt
 
+    from vllm_lowrank import metrics
     from vllm_lowrank.evaluation import eval_windows
 
+    directory = os.environ.get(metrics.STATE_DIR_ENV)
+    for name in os.listdir(directory) if directory and os.path.isdir(directory) else []:
+        os.remove(os.path.join(directory, name))  # states of earlier engines
     llm = make_llm(path, compression, enable_prefix_caching=True, enable_chunked_prefill=True,
                    max_num_batched_tokens=CHUNK)
     long_ids = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 1100)[0]
@@ -63,6 +71,8 @@ def _run(path: str, compression: dict | None) -> dict:
            "long": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
            "long_hit": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
            "bos": long_ids[0] == llm.get_tokenizer().bos_token_id}
+    states = metrics.read_states(os.environ[metrics.STATE_DIR_ENV])
+    out["state"] = states[0] if states else None
     del llm
     gc.collect()
     return out
@@ -72,8 +82,7 @@ def _run(path: str, compression: dict | None) -> dict:
 def runs(gemma_path):
     return {name: _run(gemma_path, c) for name, c in (
         ("stock", None), ("full", {"ratio": 1.0}),
-        # uniform weight-SVD ranks: no calibration needed to check the bytes
-        ("half", {"ratio": 0.5, "artifact": "none", "rank_allocation": "uniform"}))}
+        ("half", {"ratio": 0.5, "calibration_tokens": 1024}))}
 
 
 def _same_until_tie(stock, other, label):
@@ -103,11 +112,15 @@ def test_half_ratio_capacity_follows_latent_bytes(runs, gemma_path):
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(gemma_path)
-    kinds = set(config.layer_types)
-    assert kinds == {"sliding_attention", "full_attention"}
-    # uniform ranks: every layer of both kinds keeps 128 + 128 of 2 x 256
-    original = 2 * config.num_key_value_heads * config.head_dim
-    stored = 2 * 128
-    expected = original / stored
-    assert runs["half"]["capacity"] / runs["stock"]["capacity"] == pytest.approx(expected,
-                                                                               rel=0.03)
+    assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+    state = runs["half"]["state"]
+    assert state is not None and state["method"] == "fisher"
+    layers = state["layers"]
+    widths = {sum(l["k_ranks"]) + sum(l["v_ranks"]) for l in layers.values()}
+    assert len(widths) == 1  # one latent width (page size) for both layer kinds
+    assert any(l["k_ranks"] != l["v_ranks"] for l in layers.values())  # not uniform
+    original = len(layers) * 2 * config.num_key_value_heads * config.head_dim
+    stored = len(layers) * widths.pop()
+    assert runs["half"]["capacity"] / runs["stock"]["capacity"] == pytest.approx(
+        original / stored, rel=0.03)
+    assert state["compression_ratio"] == pytest.approx(original / stored)

@@ -52,19 +52,28 @@ def _calibrate(args) -> None:
     if args.text:
         documents = texts.read_text_file(args.text)
         description = f"user text {args.text}"
-    from vllm_lowrank.models.compression import allocate, manifest_shape, record_ranks
+    from transformers import AutoConfig
+
     from vllm_lowrank.factorization.plan import AttentionShape
+    from vllm_lowrank.models.compression import (
+        allocate,
+        manifest_shape,
+        mixes_attention_kinds,
+        record_ranks,
+    )
 
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "method": args.method,
                                    "ratio": args.ratio, "rank_allocation": args.rank_allocation,
                                    "group_size": args.group_size})
-    artifact = calibrate_model(resolve_model(args.model), method=args.method,
+    path = resolve_model(args.model)
+    artifact = calibrate_model(path, method=args.method,
                                group_size=args.group_size, num_tokens=args.tokens,
                                documents=documents, text_description=description)
     m = artifact.manifest["model"]
     shape = AttentionShape(**{k: m[k] for k in manifest_shape(AttentionShape(0, 0, 0, 0))})
+    per_layer = mixes_attention_kinds(AutoConfig.from_pretrained(path))
     record_ranks(artifact, allocate(cfg, {i: shape for i in range(m["num_layers"])},
-                                    artifact), cfg)
+                                    artifact, per_layer), cfg)
     artifact.save(args.output)
     cal = artifact.manifest["calibration"]
     print(f"wrote {args.output}: method {args.method}, group size "
