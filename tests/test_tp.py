@@ -303,3 +303,46 @@ def test_serving_sizes_and_rank_overrides():
     assert rank_config(cfg, 1, 4) is cfg
     with pytest.raises(LowRankConfigError, match="split evenly"):
         rank_config(LowRankConfig(mode="lowrank", ranks={0: (63, 32)}), 2, 2)
+
+
+def test_rank_factors_are_slices_of_the_tp1_factors():
+    """Each rank's slice of the weights and bases (groups of 2 KV heads, 2
+    ranks) yields exactly its columns of the TP=1 fused projection, its block
+    of ``B_k``, its columns of the folded ``o_proj``; a value bias is folded
+    once, for the whole model, into ``o_proj.bias``."""
+    import torch
+
+    from vllm_lowrank.factorization import fold
+    from vllm_lowrank.factorization.bases import output_aware_basis
+    from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
+    from vllm_lowrank.factorization.shard import local_bases, local_weights
+
+    g = torch.Generator().manual_seed(0)
+    hidden, d = 32, 8
+    full = AttentionShape(hidden, 8, 4, d)
+    w = {"q_proj": torch.randn(64, hidden, generator=g),
+         "k_proj": torch.randn(32, hidden, generator=g),
+         "v_proj": torch.randn(32, hidden, generator=g),
+         "o_proj": torch.randn(hidden, 64, generator=g),
+         "v_proj.bias": torch.randn(32, generator=g),
+         "o_proj.bias": torch.randn(hidden, generator=g)}
+    plan1 = LayerPlan(full, 2, (8, 8), (4, 4))
+    bases = tuple([output_aware_basis(fold.group_projection(plan1, w[p], j)) for j in range(2)]
+                  for p in ("k_proj", "v_proj"))
+    f1 = fold.layer_factors(plan1, *bases, w["k_proj"], w["v_proj"])
+    o1 = fold.folded_o_proj(plan1, w["o_proj"], f1.v_up)
+    bias1 = w["o_proj.bias"] + fold.value_bias_through_o_proj(plan1, w["o_proj"],
+                                                              w["v_proj.bias"])
+    plan2 = LayerPlan(AttentionShape(hidden, 4, 2, d), 2, (8,), (4,))
+    for rank in range(2):
+        lw = local_weights(w, plan2.shape, rank, 2)
+        kb, vb = local_bases(bases, 1, rank)
+        f = fold.layer_factors(plan2, kb, vb, lw["k_proj"], lw["v_proj"])
+        assert torch.equal(lw["q_proj"], w["q_proj"][rank * 32:(rank + 1) * 32])
+        assert torch.allclose(f.a_k, f1.a_k[:, rank * 8:(rank + 1) * 8])
+        assert torch.allclose(f.a_v, f1.a_v[:, rank * 4:(rank + 1) * 4])
+        assert torch.allclose(f.k_up, f1.k_up[rank * 8:(rank + 1) * 8, rank * 16:(rank + 1) * 16])
+        o = fold.folded_o_proj(plan2, lw["o_proj"], f.v_up)
+        assert torch.allclose(o, o1[:, rank * 16:(rank + 1) * 16])  # 4 heads x rank 4
+        assert "v_proj.bias" not in lw
+        assert torch.allclose(lw["o_proj.bias"], bias1, atol=1e-5)
