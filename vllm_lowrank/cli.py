@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output", required=True, help="artifact directory to write")
     s.add_argument("--method", choices=METHODS, default=LowRankConfig.method)
     s.add_argument("--group-size", type=int, default=None,
-                   help="KV heads per group (default: all KV heads of a layer)")
+                   help="KV heads per group (default: all KV heads of a layer); the "
+                        "artifact serves tensor-parallel sizes N whose KV heads "
+                        "per rank (KV heads / N) are a multiple of it")
     s.add_argument("--tokens", type=int, default=LowRankConfig.calibration_tokens)
     s.add_argument("--ratio", type=float, default=LowRankConfig.ratio,
                    help="ratio whose rank allocation is recorded in the manifest "

@@ -51,11 +51,12 @@ class LowRankConfig:
         ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
             ``1.0`` keeps full rank (exact up to rounding).
         group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
-            heads of the layer (of the tensor-parallel shard); must divide the
-            number of KV heads.
+            heads of the layer (of one tensor-parallel rank's shard); must
+            divide the number of KV heads per rank (a group never spans ranks).
         ranks: Optional per-layer override ``{layer_index: (r_k, r_v)}``: total
-            key and value latent width of the layer, split evenly over its head
-            groups. Layers not listed follow ``ratio``.
+            key and value latent width of the layer (all tensor-parallel ranks
+            together), split evenly over its head groups. Layers not listed
+            follow ``ratio``.
         method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
             (activation-aware SVD), ``"eigen"`` (PCA of keys with queries),
             ``"kq"`` (attention-output-aware), ``"post_rope"`` (ZACK: scores in

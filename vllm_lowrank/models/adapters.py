@@ -25,9 +25,11 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     own limits (:attr:`Architecture.refuse`: soft-capping, bidirectional or
     dual-chunk attention, position-dependent query scaling), weight
     quantization (factorization needs float weights), vLLM's own KV cache dtype,
-    head divisibility under tensor parallelism, group size and the ratio giving
-    a non-zero rank, and, for an artifact given by path, the whole artifact
-    (:func:`check_artifact`).
+    head divisibility under tensor parallelism, group size (dividing each
+    tensor-parallel rank's KV heads), ``ranks`` overrides splitting evenly over
+    the ranks, the ratio giving a non-zero rank, and, for an artifact given by
+    path, the whole artifact (:func:`check_artifact`; its head groups must not
+    span ranks).
 
     Raises:
         LowRankConfigError: with the supported alternatives.
@@ -72,9 +74,12 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
             "lowrank (the latent cache has its own storage); drop --kv-cache-dtype"
         )
     from vllm_lowrank.factorization.plan import resolve_group_size, uniform_plan
+    from vllm_lowrank.factorization.shard import rank_config
     from vllm_lowrank.models.compression import model_shapes
 
-    shapes = model_shapes(hf_config, vllm_config.parallel_config.tensor_parallel_size)
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    shapes = model_shapes(hf_config, tp)
+    cfg = rank_config(cfg, tp, shapes[0].num_kv_heads)  # per-rank groups and ranks
     for i, shape in shapes.items():
         resolve_group_size(cfg, shape)
         if cfg.rank_allocation == "uniform" or (cfg.ranks and i in cfg.ranks):

@@ -15,6 +15,12 @@ At load (:class:`WeightInterceptor`): the checkpoint's q/k/v/o weights are held
 back from vLLM's stock loader, each layer is factorized and loaded as soon as
 its four weights have arrived, and the fingerprint of the k/v/o weights is
 checked against the artifact's.
+
+Under tensor parallelism every rank resolves plans for its own shard of KV
+heads (head groups never span ranks, ranks are tied across ranks so that all
+ranks build the same plans) and factorizes its slice of the full checkpoint
+weights with its slice of the full-model artifact
+(:mod:`vllm_lowrank.factorization.shard`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
 from vllm_lowrank.factorization.ranks import energy_plans
 
@@ -181,10 +188,23 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact
     """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
     the cache, or calibrated on the default text and cached.
 
+    Tensor-parallel workers resolve at the same time: an exclusive file lock
+    (``path + ".lock"``) lets the first calibrate while the others wait and
+    then load its result.
+
     Returns:
         ``(artifact, path)``.
     """
+    import fcntl
+
     path = _auto_artifact_path(model_path, cfg)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _load_or_calibrate(model_path, cfg, path)
+
+
+def _load_or_calibrate(model_path: str, cfg: LowRankConfig, path: str):
     if os.path.isdir(path):
         try:
             return art.load_artifact(path), path
@@ -211,6 +231,7 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     hf_config = vllm_config.model_config.hf_config
     tp = vllm_config.parallel_config.tensor_parallel_size
     shapes = model_shapes(hf_config, tp)
+    cfg = shard.rank_config(cfg, tp, shapes[0].num_kv_heads)
     artifact, path = None, None
     if cfg.ratio == 1.0 and not cfg.ranks and cfg.artifact in ("auto", "none"):
         # Full rank everywhere: every group uses its exact identity basis, so no
@@ -218,7 +239,10 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
         plans = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()}
         return ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     if cfg.artifact == "auto" and cfg.needs_calibration:
-        artifact, path = load_or_calibrate(vllm_config.model_config.model, cfg)
+        # "all KV heads" under tensor parallelism: all heads of one rank's shard
+        auto_cfg = cfg if tp == 1 or cfg.group_size else dataclasses.replace(
+            cfg, group_size=shapes[0].num_kv_heads)
+        artifact, path = load_or_calibrate(vllm_config.model_config.model, auto_cfg)
     elif cfg.artifact not in ("auto", "none"):
         path = cfg.artifact
         artifact = art.load_artifact(path)
@@ -230,11 +254,13 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
             num_layers=hf_config.num_hidden_layers,
             shape=manifest_shape(full_shape),
         )
+        shard.check_artifact_groups(artifact.manifest, path, tp)
         if cfg.group_size is not None and cfg.group_size != artifact.group_size:
             raise LowRankConfigError(
                 f"group_size={cfg.group_size} differs from the artifact's "
                 f"{artifact.group_size} ({path}); drop group_size or recalibrate"
             )
+        cfg = dataclasses.replace(cfg, group_size=artifact.group_size)
     else:
         logger.warning("vllm-lowrank: no calibration artifact; using plain weight SVD "
                        "with uniform ranks (artifact=%r, method=%r). Expect a large "
@@ -289,8 +315,9 @@ def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
         # An allocation chosen at calibration time (e.g. a byte-budget search):
         # served as recorded, whatever the ratio.
         g = artifact.group_size
-        return {i: LayerPlan(s, g, tuple(stored["layers"][str(i)][0]),
-                             tuple(stored["layers"][str(i)][1]))
+        n, where = next(iter(shapes.values())).num_kv_heads // g, artifact_path_hint(artifact)
+        return {i: LayerPlan(s, g, *(shard.tied_fixed_ranks(r, n, i, where)
+                                     for r in stored["layers"][str(i)]))
                 for i, s in shapes.items()}
     free = {i: s for i, s in shapes.items() if i not in fixed}
     if cfg.rank_allocation != "uniform" and artifact is not None and free:
@@ -300,14 +327,16 @@ def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
                 f"method \"fisher\"; {artifact_path_hint(artifact)} used "
                 f"{artifact.manifest['method']!r}"
             )
-        spectra = artifact.spectra()
+        n = next(iter(free.values())).num_kv_heads // artifact.group_size
+        spectra, normalize = shard.tied_spectra(  # identity without tensor parallelism
+            {i: s for i, s in artifact.spectra().items() if i in free}, n,
+            cfg.rank_allocation == "energy")
         budgets = [{i: s} for i, s in free.items()] if per_layer else [free]
         allocated = {}
         for part in budgets:
             allocated.update(energy_plans(part, artifact.group_size,
                                           {i: spectra[i] for i in part}, cfg.ratio,
-                                          normalize=cfg.rank_allocation == "energy",
-                                          multiple=cfg.rank_multiple))
+                                          normalize=normalize, multiple=cfg.rank_multiple))
     else:
         if cfg.rank_allocation != "uniform" and free:
             logger.warning("vllm-lowrank: energy rank allocation needs a calibration "
@@ -335,6 +364,7 @@ class WeightInterceptor:
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.digests: dict[str, str] = {}
         self.loaded: set[str] = set()
+        self.tp_rank, self.tp_size = shard.position()
 
     def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield the weights the stock loader should see; factorize the rest."""
@@ -355,8 +385,11 @@ class WeightInterceptor:
 
     def _load_layer(self, layer: int) -> None:
         prefix, module = self.modules[layer]
-        weights = self.pending.pop(layer)
-        for name in module.load_factorized(weights, self.compression.bases(layer)):
+        weights = shard.local_weights(self.pending.pop(layer), module.plan.shape,
+                                      self.tp_rank, self.tp_size)
+        bases = shard.local_bases(self.compression.bases(layer), module.plan.num_groups,
+                                  self.tp_rank)
+        for name in module.load_factorized(weights, bases):
             self.loaded.add(f"{prefix}.{name}")
 
     def finish(self) -> set[str]:

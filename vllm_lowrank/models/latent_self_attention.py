@@ -38,6 +38,7 @@ from vllm_lowrank.attention.layer import LatentAttention
 from vllm_lowrank.factorization import fold
 from vllm_lowrank.factorization.bases import GroupBasis, output_aware_basis
 from vllm_lowrank.factorization.plan import LayerPlan
+from vllm_lowrank.factorization.shard import full_sizes, load_local
 
 
 class LatentSelfAttention(nn.Module):
@@ -97,13 +98,13 @@ class LatentSelfAttention(nn.Module):
                                  persistent=False)
         self.qkv_proj = MergedColumnParallelLinear(
             input_size=shape.hidden_size,
-            output_sizes=[self.q_size, self.k_size, plan.v_width],
+            output_sizes=full_sizes(self.q_size, self.k_size, plan.v_width),
             bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            input_size=plan.out_width,
+            input_size=full_sizes(plan.out_width)[0],
             output_size=shape.hidden_size,
             bias=o_bias,
             quant_config=quant_config,
@@ -172,9 +173,10 @@ class LatentSelfAttention(nn.Module):
             weights: Checkpoint tensors of the layer by short name: ``q_proj``,
                 ``k_proj``, ``v_proj``, ``o_proj`` (``nn.Linear`` weights) and
                 optional ``q_proj.bias``, ``k_proj.bias``, ``v_proj.bias``,
-                ``o_proj.bias``.
-            bases: Calibrated ``(k_bases, v_bases)`` per head group, or ``None``
-                for plain weight SVD (Palu eq. 4).
+                ``o_proj.bias``; under tensor parallelism this rank's heads only
+                (:func:`~vllm_lowrank.factorization.shard.local_weights`).
+            bases: Calibrated ``(k_bases, v_bases)`` per head group (of this
+                rank), or ``None`` for plain weight SVD (Palu eq. 4).
 
         Returns:
             Names (relative to this module) of the parameters it loaded.
@@ -200,7 +202,7 @@ class LatentSelfAttention(nn.Module):
                     self.k_down[j, :, :r] = f.k_up[off:off + r, j * d:(j + 1) * d].T
         key_weight = w_k.float() if self.post_rope else f.a_k.T
         for shard, w in enumerate((w_q, key_weight, f.a_v.T)):
-            param.weight_loader(param, w.to(param.dtype).contiguous(), shard)
+            load_local(self.qkv_proj, param, w.to(param.dtype).contiguous(), shard)
         loaded = ["qkv_proj.weight"]
         if self.qkv_proj.bias is not None:
             bias = self.qkv_proj.bias
@@ -212,7 +214,7 @@ class LatentSelfAttention(nn.Module):
             zeros_v = torch.zeros(plan.v_width, dtype=bias.dtype)
             for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), k_bias_here,
                                        zeros_v)):
-                bias.weight_loader(bias, b, shard)
+                load_local(self.qkv_proj, bias, b, shard)
             loaded.append("qkv_proj.bias")
             if k_bias is not None and not self.post_rope:
                 with torch.no_grad():
@@ -222,7 +224,7 @@ class LatentSelfAttention(nn.Module):
                 self.attn.k_up.copy_(f.k_up)
         o_weight = fold.folded_o_proj(plan, w_o, f.v_up)
         p = self.o_proj.weight
-        p.weight_loader(p, o_weight.to(p.dtype))
+        load_local(self.o_proj, p, o_weight.to(p.dtype))
         loaded.append("o_proj.weight")
         if self.o_proj.bias is not None:
             b = torch.zeros(plan.shape.hidden_size, dtype=torch.float32)
@@ -231,6 +233,6 @@ class LatentSelfAttention(nn.Module):
             if "v_proj.bias" in weights:
                 b += fold.value_bias_through_o_proj(plan, w_o, weights["v_proj.bias"])
             ob = self.o_proj.bias
-            ob.weight_loader(ob, b.to(ob.dtype))
+            load_local(self.o_proj, ob, b.to(ob.dtype))
             loaded.append("o_proj.bias")
         return loaded
