@@ -24,6 +24,7 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm_lowrank.evaluation import eval_windows
+from vllm_lowrank.metrics import kv_capacity_tokens
 
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
@@ -45,7 +46,7 @@ if __name__ == "__main__":
     full = run(windows[2 * b:], 1 + spec["decode_tokens"])
     cc = llm.llm_engine.vllm_config.cache_config
     print("RESULT " + json.dumps({"prefill_s": prefill, "full_s": full,
-          "kv_tokens": cc.num_gpu_blocks * cc.block_size}))
+          "kv_tokens": kv_capacity_tokens(cc)}))
 '''
 
 

@@ -53,8 +53,9 @@ def _greedy_with_margins(llm, prompts, max_tokens=24):
 
 
 def _capacity(llm) -> int:
-    cc = llm.llm_engine.vllm_config.cache_config
-    return cc.num_gpu_blocks * cc.block_size
+    from vllm_lowrank.metrics import kv_capacity_tokens
+
+    return kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config)
 
 
 def _run(model_path, compression, **kwargs):

@@ -65,8 +65,7 @@ def _run(path: str, compression: dict | None) -> dict:
     llm = make_llm(path, compression, enable_prefix_caching=True, enable_chunked_prefill=True,
                    max_num_batched_tokens=CHUNK)
     long_ids = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 1100)[0]
-    cc = llm.llm_engine.vllm_config.cache_config
-    out = {"capacity": cc.num_gpu_blocks * cc.block_size,
+    out = {"capacity": metrics.kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config),
            "short": _greedy(llm, PROMPTS),
            "long": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
            "long_hit": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),

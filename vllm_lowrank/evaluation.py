@@ -69,9 +69,11 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**kwargs)
     tok = llm.get_tokenizer()
     result: dict[str, Any] = {"init_s": time.time() - t0}
-    capacity = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    result["kv_blocks"] = capacity
-    result["kv_tokens"] = capacity * llm.llm_engine.vllm_config.cache_config.block_size
+    from vllm_lowrank.metrics import kv_capacity_tokens
+
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    result["kv_blocks"] = cache_config.num_gpu_blocks
+    result["kv_tokens"] = kv_capacity_tokens(cache_config)
     for text in spec["texts"]:
         windows = eval_windows(tok, text, spec["num_windows"], spec["window"])
         t1 = time.time()

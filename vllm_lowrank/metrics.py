@@ -352,6 +352,22 @@ class LowRankCollector:
         return out
 
 
+def kv_capacity_tokens(cache_config) -> int:
+    """Tokens an engine's KV cache holds, from its (front-end) ``CacheConfig``:
+    vLLM's group-aware ``kv_cache_size_tokens`` (what it logs as "KV cache
+    size"), else ``num_gpu_blocks * block_size``.
+
+    The block count alone is not comparable across models or settings with
+    several KV cache groups (hybrid sliding/full attention): one block then
+    holds one page of one group's layers, and the number of groups changes with
+    the layer specs.
+    """
+    tokens = getattr(cache_config, "kv_cache_size_tokens", None)
+    if tokens:
+        return int(tokens)
+    return int(cache_config.num_gpu_blocks * cache_config.block_size)
+
+
 def _int(text) -> int | None:
     try:
         return int(text)
