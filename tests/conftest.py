@@ -31,3 +31,59 @@ def make_llm(model: str, compression: dict | None = None, **kwargs):
     if compression is not None:
         args["additional_config"] = {"kv_compression": compression}
     return LLM(**args)
+
+
+TIE = 1e-3
+"""Nats: a top-2 log-probability gap below this is a near tie that float
+rounding in either engine may break the other way."""
+
+
+def greedy_with_gaps(llm, prompts, max_tokens: int = 24, ignore_eos: bool = False):
+    """Greedy tokens per prompt, and per step the log-probability gap between
+    the chosen token and the runner-up (nats): ``(tokens, gaps)``."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2,
+                            ignore_eos=ignore_eos)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens, gaps = [], []
+    for o in outs:
+        tokens.append(list(o.outputs[0].token_ids))
+        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
+                 for lp in o.outputs[0].logprobs]
+        gaps.append([s[0] - s[1] for s in steps])
+    return tokens, gaps
+
+
+def assert_same_until_tie(got, ref, ref_gaps, at_least: int, label: str = "") -> int:
+    """Greedy tokens ``got`` equal ``ref`` up to the reference's first near
+    tie (:data:`TIE`, that step included); at least ``at_least`` tokens must be
+    compared in all, so the check cannot pass vacuously. Returns that count."""
+    compared = 0
+    for p, (g, r, gaps) in enumerate(zip(got, ref, ref_gaps)):
+        n = next((i + 1 for i, gap in enumerate(gaps) if gap < TIE), len(r))
+        assert g[:n] == r[:n], f"{label} prompt {p}: {g[:n]} vs {r[:n]}"
+        compared += n
+    assert compared >= at_least, f"{label}: only {compared} tokens before near ties"
+    return compared
+
+
+def worker_states() -> list[dict]:
+    """What the workers of the last compressed engine published
+    (:func:`vllm_lowrank.metrics.read_states`), ordered by tensor-parallel rank."""
+    from vllm_lowrank import metrics
+
+    directory = os.environ.get(metrics.STATE_DIR_ENV)
+    states = metrics.read_states(directory) if directory else []
+    return sorted(states, key=lambda s: s["parallel"]["tp"])
+
+
+def clear_worker_states() -> None:
+    """Forget the states of earlier engines (call before building one)."""
+    import glob
+
+    from vllm_lowrank import metrics
+
+    directory = os.environ.get(metrics.STATE_DIR_ENV)
+    for name in glob.glob(os.path.join(directory or "/nonexistent", "worker-*.json")):
+        os.remove(name)

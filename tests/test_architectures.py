@@ -12,11 +12,16 @@ in ``test_engine.py``.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
-from conftest import make_llm
+from conftest import (
+    assert_same_until_tie,
+    clear_worker_states,
+    greedy_with_gaps,
+    make_llm,
+    worker_states,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +34,6 @@ PROMPTS = [
     "mostly for its fishing fleet, its salt works and a lighthouse that",
 ]
 STEPS = 24
-TIE = 1e-3  # nats: a top-2 gap below this is a near tie either side may break
 
 
 def _config(arch: str, vocab: int, tok):
@@ -67,31 +71,12 @@ def _build(arch: str, folder: str, tokenizer_path: str) -> str:
     return folder
 
 
-def _greedy(llm):
-    """Greedy tokens and per-step top-2 log-probability gaps, per prompt."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=2, ignore_eos=True)
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    tokens, gaps = [], []
-    for o in outs:
-        tokens.append(list(o.outputs[0].token_ids))
-        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
-                 for lp in o.outputs[0].logprobs]
-        gaps.append([s[0] - s[1] for s in steps])
-    return tokens, gaps
-
-
 def _run(folder: str, compression: dict | None):
-    """(greedy result, the worker's published compression state or ``None``)."""
-    from vllm_lowrank import metrics
-
-    directory = os.environ.get(metrics.STATE_DIR_ENV)
-    for name in os.listdir(directory) if directory and os.path.isdir(directory) else []:
-        os.remove(os.path.join(directory, name))  # states of earlier engines
+    """(greedy tokens and gaps, the worker's published compression state or ``None``)."""
+    clear_worker_states()
     llm = make_llm(folder, compression, max_model_len=512)
-    result = _greedy(llm)
-    states = metrics.read_states(os.environ[metrics.STATE_DIR_ENV])
+    result = greedy_with_gaps(llm, PROMPTS, STEPS, ignore_eos=True)
+    states = worker_states()
     del llm
     gc.collect()
     return result, (states[0] if states else None)
@@ -104,13 +89,4 @@ def test_ratio_one_matches_stock_engine(arch, model_path, tmp_path_factory):
     (latent, _), on = _run(folder, {"ratio": 1.0})
     assert off is None  # compression off: the stock model, nothing published
     assert on is not None and on["enabled"] and len(on["layers"]) == 3  # latent path ran
-    config_name, compared = arch, 0
-    for p, (a, b, gap) in enumerate(zip(stock, latent, gaps)):
-        for step in range(STEPS):
-            assert a[step] == b[step], (
-                f"{config_name} prompt {p} step {step}: {a[:step + 1]} vs {b[:step + 1]}")
-            compared += 1
-            if gap[step] < TIE:  # later tokens may legitimately diverge
-                break
-    # the comparison must not be vacuous
-    assert compared >= len(PROMPTS) * STEPS // 2, compared
+    assert_same_until_tie(latent, stock, gaps, len(PROMPTS) * STEPS // 2, arch)

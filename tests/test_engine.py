@@ -13,7 +13,7 @@ import gc
 
 import pytest
 
-from conftest import make_llm
+from conftest import greedy_with_gaps, make_llm
 
 pytestmark = pytest.mark.slow
 
@@ -33,23 +33,7 @@ def _long_prompt(tokenizer) -> list[int]:
 
 
 def _greedy(llm, prompts, max_tokens=24):
-    return _greedy_with_margins(llm, prompts, max_tokens)[0]
-
-
-def _greedy_with_margins(llm, prompts, max_tokens=24):
-    """Greedy tokens, and per step the log-probability gap between the chosen
-    token and the runner-up (nats), per prompt."""
-    from vllm import SamplingParams
-
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                logprobs=2), use_tqdm=False)
-    tokens, gaps = [], []
-    for o in outs:
-        tokens.append(list(o.outputs[0].token_ids))
-        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
-                 for lp in o.outputs[0].logprobs]
-        gaps.append([s[0] - s[1] for s in steps])
-    return tokens, gaps
+    return greedy_with_gaps(llm, prompts, max_tokens)[0]
 
 
 def _capacity(llm) -> int:
@@ -68,7 +52,7 @@ def _run(model_path, compression, **kwargs):
                    disable_log_stats=False, **kwargs)
     long_ids = _long_prompt(llm.get_tokenizer())
     result = {"capacity": _capacity(llm)}
-    result["short"], result["margins"] = _greedy_with_margins(llm, PROMPTS)
+    result["short"], result["margins"] = greedy_with_gaps(llm, PROMPTS)
     result["long"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
     result["long_hit"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)])
     result["long_branch"] = _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids[:450] + long_ids[:40])])

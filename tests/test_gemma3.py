@@ -20,7 +20,13 @@ import gc
 
 import pytest
 
-from conftest import make_llm
+from conftest import (
+    assert_same_until_tie,
+    clear_worker_states,
+    greedy_with_gaps,
+    make_llm,
+    worker_states,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +34,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Water boils at a temperature of"]
 STEPS = 24
 CHUNK = 256
-TIE = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -38,39 +43,24 @@ def gemma_path() -> str:
     return embedded.prepare("gemma3-270m")
 
 
-def _greedy(llm, prompts):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=STEPS, logprobs=2, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    result = []
-    for o in outs:
-        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
-                 for lp in o.outputs[0].logprobs]
-        result.append((list(o.outputs[0].token_ids), [s[0] - s[1] for s in steps]))
-    return result
-
-
 def _run(path: str, compression: dict | None) -> dict:
-    import os
-
     from vllm.inputs import TokensPrompt
 
     from vllm_lowrank import metrics
     from vllm_lowrank.evaluation import eval_windows
 
-    directory = os.environ.get(metrics.STATE_DIR_ENV)
-    for name in os.listdir(directory) if directory and os.path.isdir(directory) else []:
-        os.remove(os.path.join(directory, name))  # states of earlier engines
+    clear_worker_states()
     llm = make_llm(path, compression, enable_prefix_caching=True, enable_chunked_prefill=True,
                    max_num_batched_tokens=CHUNK)
     long_ids = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 1100)[0]
     out = {"capacity": metrics.kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config),
-           "short": _greedy(llm, PROMPTS),
-           "long": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
-           "long_hit": _greedy(llm, [TokensPrompt(prompt_token_ids=long_ids)]),
+           "short": greedy_with_gaps(llm, PROMPTS, STEPS, ignore_eos=True),
+           "long": greedy_with_gaps(llm, [TokensPrompt(prompt_token_ids=long_ids)], STEPS,
+                                    ignore_eos=True),
+           "long_hit": greedy_with_gaps(llm, [TokensPrompt(prompt_token_ids=long_ids)],
+                                        STEPS, ignore_eos=True),
            "bos": long_ids[0] == llm.get_tokenizer().bos_token_id}
-    states = metrics.read_states(os.environ[metrics.STATE_DIR_ENV])
+    states = worker_states()
     out["state"] = states[0] if states else None
     del llm
     gc.collect()
@@ -84,26 +74,16 @@ def runs(gemma_path):
         ("half", {"ratio": 0.5, "calibration_tokens": 1024}))}
 
 
-def _same_until_tie(stock, other, label):
-    compared = 0
-    for p, ((a, gaps), (b, _)) in enumerate(zip(stock, other)):
-        for step in range(STEPS):
-            assert a[step] == b[step], f"{label} prompt {p} step {step}"
-            compared += 1
-            if gaps[step] < TIE:
-                break
-    return compared
-
-
 def test_windows_start_with_bos(runs):
     assert runs["stock"]["bos"]
 
 
 def test_ratio_one_matches_stock_engine(runs):
     stock, full = runs["stock"], runs["full"]
-    compared = sum(_same_until_tie(stock[k], full[k], k) for k in ("short", "long", "long_hit"))
-    assert compared >= (len(PROMPTS) + 2) * STEPS // 2
-    assert stock["long"][0][0] == stock["long_hit"][0][0]
+    for key, n in (("short", len(PROMPTS)), ("long", 1), ("long_hit", 1)):
+        (ref, gaps), (got, _) = stock[key], full[key]
+        assert_same_until_tie(got, ref, gaps, n * STEPS // 2, key)
+    assert stock["long"][0] == stock["long_hit"][0]
     assert full["capacity"] == stock["capacity"]
 
 

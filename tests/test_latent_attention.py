@@ -87,7 +87,6 @@ def fill(cache, block_table_row, latents):
     n = latents.shape[0]
     pos = torch.arange(n)
     slots = block_table_row[pos // BLOCK].long() * BLOCK + pos % BLOCK
-    rk = latents.shape[1]
     ops.write_latents(cache, latents[:, :24], latents[:, 24:], slots)
 
 

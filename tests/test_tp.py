@@ -23,12 +23,11 @@ parallel ``o_proj`` in another order, which may flip an exact tie.
 from __future__ import annotations
 
 import gc
-import glob
 import os
 
 import pytest
 
-from conftest import make_llm
+from conftest import TIE, clear_worker_states, greedy_with_gaps, make_llm, worker_states
 
 PROMPTS = [
     "The capital of France is",
@@ -37,7 +36,6 @@ PROMPTS = [
     "Once upon a time, in a small village,",
 ]
 MAX_TOKENS = 24
-TIE = 1e-3
 KV_SPACE = 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1 (conftest): bytes per rank
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4, 8, 4, 32
 
@@ -72,27 +70,10 @@ def tiny_artifact(tiny_model, tmp_path_factory) -> str:
     return path
 
 
-def _worker_states() -> list[dict]:
-    from vllm_lowrank import metrics
-
-    directory = os.environ.get(metrics.STATE_DIR_ENV)
-    return metrics.read_states(directory) if directory else []
-
-
-def _clear_worker_states() -> None:
-    from vllm_lowrank import metrics
-
-    directory = os.environ.get(metrics.STATE_DIR_ENV)
-    for name in glob.glob(os.path.join(directory or "/nonexistent", "worker-*.json")):
-        os.remove(name)
-
-
 def _run(model: str, compression: dict | None, tp: int) -> dict:
     """Greedy tokens and top-2 gaps for :data:`PROMPTS`, the KV capacity in
     tokens (per rank: every rank allocates the same number of blocks), and what
     every worker reports (``ModelCompression.summary``)."""
-    from vllm import SamplingParams
-
     kwargs = {}
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:
@@ -101,7 +82,7 @@ def _run(model: str, compression: dict | None, tp: int) -> dict:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(cpus[i % len(cpus)]) for i in range(tp))
         kwargs = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
-    _clear_worker_states()
+    clear_worker_states()
     try:
         llm = make_llm(model, compression, max_model_len=512, **kwargs)
     finally:
@@ -111,15 +92,9 @@ def _run(model: str, compression: dict | None, tp: int) -> dict:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
     try:
         cc = llm.llm_engine.vllm_config.cache_config
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                    logprobs=2), use_tqdm=False)
+        tokens, gaps = greedy_with_gaps(llm, PROMPTS, MAX_TOKENS)
         result = {"capacity": cc.num_gpu_blocks * cc.block_size, "block_size": cc.block_size,
-                  "tokens": [list(o.outputs[0].token_ids) for o in outs], "gaps": [],
-                  "states": sorted(_worker_states(), key=lambda s: s["parallel"]["tp"])}
-        for o in outs:
-            steps = [sorted((x.logprob for x in lp.values()), reverse=True)
-                     for lp in o.outputs[0].logprobs]
-            result["gaps"].append([s[0] - s[1] for s in steps])
+                  "tokens": tokens, "gaps": gaps, "states": worker_states()}
     finally:
         del llm
         gc.collect()

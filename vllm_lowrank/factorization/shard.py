@@ -43,7 +43,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
-from vllm_lowrank.factorization.bases import GroupBasis
 from vllm_lowrank.factorization.plan import AttentionShape
 
 
