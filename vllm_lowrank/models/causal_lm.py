@@ -31,40 +31,56 @@ from vllm_lowrank.models.architectures import ARCHITECTURES, Architecture, load
 logger = logging.getLogger("vllm.lowrank")
 
 
+_FACTORIES: dict[type, Callable[[dict], object]] = {}
+_INSTALLED: set[type] = set()
+
+
+def _install(cls: type) -> None:
+    """Give ``cls`` (once) a ``__new__`` that returns the active factory's
+    object for ``cls(...)`` itself and otherwise behaves as the ``__new__`` it
+    replaced. It stays installed: deleting an assigned ``__new__`` leaves
+    CPython's ``object.__new__`` refusing constructor arguments."""
+    if cls in _INSTALLED:
+        return
+    signature = inspect.signature(cls.__init__)
+    own = cls.__dict__.get("__new__")
+    own = own.__func__ if isinstance(own, staticmethod) else own
+
+    def __new__(klass, *args, **kwargs):
+        factory = _FACTORIES.get(cls) if klass is cls else None
+        if factory is not None:
+            bound = signature.bind(None, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = dict(bound.arguments)
+            arguments.pop(next(iter(signature.parameters)))  # self
+            arguments.update(arguments.pop("kwargs", None) or {})
+            return factory(arguments)
+        parent = own or super(cls, klass).__new__
+        if parent is object.__new__:
+            return parent(klass)
+        return parent(klass, *args, **kwargs)
+
+    cls.__new__ = __new__
+    _INSTALLED.add(cls)
+
+
 @contextlib.contextmanager
 def substitute(cls: type, factory: Callable[[dict], object]) -> Iterator[None]:
     """While active, ``cls(...)`` returns ``factory(arguments)`` instead of a
     ``cls`` instance.
 
     ``arguments`` are the call's arguments bound to ``cls.__init__``'s
-    signature with its defaults applied (``{name: value}``, without ``self``).
-    Only ``cls`` itself is affected, not its subclasses. Construction in vLLM
-    is single-threaded per process, so the swap is not visible elsewhere.
+    signature with its defaults applied (``{name: value}``, without ``self``;
+    ``**kwargs`` merged in). Only ``cls`` itself is affected, not its
+    subclasses. Construction in vLLM is single-threaded per process, so the
+    swap is not visible elsewhere.
     """
-    signature = inspect.signature(cls.__init__)
-    had_new = "__new__" in cls.__dict__
-    saved = cls.__dict__.get("__new__")
-
-    def __new__(klass, *args, **kwargs):
-        if klass is not cls:
-            return super(cls, klass).__new__(klass)
-        bound = signature.bind(None, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        arguments.pop(next(iter(signature.parameters)))  # self
-        extra = arguments.pop("kwargs", None)
-        if extra:
-            arguments.update(extra)
-        return factory(arguments)
-
-    cls.__new__ = __new__
+    _install(cls)
+    _FACTORIES[cls] = factory
     try:
         yield
     finally:
-        if had_new:
-            cls.__new__ = saved
-        else:
-            del cls.__new__
+        _FACTORIES.pop(cls, None)
 
 
 def _latent_attention(arch: Architecture, compression, arguments: dict):
