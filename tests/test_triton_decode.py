@@ -5,7 +5,8 @@ when absent) on CPU tensors: small shapes, every code path (pre-RoPE rebuild wit
 neox / gptj / partial rotary / YaRN-scaled / non-rotation tables, post-RoPE mode,
 packed 8/4/3/2-bit caches with per-row and grouped scales, aligned and unaligned
 slots, uneven ranks in several rank classes, G > 1 head groups, split-K with the
-reduce, the LPT persistent schedule). On a CUDA machine the same tests run the
+reduce, the LPT persistent schedule, key bias / QK-norm and sliding windows over
+NaN null blocks). On a CUDA machine the same tests run the
 compiled kernels on the GPU.
 
     TRITON_INTERPRET=1 python -m pytest tests/test_triton_decode.py -q
@@ -105,8 +106,12 @@ def rope64(x, pos, rope):
     return torch.cat((o, rest), -1)
 
 
-def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope"):
-    """float64 decode attention. k_lat/v_lat: per-sequence [L, Rk] / [L, Rv]."""
+def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope",
+              transform=None, window=None):
+    """float64 decode attention. k_lat/v_lat: per-sequence [L, Rk] / [L, Rv].
+    ``transform`` (a KeyTransform): bias, then per-head RMSNorm, before RoPE;
+    ``window``: sequence b sees positions >= lens[b] - window only (earlier
+    latents may be NaN: they are dropped before any arithmetic)."""
     q = q.double().cpu()
     k_up = k_up.double().cpu()
     hg, gs, d = plan.heads_per_group, plan.group_size, plan.shape.head_dim
@@ -115,13 +120,21 @@ def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope"):
     out = torch.zeros(q.shape[0], plan.out_width, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
         kl, vl = k_lat[b].double().cpu(), v_lat[b].double().cpu()
+        lo = max(0, n - window) if window is not None else 0
+        kl, vl = kl[lo:n], vl[lo:n]
         for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
             rk, rv = plan.k_ranks[gi], plan.v_ranks[gi]
             ck, cv = kl[:, ko:ko + rk], vl[:, vo:vo + rv]
             qg = q[b, gi * hg:(gi + 1) * hg]
             if mode == "pre_rope":
-                keys = (ck @ k_up[ko:ko + rk, gi * gw:(gi + 1) * gw]).view(n, gs, d)
-                keys = rope64(keys, torch.arange(n), rope)  # [L, G, d]
+                keys = (ck @ k_up[ko:ko + rk, gi * gw:(gi + 1) * gw]).view(n - lo, gs, d)
+                if transform is not None and transform.bias is not None:
+                    keys = keys + transform.bias.double().cpu()[gi * gw:(gi + 1) * gw].view(gs, d)
+                if transform is not None and transform.norm_weight is not None:
+                    ms = keys.pow(2).mean(-1, keepdim=True)
+                    keys = keys / torch.sqrt(ms + transform.norm_eps) * \
+                        transform.norm_weight.double().cpu()
+                keys = rope64(keys, torch.arange(lo, n), rope)  # [L, G, d]
                 kv_of_head = torch.arange(hg) // qpk
                 s = torch.einsum("hd,lhd->hl", qg, keys[:, kv_of_head])
             else:
@@ -417,3 +430,148 @@ def test_groups_per_program_rejects_uneven_ranks():
                                     rows.view(nblk, 1, page, -1).to(DEV), bt.to(DEV),
                                     lens.to(DEV), 70,
                                     config=dec.KernelConfig(groups_per_program=2))
+
+
+# ---------------------------------------------------------------------------------
+# Key bias / QK-norm (KeyTransform) and sliding windows
+# ---------------------------------------------------------------------------------
+def make_transform(plan, g, bias=True, norm=True, eps=1e-5):
+    from vllm_lowrank.attention.latent_attention import KeyTransform
+
+    sh = plan.shape
+    b = 0.5 * torch.randn(sh.num_kv_heads * sh.head_dim, generator=g) if bias else None
+    w = 1.0 + 0.3 * torch.randn(sh.head_dim, generator=g) if norm else None
+    return KeyTransform(bias=b, norm_weight=w, norm_eps=eps if norm else 0.0)
+
+
+def poison_outside_window(rows, bt, lens, page, window, nblk):
+    """NaN in every cached row before each sequence's window, and block-table
+    entries of blocks wholly before it pointed at one shared NaN block (vLLM's
+    null block). Returns (rows, bt, nblk) with the NaN block appended."""
+    rows = rows.clone()
+    bt = bt.clone()
+    null = nblk
+    rows = torch.cat((rows, torch.full((page, rows.shape[1]), float("nan"), dtype=rows.dtype)))
+    for b, n in enumerate(lens.tolist()):
+        lo = max(0, n - window)
+        for t in range(lo):
+            blk = int(bt[b, t // page])
+            rows[blk * page + t % page] = float("nan")
+        for k in range(lo // page):
+            bt[b, k] = null
+    return rows, bt, nblk + 1
+
+
+def window_problem(group_size, rot, neox, seed, window, dtype=torch.float32):
+    kr = (8, 24, 16, 32) if group_size == 1 else (40, 16)
+    vr = (16, 8, 32, 24) if group_size == 1 else (24, 64)
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size,
+                                                       k_ranks=kr, v_ranks=vr, seed=seed)
+    rope = make_rope(rot, neox=neox)
+    rows = float_cache(plan, nblk, page, g, dtype)
+    # latents of the reference: before poisoning (the reference drops them anyway)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    if window is not None:
+        rows, bt, nblk = poison_outside_window(rows, bt, lens, page, window, nblk)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    return plan, k_up, lens, bt, nblk, page, g, rope, rows, q, kl, vl
+
+
+@pytest.mark.parametrize("bias,norm,window,group_size,rot,neox,splits", [
+    (True, False, None, 1, 32, True, 1),   # Qwen2 key bias
+    (False, True, None, 2, 16, True, 3),   # QK-norm, G = 2, rest section, split-K
+    (True, True, None, 2, 32, False, 2),   # bias + norm, gptj pairs, G = 2
+    (True, True, 20, 1, 16, True, 2),      # bias + norm + window (NaN before it)
+    (False, False, 20, 2, 32, True, 3),    # window only, G = 2, empty splits
+    (False, True, 40, 1, 32, True, 1),     # window, no split
+])
+def test_transform_window(bias, norm, window, group_size, rot, neox, splits):
+    plan, k_up, lens, bt, nblk, page, g, rope, rows, q, kl, vl = window_problem(
+        group_size, rot, neox, 29, window)
+    tf = make_transform(plan, g, bias, norm) if bias or norm else None
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
+              transform=tf, window=window)
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf, window=window)
+    assert rel_err(out, ref) < TOL32
+    if window is not None:  # the window does change the result
+        full = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf)
+        assert rel_err(full, ref) > 1e-2
+
+
+@pytest.mark.parametrize("gpp,trans,schedule", [(2, False, None), (4, None, None),
+                                                (1, None, "lpt")])
+def test_transform_window_groups_and_lpt(gpp, trans, schedule):
+    """Several head groups per score tile (per-group biases) and the LPT
+    persistent grid, with QK-norm, bias and a window over NaN blocks."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(32,) * 4,
+                                                       lens=(45, 3, 33), seed=31)
+    rope = make_rope(32)
+    rows = float_cache(plan, nblk, page, g, torch.float32)
+    kl = [x[:, :plan.k_width] for x in gather(rows, bt, lens, page)]
+    vl = [x[:, plan.k_width:] for x in gather(rows, bt, lens, page)]
+    rows, bt, nblk = poison_outside_window(rows, bt, lens, page, 18, nblk)
+    q = torch.randn(3, 8, 32, generator=g)
+    tf = make_transform(plan, g)
+    cfg = dec.KernelConfig(groups_per_program=gpp, block_n=16, transposed=trans)
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=2,
+              config=cfg, schedule=schedule, transform=tf, window=18)
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf, window=18)
+    assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("bits", [None, (8, 4)])
+def test_post_rope_window(bits):
+    """Post-RoPE mode with a window (packed or float cache, NaN before it)."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 24, 16, 32),
+                                                       v_ranks=(32, 8, 16, 24), seed=37)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    if bits is None:
+        cache, kd, vd, layout = lat, lat[:, :plan.k_width], lat[:, plan.k_width:], None
+    else:
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, *bits)
+        cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        kd, vd = layout.decode(cache)
+    kl, vl = gather(kd, bt, lens, page), gather(vd, bt, lens, page)
+    if bits is None:
+        cache, bt, nblk = poison_outside_window(cache, bt, lens, page, 25, nblk)
+    else:  # 0xFF codes and NaN-pattern scales (0xFFFF) before the window
+        cache = cache.clone()
+        for b, n in enumerate(lens.tolist()):
+            for t in range(max(0, n - 25)):
+                cache[int(bt[b, t // page]) * page + t % page] = 255
+    q = torch.randn(3, 8, 40, generator=g)
+    out = run(plan, k_up, None, q, cache.view(nblk, 1, page, -1), bt, lens, num_splits=2,
+              mode="post_rope", layout=layout, window=25)
+    ref = reference(plan, k_up, None, 0.2, q, kl, vl, lens, mode="post_rope", window=25)
+    assert rel_err(out, ref) < TOL32
+
+
+def test_transform_window_matches_torch_path():
+    """Same result as the backend's torch path (decode_attention) with a key
+    transform and a window over NaN null blocks."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+
+    plan, k_up, lens, bt, nblk, page, g, rope, rows, q, kl, vl = window_problem(
+        2, 16, True, 41, 20)
+    tf = make_transform(plan, g)
+    cache = rows.view(nblk, 1, page, -1)
+    out = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2, transform=tf, window=20)
+    cpu_rope = RopeTable(rope.cos.cpu(), rope.sin.cpu(), rope.rotary_dim, rope.neox)
+    cpu = decode_attention(plan, k_up, cpu_rope, 32 ** -0.5, q, cache,
+                           bt.clamp(max=nblk - 1), lens, int(lens.max()), transform=tf,
+                           window=20, min_seq_len=int(lens.min()))
+    assert torch.isfinite(cpu).all()
+    assert rel_err(out, cpu.double()) < TOL32
+
+
+def test_transform_errors():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4)
+    rows = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
+    q = torch.randn(3, 8, 32)
+    with pytest.raises(ValueError, match="pre_rope mode only"):
+        dec.latent_decode_attention(plan, k_up, None, 1.0, q, rows, bt, lens, 70,
+                                    mode="post_rope", transform=make_transform(plan, g))
+    with pytest.raises(ValueError, match="window"):
+        dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
+                                    window=0)

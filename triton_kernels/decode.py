@@ -38,6 +38,28 @@ Query head ``h`` of the group only sees the columns of its KV head
 basis (head ``i`` uses its first ``r_k[group(i)]`` entries); ``S = C_k q~^T``, no
 rebuild, no RoPE; the rest is shared.
 
+Key transform (``transform=`` a
+:class:`vllm_lowrank.attention.latent_attention.KeyTransform`, pre-RoPE mode only;
+Qwen2 key bias, Qwen3/Gemma-3 QK-norm): between the rebuild and the rotation,
+in float32 on the ``[BLOCK_N, G*d]`` rebuilt tile::
+
+    K += bias                       bias [num_kv_heads * head_dim] float32, per column
+    K_j <- K_j / sqrt(mean(K_j^2) + eps) * w     per token and KV head j; w [head_dim]
+
+(RMSNorm, Zhang & Sennrich 2019, eq. 4). The mean runs over the whole head: its
+columns in both rotary sections and in the rest section (``G = 1``: one row
+sum over all three; ``G > 1``: masked row sums per KV head). Bias and weight are
+loaded once per program in the permuted column order (``K_BIAS``/``K_NORM``
+constexpr flags; off, the kernel compiles as without them).
+
+Sliding window (``window=``, both modes; ``WINDOW`` constexpr flag): the query
+of sequence ``b`` (position ``seq_len - 1``) sees keys ``t >= seq_len - window``.
+Earlier rows are masked in every load (zero latents, never read: vLLM may have
+freed their blocks to the null block, which can hold anything, NaN included),
+score ``-inf``; tiles wholly before the window are skipped and the splits share
+the tiles from the first visible one on, so each processed tile has a visible
+key and every split's partial stays finite (an empty split writes ``lse = -inf``).
+
 Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): the
 cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; each tile's packed codes
 are read once as rows of contiguous bytes (16-byte loads / ``cp.async`` when the
@@ -294,13 +316,97 @@ def _load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zer
 
 
 @triton.jit
+def _transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3, inv_hd, norm_eps,
+                    C3: tl.constexpr, G: tl.constexpr, K_BIAS: tl.constexpr,
+                    K_NORM: tl.constexpr):
+    """Key bias and per-head RMSNorm of a rebuilt (unrotated) key tile.
+
+    ``k1``/``k2`` [N, C1] float32 are the two RoPE sections (column ``c`` of KV
+    head ``kvh1[c]``), ``k3`` [N, CW] the unrotated rest (KV head ``kvh3[c]``;
+    ignored when ``C3 == 0``); padding columns (``kvh = -1``) are zero and stay
+    zero. ``kb*`` are the bias values of each column, ``nw*`` the norm weights
+    (0 on padding columns). RMSNorm (Zhang & Sennrich 2019, eq. 4) per token and
+    KV head over the whole head (both rotary halves and the rest)::
+
+        k <- k / sqrt(sum(k^2) * inv_hd + norm_eps) * w      (inv_hd = 1 / head_dim)
+
+    applied after the bias, before RoPE (the torch path's ``KeyTransform``)."""
+    if K_BIAS:
+        k1 = k1 + kb1[None, :]
+        k2 = k2 + kb2[None, :]
+        if C3 > 0:
+            k3 = k3 + kb3[None, :]
+    if K_NORM:
+        sq = k1 * k1 + k2 * k2  # same KV head per column in both rotary sections
+        if G == 1:
+            ss = tl.reduce(sq, 1, _add_combine)
+            if C3 > 0:
+                ss += tl.reduce(k3 * k3, 1, _add_combine)
+            rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]  # [N, 1]
+            k1 = k1 * rs * nw1[None, :]
+            k2 = k2 * rs * nw2[None, :]
+            if C3 > 0:
+                k3 = k3 * rs * nw3[None, :]
+        else:
+            r1 = sq * 0.0
+            r3 = k3 * 0.0
+            for j in tl.static_range(G):
+                m1 = (kvh1 == j)[None, :]
+                ss = tl.reduce(tl.where(m1, sq, 0.0), 1, _add_combine)
+                if C3 > 0:
+                    m3 = (kvh3 == j)[None, :]
+                    ss += tl.reduce(tl.where(m3, k3 * k3, 0.0), 1, _add_combine)
+                rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]
+                r1 = tl.where(m1, rs, r1)
+                if C3 > 0:
+                    r3 = tl.where(m3, rs, r3)
+            k1 = k1 * r1 * nw1[None, :]
+            k2 = k2 * r1 * nw2[None, :]
+            if C3 > 0:
+                k3 = k3 * r3 * nw3[None, :]
+    return k1, k2, k3
+
+
+@triton.jit
+def _key_bias(kb_ptr, grp, head_dim, src1, src2, src3, kvh1, kvh3, pvalid, G: tl.constexpr,
+              C3: tl.constexpr, K_BIAS: tl.constexpr):
+    """Bias of head group ``grp`` per packed key column: ``(kb1, kb2, kb3)``
+    float32 ``[C1]``, ``[C1]``, ``[CW]`` from ``bias [num_kv_heads * head_dim]``
+    (column of KV head ``kvh`` and dimension ``src``; 0 on padding columns).
+    Without ``K_BIAS``: zeros of the same shapes (a norm without a bias)."""
+    if K_BIAS:
+        kb1 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src1, mask=pvalid, other=0.0)
+        kb2 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src2, mask=pvalid, other=0.0)
+        kb3 = kb1
+        if C3 > 0:
+            kb3 = tl.load(kb_ptr + (grp * G + kvh3) * head_dim + src3, mask=src3 >= 0,
+                          other=0.0)
+    else:
+        kb1 = src1 * 0.0
+        kb2 = kb1
+        kb3 = src3 * 0.0
+    return kb1, kb2, kb3
+
+
+@triton.jit
 def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
                        HG: tl.constexpr, C3: tl.constexpr, TRANS: tl.constexpr,
-                       DT: tl.constexpr, GPP: tl.constexpr):
+                       DT: tl.constexpr, GPP: tl.constexpr,
+                       kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3, inv_hd, norm_eps,
+                       G: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr):
     """Rebuild one group's keys for the tile, rotate by the offsets, add its query
-    heads' scores to ``sc`` (other columns of the query tile are zeroed)."""
+    heads' scores to ``sc`` (other columns of the query tile are zeroed).
+    ``K_BIAS``/``K_NORM``: bias and QK-norm before the rotation
+    (:func:`_transform_keys`; the ``kb*``, ``nw*``, ``kvh*``, ``inv_hd`` and
+    ``norm_eps`` arguments are unused otherwise)."""
     k1 = tl.dot(ck, w1)  # [BLOCK_N, C1] f32
     k2 = tl.dot(ck, w2)
+    if K_BIAS or K_NORM:
+        k3t = k1
+        if C3 > 0:
+            k3t = tl.dot(ck, w3)
+        k1, k2, k3t = _transform_keys(k1, k2, k3t, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3,
+                                      inv_hd, norm_eps, C3, G, K_BIAS, K_NORM)
     kr1 = (k1 * ci - k2 * si).to(DT)
     kr2 = (k2 * ci + k1 * si).to(DT)
     if GPP > 1:
@@ -314,14 +420,20 @@ def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
         sc = tl.dot(kr1, qa.to(DT), sc)
         sc = tl.dot(kr2, qb.to(DT), sc)  # [BLOCK_N, HG_PAD]
         if C3 > 0:
-            k3 = tl.dot(ck, w3).to(DT)
+            if K_BIAS or K_NORM:
+                k3 = k3t.to(DT)
+            else:
+                k3 = tl.dot(ck, w3).to(DT)
             sc = tl.dot(k3, q3.to(DT), sc)
     else:
         # S = q' K'^T: the rebuilt tile goes through shared memory as B.
         sc = tl.dot(tl.trans(qa.to(DT)), tl.trans(kr1), sc)
         sc = tl.dot(tl.trans(qb.to(DT)), tl.trans(kr2), sc)  # [HG_PAD, BLOCK_N]
         if C3 > 0:
-            k3 = tl.dot(ck, w3).to(DT)
+            if K_BIAS or K_NORM:
+                k3 = k3t.to(DT)
+            else:
+                k3 = tl.dot(ck, w3).to(DT)
             sc = tl.dot(tl.trans(q3.to(DT)), tl.trans(k3), sc)
     return sc
 
@@ -357,7 +469,7 @@ def _attend_chunk(
     gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads,
-    qk_scale,
+    qk_scale, kb_ptr, kn_ptr, head_dim, norm_eps, window,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -366,6 +478,7 @@ def _attend_chunk(
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr,
+    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """One work item: sequence ``b``, head groups ``g .. g+GPP-1``, split ``s``.
 
@@ -423,8 +536,18 @@ def _attend_chunk(
 
     seq_len = tl.load(seq_lens_ptr + b)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    per = (n_tiles + n_splits - 1) // n_splits
-    t_lo = s * per
+    if WINDOW:
+        # Keys at positions >= seq_len - window only: the tiles before the one
+        # holding the first visible key are skipped, the splits cut the rest
+        # (every tile in range then has at least one visible key, so the running
+        # max is finite after the first tile).
+        first = tl.maximum(seq_len - window, 0)
+        t_first = first // BLOCK_N
+        per = (n_tiles - t_first + n_splits - 1) // n_splits
+        t_lo = t_first + s * per
+    else:
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = s * per
     t_hi = tl.minimum(t_lo + per, n_tiles)
 
     h = tl.arange(0, HG_PAD)
@@ -475,6 +598,47 @@ def _attend_chunk(
             kvh3 = tl.load(maps_ptr + 5 * CW + c3)
             qm3 = (kvh3[:, None] == kvh_of_col[None, :]) & hmask[None, :] & (src3 >= 0)[:, None]
             q3 = tl.load(qrow[None, :] + src3[:, None], mask=qm3, other=0.0).to(tl.float32)
+        if C3 == 0:  # no rest section: placeholders
+            src3 = src1
+            kvh3 = kvh1
+        if K_BIAS or K_NORM:
+            # Loop-invariant per-column bias (per group) and norm weight.
+            inv_hd = 1.0 / head_dim.to(tl.float32)
+            kb1_0, kb2_0, kb3_0 = _key_bias(kb_ptr, g, head_dim, src1, src2, src3, kvh1,
+                                            kvh3, pvalid, HG // QPK, C3, K_BIAS)
+            if GPP > 1:
+                kb1_1, kb2_1, kb3_1 = _key_bias(kb_ptr, g + 1, head_dim, src1, src2, src3,
+                                                kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
+            if GPP > 2:
+                kb1_2, kb2_2, kb3_2 = _key_bias(kb_ptr, g + 2, head_dim, src1, src2, src3,
+                                                kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
+                kb1_3, kb2_3, kb3_3 = _key_bias(kb_ptr, g + 3, head_dim, src1, src2, src3,
+                                                kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
+            nw1 = q1
+            nw2 = q1
+            nw3 = q1
+            if K_NORM:
+                nw1 = tl.load(kn_ptr + src1, mask=pvalid, other=0.0)
+                nw2 = tl.load(kn_ptr + src2, mask=pvalid, other=0.0)
+                if C3 > 0:
+                    nw3 = tl.load(kn_ptr + src3, mask=src3 >= 0, other=0.0)
+        else:  # plain keys: unused placeholders (no code)
+            inv_hd = qk_scale
+            kb1_0 = q1
+            kb2_0 = q1
+            kb3_0 = q1
+            kb1_1 = q1
+            kb2_1 = q1
+            kb3_1 = q1
+            kb1_2 = q1
+            kb2_2 = q1
+            kb3_2 = q1
+            kb1_3 = q1
+            kb2_3 = q1
+            kb3_3 = q1
+            nw1 = q1
+            nw2 = q1
+            nw3 = q1
         if not ROPE_DIRECT:
             # cos/sin of the offsets 0..BLOCK_N-1, loop-invariant; 1/m removes the
             # table's magnitude (YaRN mscale) from the per-tile query rotation.
@@ -505,6 +669,10 @@ def _attend_chunk(
         p0 = t * BLOCK_N
         pos = p0 + i
         valid = pos < seq_len
+        if WINDOW:
+            # Out-of-window rows are never loaded (their blocks may be vLLM's null
+            # block): zero latents, -inf scores, zero probabilities.
+            valid = valid & (pos >= first)
         blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
         row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
         if TRANS:
@@ -570,15 +738,27 @@ def _attend_chunk(
                 qa = q1 * cp[:, None] + q2 * sp[:, None]
                 qb = q2 * cp[:, None] - q1 * sp[:, None]
             sc = _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, 0, h,
-                                    HG, C3, TRANS, DT, GPP)
+                                    HG, C3, TRANS, DT, GPP,
+                                    kb1_0, kb2_0, kb3_0, nw1, nw2, nw3, kvh1, kvh3,
+                                    inv_hd, norm_eps,
+                                    HG // QPK, K_BIAS, K_NORM)
             if GPP > 1:
                 sc = _group_keys_scores(sc, ck1, w1_1, w2_1, w3_1, qa, qb, q3, ci, si, 1, h,
-                                        HG, C3, TRANS, DT, GPP)
+                                        HG, C3, TRANS, DT, GPP,
+                                        kb1_1, kb2_1, kb3_1, nw1, nw2, nw3, kvh1, kvh3,
+                                        inv_hd, norm_eps,
+                                        HG // QPK, K_BIAS, K_NORM)
             if GPP > 2:
                 sc = _group_keys_scores(sc, ck2, w1_2, w2_2, w3_2, qa, qb, q3, ci, si, 2, h,
-                                        HG, C3, TRANS, DT, GPP)
+                                        HG, C3, TRANS, DT, GPP,
+                                        kb1_2, kb2_2, kb3_2, nw1, nw2, nw3, kvh1, kvh3,
+                                        inv_hd, norm_eps,
+                                        HG // QPK, K_BIAS, K_NORM)
                 sc = _group_keys_scores(sc, ck3, w1_3, w2_3, w3_3, qa, qb, q3, ci, si, 3, h,
-                                        HG, C3, TRANS, DT, GPP)
+                                        HG, C3, TRANS, DT, GPP,
+                                        kb1_3, kb2_3, kb3_3, nw1, nw2, nw3, kvh1, kvh3,
+                                        inv_hd, norm_eps,
+                                        HG // QPK, K_BIAS, K_NORM)
         else:
             sc = _group_latent_scores(sc, ck, qk, ks0, 0, h, HG, TRANS, DT, GPP, KPOST)
             if GPP > 1:
@@ -652,6 +832,7 @@ def _dispatch(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -659,6 +840,7 @@ def _dispatch(
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -672,8 +854,10 @@ def _dispatch(
             bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
             s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+            K_BIAS, K_NORM, WINDOW)
     if NUM_CLS > 1:
         if cls == 1:
             _attend_chunk(
@@ -681,8 +865,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                K_BIAS, K_NORM, WINDOW)
     if NUM_CLS > 2:
         if cls == 2:
             _attend_chunk(
@@ -690,8 +876,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                K_BIAS, K_NORM, WINDOW)
     if NUM_CLS > 3:
         if cls == 3:
             _attend_chunk(
@@ -699,8 +887,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP)
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                K_BIAS, K_NORM, WINDOW)
 
 
 @triton.jit
@@ -710,6 +900,7 @@ def _decode_grid_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -717,6 +908,7 @@ def _decode_grid_kernel(
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -730,9 +922,10 @@ def _decode_grid_kernel(
         w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
         k_scale_off, k_zero_off, v_scale_off, v_zero_off,
         po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+        kb_ptr, kn_ptr, head_dim, norm_eps, window,
         MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
         QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-        NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+        NUM_CLS, K_BIAS, K_NORM, WINDOW, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
 
 
 @triton.jit
@@ -743,6 +936,7 @@ def _decode_persistent_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -750,6 +944,7 @@ def _decode_persistent_kernel(
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -771,9 +966,10 @@ def _decode_persistent_kernel(
             w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
             k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-            NUM_CLS, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+            NUM_CLS, K_BIAS, K_NORM, WINDOW, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)
 
 
@@ -1108,7 +1304,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
                             seq_lens, max_seq_len, *, layout=None, num_splits=None,
                             schedule=None, mode: str = "pre_rope",
                             config: KernelConfig | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            transform=None, window: int | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence) from a paged latent cache.
 
     Same meaning and return value as
@@ -1138,6 +1335,21 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         mode: ``"pre_rope"`` (rebuild keys, RoPE) or ``"post_rope"``.
         config: Launch parameter overrides (benchmarks).
         out: Optional ``[B, out_width]`` float32 output buffer.
+        transform: :class:`~vllm_lowrank.attention.latent_attention.KeyTransform`
+            or ``None`` (``pre_rope`` mode only; a ``ValueError`` otherwise):
+            ``bias`` ``[num_kv_heads * head_dim]`` added to each rebuilt key,
+            then per-head RMSNorm ``k / sqrt(mean(k^2) + norm_eps) * norm_weight``
+            (``norm_weight [head_dim]``; mean over the whole head: both rotary
+            halves and the unrotated rest; Zhang & Sennrich 2019, eq. 4), both
+            before RoPE (Qwen2 key bias, Qwen3/Gemma-3 QK-norm). Computed in
+            float32 from the float32 rebuild.
+        window: Sliding window or ``None``: sequence ``b`` (query at position
+            ``seq_lens[b] - 1``) sees keys ``t >= seq_lens[b] - window`` only.
+            Earlier positions are never read (their blocks may be null blocks
+            holding garbage or NaN): masked rows load as zero, score ``-inf``,
+            contribute nothing; whole tiles before the window are skipped and the
+            splits share the remaining tiles. ``window >= max_seq_len`` runs the
+            plain kernel.
 
     Returns:
         ``[B, plan.out_width]`` float32.
@@ -1172,6 +1384,28 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         # (triton 3.9: raw bits); compute in float32 there. Loads, conversions
         # and the kernel structure are the same.
         dt_torch = torch.float32
+
+    if transform is not None and mode != "pre_rope":
+        raise ValueError("transform= (key bias / QK-norm) applies to rebuilt keys: "
+                         "pre_rope mode only (post-RoPE latents are cached transformed)")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    use_window = window is not None and int(window) < max_seq_len
+    k_bias = transform is not None and transform.bias is not None
+    k_norm = transform is not None and transform.norm_weight is not None
+    kd = sh.num_kv_heads * sh.head_dim
+    kb = kn = None
+    if k_bias:
+        kb = transform.bias.to(device=device, dtype=torch.float32).contiguous()
+        if kb.numel() != kd:
+            raise ValueError(f"key bias has {kb.numel()} entries, expected "
+                             f"num_kv_heads * head_dim = {kd}")
+    if k_norm:
+        kn = transform.norm_weight.to(device=device, dtype=torch.float32).contiguous()
+        if kn.numel() != sh.head_dim:
+            raise ValueError(f"norm weight has {kn.numel()} entries, expected "
+                             f"head_dim = {sh.head_dim}")
+    norm_eps = float(transform.norm_eps) if k_norm else 0.0
 
     rotary_dim = rope.rotary_dim if mode == "pre_rope" else sh.head_dim
     neox = rope.neox if mode == "pre_rope" else True
@@ -1213,7 +1447,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if schedule is not None and not isinstance(schedule, str):
             num_splits = schedule.num_splits
         else:
-            num_splits = choose_num_splits(bsz, ng // gpp, max_seq_len, block_n, n_sm, pps)
+            # A window bounds the tiles per sequence (plus one partial tile).
+            eff_len = min(max_seq_len, int(window) + block_n) if use_window else max_seq_len
+            num_splits = choose_num_splits(bsz, ng // gpp, eff_len, block_n, n_sm, pps)
     num_splits = int(num_splits)
     split = num_splits > 1
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -1273,7 +1509,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=_DT[dt_torch],
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
         ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
-        NUM_CLS=len(prep.classes),
+        NUM_CLS=len(prep.classes), K_BIAS=k_bias, K_NORM=k_norm, WINDOW=use_window,
         RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
         RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
         num_warps=num_warps, num_stages=num_stages,
@@ -1288,6 +1524,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         prep.maps, cos, sin, s_rope, max_pos, prep.group_table,
         *q_offs,
         po, plse, out, plan.out_width, num_heads, float(scale) * LOG2E,
+        kb if k_bias else cos, kn if k_norm else cos, sh.head_dim, norm_eps,
+        int(window) if use_window else 0,
     )
     if schedule is None:
         _decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
@@ -1297,7 +1535,10 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if not isinstance(schedule, DecodeSchedule):
             if schedule != "lpt":
                 raise ValueError(f"unknown schedule {schedule!r}")
-            schedule = build_lpt_schedule(plan, seq_lens, num_splits, block_n,
+            # Cost model only (items are cut by the kernel): windowed sequences
+            # cost their window.
+            cost_lens = seq_lens.clamp(max=int(window) + block_n) if use_window else seq_lens
+            schedule = build_lpt_schedule(plan, cost_lens, num_splits, block_n,
                                           num_workers=None, device=device)
         if schedule.num_splits != num_splits:
             raise ValueError("schedule was built for a different num_splits")

@@ -8,7 +8,8 @@ attention). The math is in :mod:`vllm_lowrank.attention.latent_attention`.
 
 Dispatch: CPU tensors run the vectorized torch path; on CUDA, decode runs the
 fused Triton kernel (:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`,
-same signature and result as the torch path) and prefill runs the torch path
+same signature and result as the torch path, key bias / QK-norm and sliding
+windows included) and prefill runs the torch path
 (rebuild + attention, which runs on CUDA tensors as is).
 """
 
@@ -153,14 +154,15 @@ def _gpu_decode():
 
 def _gpu_supports(layout, transform, window) -> bool:
     """The Triton kernel reads unquantized caches and packed 8/4/3/2-bit
-    sides of full-attention layers whose keys are plain ``c_k B_k``; a side
-    kept as raw float16 inside a packed slot, a key bias or QK-norm
-    (Qwen2/Qwen3/Gemma-3) and sliding windows take the torch path (which runs
-    on CUDA tensors too)."""
+    sides, for full-attention and sliding-window layers, with plain keys
+    ``c_k B_k`` or with a key bias / QK-norm (Qwen2/Qwen3/Gemma-3; applied in
+    the kernel before RoPE, ``transform=``). A side kept as raw float16 inside a
+    packed slot takes the torch path (which runs on CUDA tensors too).
+    ``transform`` and ``window`` are accepted for every value (kept in the
+    signature so that a future restriction has one place to go)."""
     from vllm_lowrank.quantization import RAW_BITS
 
-    plain = transform is None and window is None
-    return plain and (layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits))
+    return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
 
 
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
@@ -228,8 +230,12 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                     kv_cache, m.block_table.index_select(0, m.decode_reqs),
                     m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
             if query.is_cuda and _gpu_supports(layout, transform, window):
+                # Post-RoPE latents are cached already transformed (the torch
+                # path ignores ``transform`` there too).
                 out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
-                                    layout=layout)
+                                    layout=layout,
+                                    transform=None if post_rope else transform,
+                                    window=window)
             else:
                 out = ops.decode_attention(*args, post_rope=post_rope, layout=layout,
                                            transform=transform, window=window,
