@@ -152,14 +152,12 @@ def _gpu_decode():
     return latent_decode_attention
 
 
-def _gpu_supports(layout, transform, window) -> bool:
+def _gpu_supports(layout) -> bool:
     """The Triton kernel reads unquantized caches and packed 8/4/3/2-bit
     sides, for full-attention and sliding-window layers, with plain keys
     ``c_k B_k`` or with a key bias / QK-norm (Qwen2/Qwen3/Gemma-3; applied in
     the kernel before RoPE, ``transform=``). A side kept as raw float16 inside a
-    packed slot takes the torch path (which runs on CUDA tensors too).
-    ``transform`` and ``window`` are accepted for every value (kept in the
-    signature so that a future restriction has one place to go)."""
+    packed slot takes the torch path (which runs on CUDA tensors too)."""
     from vllm_lowrank.quantization import RAW_BITS
 
     return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
@@ -229,7 +227,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             args = (plan, k_up, rope, self.scale, query.index_select(0, m.decode_tokens),
                     kv_cache, m.block_table.index_select(0, m.decode_reqs),
                     m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
-            if query.is_cuda and _gpu_supports(layout, transform, window):
+            if query.is_cuda and _gpu_supports(layout):
                 # Post-RoPE latents are cached already transformed (the torch
                 # path ignores ``transform`` there too).
                 out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
