@@ -300,6 +300,8 @@ def main():
     ap.add_argument("--no-lb", action="store_true", help="skip the load-balancer rows")
     ap.add_argument("--no-post", action="store_true", help="skip the post-RoPE rows")
     ap.add_argument("--json", default=None, help="write all rows to this file")
+    ap.add_argument("--variants", action="store_true",
+                    help="only: plain vs key bias + QK-norm vs sliding window (pre-RoPE)")
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=None, help=argparse.SUPPRESS)
@@ -331,6 +333,9 @@ def main():
 
     if args.sweep:
         sweep(rope, shapes, ratios, bw, sdpa)
+        return
+    if args.variants:
+        print("\n".join(variant_rows(rope, shapes, ratios[0])))
         return
 
     hdr = (f"{'shape':>7} {'ratio':>5} {'cache':>5} {'S':>3} {'ours_us':>8} {'sdpa_us':>8} "
@@ -376,6 +381,51 @@ def main():
     print("\n".join(lines))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def variant_rows(rope, shapes, ratio, window=4096):
+    """Pre-RoPE bf16 decode with the per-architecture key transforms, timed side
+    by side with the plain kernel on the same cache: Qwen2's key bias plus a
+    Qwen3/Gemma-3 QK-norm (``transform``), a sliding window (Gemma-3, Mistral)
+    of ``window`` tokens, and both. ``max_abs`` is against the torch path."""
+    from vllm_lowrank.attention.latent_attention import KeyTransform, decode_attention
+
+    r = int(round(ratio * HEAD_DIM))
+    plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    transform = KeyTransform(
+        bias=torch.randn(KV_HEADS * HEAD_DIM, device="cuda", generator=g),
+        norm_weight=1 + 0.3 * torch.randn(HEAD_DIM, device="cuda", generator=g),
+        norm_eps=1e-6)
+    scale = HEAD_DIM ** -0.5
+    lines = [f"{'shape':>7} {'ratio':>5} {'variant':>16} {'us':>8} {'vs plain':>8} {'max_abs':>8}"]
+    for name in shapes:
+        bsz, length = SHAPES[name]
+        p = make_problem(plan, bsz, length, None)
+        max_len = int(p["lens"].max())
+        base = None
+        for label, kw in (("plain", {}), ("bias+qk-norm", {"transform": transform}),
+                          (f"window {window}", {"window": window}),
+                          ("both", {"transform": transform, "window": window})):
+            out = torch.empty(bsz, plan.out_width, device="cuda")
+
+            def fn(kw=kw, out=out):
+                latent_decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"],
+                                        p["bt"], p["lens"], max_len, out=out, **kw)
+
+            fn()
+            ref = decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"], p["bt"],
+                                   p["lens"], max_len, transform=kw.get("transform"),
+                                   window=kw.get("window"), min_seq_len=max_len) \
+                if bsz * length <= 16 * 8192 else None
+            err = (out - ref).abs().max().item() if ref is not None else float("nan")
+            t, _ = time_graph(fn)
+            base = base or t
+            lines.append(f"{name:>7} {ratio:>5} {label:>16} {t:8.1f} {base / t:8.2f} {err:8.1e}")
+            print(lines[-1], flush=True)
+        del p
+        torch.cuda.empty_cache()
+    return lines
 
 
 def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
