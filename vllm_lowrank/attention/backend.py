@@ -228,12 +228,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                     kv_cache, m.block_table.index_select(0, m.decode_reqs),
                     m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
             if query.is_cuda and _gpu_supports(layout):
-                # Post-RoPE latents are cached already transformed (the torch
-                # path ignores ``transform`` there too).
                 out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
-                                    layout=layout,
-                                    transform=None if post_rope else transform,
-                                    window=window)
+                                    layout=layout, transform=transform, window=window)
             else:
                 out = ops.decode_attention(*args, post_rope=post_rope, layout=layout,
                                            transform=transform, window=window,

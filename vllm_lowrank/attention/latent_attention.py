@@ -196,19 +196,11 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     tokens with a 192-wide value latent: 218 ms padded, 55 ms sliced) and only
     top-left causal masks: with a context, the cached part (no mask) and the new
     chunk (causal) are attended separately and merged by log-sum-exp
-    (flash-decoding's reduction). Elsewhere: masked SDPA in query chunks.
+    (flash-decoding's reduction). Elsewhere: :func:`_masked_attention`.
     """
     dk, dv = q.shape[-1], v.shape[-1]
     if q.device.type != "cpu":
-        length = k.shape[1]
-        pos = torch.arange(length, device=q.device)
-        outs = []
-        for start in range(0, q.shape[1], PREFILL_QUERY_CHUNK):
-            stop = min(q.shape[1], start + PREFILL_QUERY_CHUNK)
-            mask = pos[None, :] <= (context + torch.arange(start, stop, device=q.device))[:, None]
-            outs.append(F.scaled_dot_product_attention(
-                q[:, start:stop], k, v, attn_mask=mask, scale=scale))
-        return torch.cat(outs, dim=1)
+        return _masked_attention(q, k, v, 0, context, scale)
     if dv > dk:  # value columns in key-width slices: same scores, one call each
         return torch.cat([_causal_attention(q, k, v[..., i:i + dk], context, scale)
                           for i in range(0, dv, dk)], dim=-1)
@@ -226,26 +218,29 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context
     return new_out[..., :dv]
 
 
-def _windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        first_key: int, first_query: int, window: int,
-                        scale: float) -> torch.Tensor:
-    """Sliding-window causal attention: the query at position ``p`` sees keys
-    at ``p - window < t <= p``.
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      first_key: int, first_query: int, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """Causal attention by masked SDPA: the query at position ``p`` sees keys
+    at ``t <= p`` (and ``t > p - window`` with a sliding window).
 
     Args:
         q: ``[H, Q, dk]`` at positions ``first_query ..``; k: ``[H, K, dk]`` and
             v: ``[H, K, dv]`` at positions ``first_key ..`` (float32).
+        window: Sliding window, or ``None``.
 
     Returns:
-        ``[H, Q, dv]`` float32 (masked SDPA in chunks of
-        :data:`PREFILL_QUERY_CHUNK` queries).
+        ``[H, Q, dv]`` float32 (SDPA in chunks of :data:`PREFILL_QUERY_CHUNK`
+        queries, which bounds the mask and score buffers).
     """
-    kpos = first_key + torch.arange(k.shape[1], device=q.device)
+    kpos = first_key + torch.arange(k.shape[1], device=q.device)[None, :]
     outs = []
     for start in range(0, q.shape[1], PREFILL_QUERY_CHUNK):
         stop = min(q.shape[1], start + PREFILL_QUERY_CHUNK)
         qpos = first_query + torch.arange(start, stop, device=q.device)[:, None]
-        mask = (kpos[None, :] <= qpos) & (kpos[None, :] > qpos - window)
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
         outs.append(F.scaled_dot_product_attention(q[:, start:stop], k, v,
                                                    attn_mask=mask, scale=scale))
     return torch.cat(outs, dim=1)
@@ -366,7 +361,7 @@ def prefill_attention(
         q_g, keys = q_g.transpose(0, 1), keys.transpose(0, 1)
         values = values[None].expand(hg, -1, -1)
         if window is not None:
-            o = _windowed_attention(q_g, keys, values, first, first_query, window, scale)
+            o = _masked_attention(q_g, keys, values, first, first_query, scale, window)
         else:
             o = _causal_attention(q_g, keys, values, first_query, scale)
         outs.append(o.transpose(0, 1).reshape(q_len, hg * r_v))

@@ -40,6 +40,8 @@ class LatentAttention(Attention):
             low-bit latents, or ``None`` to cache them in the model dtype.
         key_norm: The model's per-head key norm module (QK-norm), applied to
             rebuilt keys before RoPE, or ``None``.
+        key_norm_offset: Added to the norm's weight to give its multiplier
+            (``1.0`` for Gemma's ``x * (1 + w)``, ``0.0`` for ``x * w``).
         key_bias: Rebuilt keys get the k_proj bias (buffer ``k_bias``).
         sliding_window: Tokens each query sees (itself included), or ``None``.
         cache_config, quant_config, prefix: As for vLLM's ``Attention``.
@@ -52,7 +54,8 @@ class LatentAttention(Attention):
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
-                 layout=None, key_norm=None, key_bias: bool = False,
+                 layout=None, key_norm=None, key_norm_offset: float = 0.0,
+                 key_bias: bool = False,
                  sliding_window: int | None = None, cache_config=None, quant_config=None,
                  prefix: str = "") -> None:
         shape = plan.shape
@@ -85,6 +88,8 @@ class LatentAttention(Attention):
         # layers, and the key norm belongs to (and loads into) the attention block.
         self.__dict__["_rotary"] = rotary
         self.__dict__["_key_norm"] = key_norm
+        self._key_norm_offset = key_norm_offset
+        self._key_transform: KeyTransform | None = None
 
     def rope_table(self, device: torch.device) -> RopeTable:
         """float32 RoPE table of this layer's rotary module on ``device``."""
@@ -92,19 +97,19 @@ class LatentAttention(Attention):
 
     def key_transform(self) -> KeyTransform | None:
         """What is applied to a rebuilt key before RoPE (bias, QK-norm), or
-        ``None`` when nothing is (read at each step: the norm's weight is loaded
-        after construction)."""
+        ``None`` when nothing is (always in post-RoPE mode, whose cached keys
+        are already normed). Built on the first call, which comes after weight
+        loading (the norm's weight is loaded after construction), then reused
+        at every step."""
         norm = self._key_norm
         if norm is None and not self.k_bias.numel():
             return None
-        weight = None
-        if norm is not None:
-            weight = norm.weight.float()
-            if type(norm).__name__ == "GemmaRMSNorm":  # x * (1 + w)
-                weight = weight + 1.0
-        return KeyTransform(bias=self.k_bias if self.k_bias.numel() else None,
-                            norm_weight=weight,
-                            norm_eps=float(norm.variance_epsilon) if norm is not None else 0.0)
+        if self._key_transform is None:
+            self._key_transform = KeyTransform(
+                bias=self.k_bias if self.k_bias.numel() else None,
+                norm_weight=None if norm is None else norm.weight.float() + self._key_norm_offset,
+                norm_eps=0.0 if norm is None else float(norm.variance_epsilon))
+        return self._key_transform
 
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
         """One head slot per token holding ``[c_k | c_v]``: ``Rk + Rv`` elements

@@ -112,14 +112,17 @@ class LatentSelfAttention(nn.Module):
         )
         self.rotary_emb = rotary
         self.q_norm = self.k_norm = None
+        norm_offset = 0.0
         if qk_norm is not None:
             from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
-            norm = {"rms": RMSNorm, "gemma": GemmaRMSNorm}[qk_norm]
+            # the norm class and what it adds to its weight (Gemma: x * (1 + w))
+            norm, norm_offset = {"rms": (RMSNorm, 0.0), "gemma": (GemmaRMSNorm, 1.0)}[qk_norm]
             self.q_norm = norm(shape.head_dim, eps=norm_eps)
             self.k_norm = norm(shape.head_dim, eps=norm_eps)
         self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope, layout=layout,
                                     key_norm=None if post_rope else self.k_norm,
+                                    key_norm_offset=norm_offset,
                                     key_bias=qkv_bias and not post_rope,
                                     sliding_window=sliding_window,
                                     cache_config=cache_config, quant_config=quant_config,
