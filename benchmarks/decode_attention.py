@@ -22,6 +22,8 @@ Usage::
     python benchmarks/decode_attention.py                 # the table
     python benchmarks/decode_attention.py --sweep         # launch-parameter sweep
     python benchmarks/decode_attention.py --shapes 16x32k,8x128k --ratios 0.5
+    python benchmarks/decode_attention.py --variants --shapes 16x8k,16x32k --ratios 0.5
+    python benchmarks/decode_attention.py --span --shapes 16x8k,16x32k --ratios 0.5
 """
 
 from __future__ import annotations
@@ -302,6 +304,9 @@ def main():
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--variants", action="store_true",
                     help="only: plain vs key bias + QK-norm vs sliding window (pre-RoPE)")
+    ap.add_argument("--span", action="store_true",
+                    help="only: plain vs token-adaptive latent span (sink 4, recent 128), "
+                         "with and without return_lse (pre-RoPE, bf16)")
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=None, help=argparse.SUPPRESS)
@@ -324,6 +329,10 @@ def main():
     ratios = [float(r) for r in args.ratios.split(",")]
     quants = args.quant.split(",")
     qbits = {"none": None, "k8v4": (8, 4), "k4v4": (4, 4)}
+
+    if args.span:
+        print("\n".join(span_rows(rope, shapes, ratios[0])))
+        return
 
     sdpa = {}
     for name in shapes:
@@ -422,6 +431,58 @@ def variant_rows(rope, shapes, ratio, window=4096):
             t, _ = time_graph(fn)
             base = base or t
             lines.append(f"{name:>7} {ratio:>5} {label:>16} {t:8.1f} {base / t:8.2f} {err:8.1e}")
+            print(lines[-1], flush=True)
+        del p
+        torch.cuda.empty_cache()
+    return lines
+
+
+def span_rows(rope, shapes, ratio, sink=4, recent=128):
+    """Pre-RoPE bf16 decode in token-adaptive (TALE) mode: the kernel attends the
+    latent span ``sink <= t < seq_len - recent`` only (the sink and recent
+    positions are attended exactly elsewhere), with and without the span's
+    log-sum-exp (``return_lse``, what the merge needs), timed side by side with
+    the plain kernel over the whole context on the same cache (timed again last:
+    the spread of two timings of one kernel). ``max_abs`` and ``lse_abs`` are
+    against the torch path (decode_attention with the same arguments; shapes up
+    to 16 x 8k)."""
+    r = int(round(ratio * HEAD_DIM))
+    plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+    scale = HEAD_DIM ** -0.5
+    lines = [f"{'shape':>7} {'ratio':>5} {'variant':>22} {'us':>8} {'vs plain':>8} "
+             f"{'max_abs':>8} {'lse_abs':>8}"]
+    for name in shapes:
+        bsz, length = SHAPES[name]
+        p = make_problem(plan, bsz, length, None)
+        max_len = int(p["lens"].max())
+        base = None
+        for label, kw in (("plain", {}),
+                          (f"span {sink}/{recent}", {"sink": sink, "recent": recent}),
+                          (f"span {sink}/{recent} +lse",
+                           {"sink": sink, "recent": recent, "return_lse": True}),
+                          ("plain (again)", {})):
+            out = torch.empty(bsz, plan.out_width, device="cuda")
+            res = {}
+
+            def fn(kw=kw, out=out, res=res):
+                res["r"] = latent_decode_attention(plan, p["k_up"], rope, scale, p["q"],
+                                                   p["cache"], p["bt"], p["lens"], max_len,
+                                                   out=out, **kw)
+
+            fn()
+            err = lse_err = float("nan")
+            if bsz * length <= 16 * 8192:
+                ref = decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"],
+                                       p["bt"], p["lens"], max_len, return_lse=True,
+                                       sink=kw.get("sink", 0), recent=kw.get("recent", 0))
+                err = (out - ref[0]).abs().max().item()
+                if kw.get("return_lse"):
+                    lse_err = (res["r"][1] - ref[1]).abs().max().item()
+                del ref
+            t, _ = time_graph(fn)
+            base = base or t
+            lines.append(f"{name:>7} {ratio:>5} {label:>22} {t:8.1f} {base / t:8.2f} "
+                         f"{err:8.1e} {lse_err:8.1e}")
             print(lines[-1], flush=True)
         del p
         torch.cuda.empty_cache()

@@ -38,6 +38,11 @@ def test_ratio_bounds_accepted():
     ({"colour": 1}, "unknown --kv-compression-config key"),
     ({"ranks": {"x": [8, 8]}}, "not a layer index"),
     ({"ranks": {"0": [8]}}, "pair of integers"),
+    ({"token_adaptive": "yes"}, "token_adaptive must be true or false"),
+    ({"token_adaptive": True, "sink_tokens": -1}, "sink_tokens=-1 must be >= 0"),
+    ({"token_adaptive": True, "recent_tokens": 0}, "recent_tokens=0 must be >= 1"),
+    ({"token_adaptive": True, "method": "post_rope", "group_size": 1,
+      "rank_allocation": "energy"}, "token_adaptive is not supported with method"),
 ])
 def test_bad_values_name_the_problem(raw, fragment):
     with pytest.raises(LowRankConfigError, match=fragment):

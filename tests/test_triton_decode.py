@@ -106,6 +106,27 @@ def rope64(x, pos, rope):
     return torch.cat((o, rest), -1)
 
 
+def ref_scores(plan, k_up, rope, qg, ck, gi, pos, mode="pre_rope", transform=None):
+    """float64 unscaled scores ``[hg, L]`` of head group ``gi``'s query heads
+    ``qg [hg, width]`` against its key latents ``ck [L, r_k]`` at positions ``pos``
+    ``[L]`` (pre-RoPE: rebuild with ``k_up`` (float64, CPU), ``transform`` (a
+    KeyTransform: bias, then per-head RMSNorm), RoPE; post-RoPE: ``q~ . c_k``)."""
+    hg, gs, d = plan.heads_per_group, plan.group_size, plan.shape.head_dim
+    gw = plan.group_width
+    ko, rk = plan.k_offsets()[gi], plan.k_ranks[gi]
+    if mode != "pre_rope":
+        return qg[:, :rk] @ ck.T
+    keys = (ck @ k_up[ko:ko + rk, gi * gw:(gi + 1) * gw]).view(len(pos), gs, d)
+    if transform is not None and transform.bias is not None:
+        keys = keys + transform.bias.double().cpu()[gi * gw:(gi + 1) * gw].view(gs, d)
+    if transform is not None and transform.norm_weight is not None:
+        ms = keys.pow(2).mean(-1, keepdim=True)
+        keys = keys / torch.sqrt(ms + transform.norm_eps) * transform.norm_weight.double().cpu()
+    keys = rope64(keys, pos, rope)  # [L, G, d]
+    kv_of_head = torch.arange(hg) // plan.shape.queries_per_kv
+    return torch.einsum("hd,lhd->hl", qg, keys[:, kv_of_head])
+
+
 def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope",
               transform=None, window=None):
     """float64 decode attention. k_lat/v_lat: per-sequence [L, Rk] / [L, Rv].
@@ -114,9 +135,7 @@ def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope",
     latents may be NaN: they are dropped before any arithmetic)."""
     q = q.double().cpu()
     k_up = k_up.double().cpu()
-    hg, gs, d = plan.heads_per_group, plan.group_size, plan.shape.head_dim
-    qpk = plan.shape.queries_per_kv
-    gw = plan.group_width
+    hg = plan.heads_per_group
     out = torch.zeros(q.shape[0], plan.out_width, dtype=torch.float64)
     for b, n in enumerate(lens.tolist()):
         kl, vl = k_lat[b].double().cpu(), v_lat[b].double().cpu()
@@ -126,19 +145,7 @@ def reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, mode="pre_rope",
             rk, rv = plan.k_ranks[gi], plan.v_ranks[gi]
             ck, cv = kl[:, ko:ko + rk], vl[:, vo:vo + rv]
             qg = q[b, gi * hg:(gi + 1) * hg]
-            if mode == "pre_rope":
-                keys = (ck @ k_up[ko:ko + rk, gi * gw:(gi + 1) * gw]).view(n - lo, gs, d)
-                if transform is not None and transform.bias is not None:
-                    keys = keys + transform.bias.double().cpu()[gi * gw:(gi + 1) * gw].view(gs, d)
-                if transform is not None and transform.norm_weight is not None:
-                    ms = keys.pow(2).mean(-1, keepdim=True)
-                    keys = keys / torch.sqrt(ms + transform.norm_eps) * \
-                        transform.norm_weight.double().cpu()
-                keys = rope64(keys, torch.arange(lo, n), rope)  # [L, G, d]
-                kv_of_head = torch.arange(hg) // qpk
-                s = torch.einsum("hd,lhd->hl", qg, keys[:, kv_of_head])
-            else:
-                s = qg[:, :rk] @ ck.T
+            s = ref_scores(plan, k_up, rope, qg, ck, gi, torch.arange(lo, n), mode, transform)
             p = torch.softmax(s * scale, -1)
             o = p @ cv  # [hg, rv]
             out[b, hg * vo:hg * (vo + rv)] = o.flatten()
@@ -151,14 +158,21 @@ def float_cache(plan, num_blocks, page, g, dtype):
 
 
 def run(plan, k_up, rope, q, cache, bt, lens, **kw):
+    """The kernel on DEV with a NaN-poisoned output buffer; float64 CPU result
+    (with ``return_lse=True``: ``(out, lse)``)."""
     out = torch.full((q.shape[0], plan.out_width), float("nan"), device=DEV)  # poisoned
     res = dec.latent_decode_attention(plan, k_up.to(DEV), rope, q.shape[-1] ** -0.5 if
                                       kw.get("mode", "pre_rope") == "pre_rope" else 0.2,
                                       q.to(DEV), cache.to(DEV), bt.to(DEV), lens.to(DEV),
                                       int(lens.max()), out=out, **kw)
+    lse = None
+    if kw.get("return_lse"):
+        res, lse = res
+        assert lse.shape == (q.shape[0], plan.shape.num_heads) and lse.dtype == torch.float32
+        assert not torch.isnan(lse).any() and (lse < float("inf")).all()
     assert res.data_ptr() == out.data_ptr()
     assert torch.isfinite(res).all(), "output not fully written"
-    return res.double().cpu()
+    return res.double().cpu() if lse is None else (res.double().cpu(), lse.double().cpu())
 
 
 def rel_err(a, b):
@@ -444,21 +458,27 @@ def make_transform(plan, g, bias=True, norm=True, eps=1e-5):
     return KeyTransform(bias=b, norm_weight=w, norm_eps=eps if norm else 0.0)
 
 
-def poison_outside_window(rows, bt, lens, page, window, nblk):
-    """NaN in every cached row before each sequence's window, and block-table
-    entries of blocks wholly before it pointed at one shared NaN block (vLLM's
-    null block). Returns (rows, bt, nblk) with the NaN block appended."""
+def poison_outside_window(rows, bt, lens, page, window, nblk, sink=0, recent=0):
+    """NaN (packed ``uint8`` rows: 0xFF bytes, i.e. NaN fp16 scales) in every
+    cached row outside each sequence's visible span ``max(sink, n - window) <= t <
+    n - recent`` (``window`` may be ``None``), and block-table entries of blocks
+    wholly outside it pointed at one shared poisoned block (vLLM's null block).
+    Returns (rows, bt, nblk) with the poisoned block appended."""
+    fill = 255 if rows.dtype == torch.uint8 else float("nan")
     rows = rows.clone()
     bt = bt.clone()
     null = nblk
-    rows = torch.cat((rows, torch.full((page, rows.shape[1]), float("nan"), dtype=rows.dtype)))
+    rows = torch.cat((rows, torch.full((page, rows.shape[1]), fill, dtype=rows.dtype)))
     for b, n in enumerate(lens.tolist()):
-        lo = max(0, n - window)
-        for t in range(lo):
-            blk = int(bt[b, t // page])
-            rows[blk * page + t % page] = float("nan")
-        for k in range(lo // page):
-            bt[b, k] = null
+        lo = max(sink, n - window if window is not None else 0)
+        hi = n - recent
+        for t in range(n):
+            if not lo <= t < hi:
+                blk = int(bt[b, t // page])
+                rows[blk * page + t % page] = fill
+        for k in range(math.ceil(n / page)):
+            if lo >= hi or (k + 1) * page <= lo or k * page >= hi:
+                bt[b, k] = null
     return rows, bt, nblk + 1
 
 
@@ -575,3 +595,188 @@ def test_transform_errors():
     with pytest.raises(ValueError, match="window"):
         dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
                                     window=0)
+
+
+# ---------------------------------------------------------------------------------
+# Token-adaptive mode (TALE): latent span only, log-sum-exp output
+# ---------------------------------------------------------------------------------
+TALE_LENS = (100, 37, 20, 5, 81)  # ragged; sink 16 + recent 64 empties three spans
+LSE_TOL = 2e-2 if ON_GPU else 1e-5
+
+
+def span_reference(plan, k_up, rope, scale, q, k_lat, v_lat, lens, keep, mode="pre_rope",
+                   transform=None):
+    """float64 attention of sequence ``b`` over the positions ``t`` with
+    ``keep(t, lens[b])``, written independently of the kernel and the torch path:
+    an explicit loop over positions picks the rows (the others are never touched:
+    they may be NaN), then an explicit log-sum-exp ``m + log sum exp(s - m)``.
+    Returns ``(out [B, out_width], lse [B, H])``; no kept position gives a zero
+    row and ``lse = -inf``."""
+    q, k_up = q.double().cpu(), k_up.double().cpu()
+    hg = plan.heads_per_group
+    out = torch.zeros(q.shape[0], plan.out_width, dtype=torch.float64)
+    lse = torch.full((q.shape[0], plan.shape.num_heads), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        pos = []
+        for t in range(n):
+            if keep(t, n):
+                pos.append(t)
+        if not pos:
+            continue
+        pos = torch.tensor(pos)
+        kl, vl = k_lat[b].double().cpu()[pos], v_lat[b].double().cpu()[pos]
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            rk, rv = plan.k_ranks[gi], plan.v_ranks[gi]
+            s = scale * ref_scores(plan, k_up, rope, q[b, gi * hg:(gi + 1) * hg],
+                                   kl[:, ko:ko + rk], gi, pos, mode, transform)  # [hg, L]
+            m = s.max(-1, keepdim=True).values
+            ls = m + torch.log(torch.exp(s - m).sum(-1, keepdim=True))  # [hg, 1]
+            o = torch.exp(s - ls) @ vl[:, vo:vo + rv]  # [hg, rv]
+            out[b, hg * vo:hg * (vo + rv)] = o.flatten()
+            lse[b, gi * hg:(gi + 1) * hg] = ls[:, 0]
+    return out, lse
+
+
+def in_span(sink, recent, window):
+    """``keep`` of the latent span: ``max(sink, n - window) <= t < n - recent``."""
+    return lambda t, n: max(sink, n - window if window is not None else 0) <= t < n - recent
+
+
+def lse_merge(plan, out_a, lse_a, out_b, lse_b):
+    """Attention over the union of two disjoint key sets from the two parts'
+    ``(out [B, out_width], lse [B, H])``: per head, weights ``e^(lse - max)``."""
+    hg = plan.heads_per_group
+    col_head = torch.cat([torch.full((rv,), g * hg + h) for g, rv in enumerate(plan.v_ranks)
+                          for h in range(hg)])
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), 0.0, m)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    out = (wa[:, col_head] * out_a + wb[:, col_head] * out_b) / (wa + wb)[:, col_head]
+    return out, m + torch.log(wa + wb)
+
+
+def tale_problem(ranks, bits, seed, sink, recent, window):
+    """Ragged batch (TALE_LENS), shuffled blocks; float32 (``bits`` None), bf16
+    (``"bf16"``) or packed (``(k_bits, v_bits)``) cache; rows and whole blocks
+    outside each latent span poisoned (NaN / 0xFF, null block). Returns the
+    problem, the poisoned cache and the clean per-sequence latents."""
+    kr, vr = ((8, 24, 16, 32), (16, 8, 32, 24)) if ranks == "uneven" else ((16,) * 4, (32,) * 4)
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=kr, v_ranks=vr,
+                                                       lens=TALE_LENS, seed=seed)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    layout = SlotLayout(kr, vr, *bits) if isinstance(bits, tuple) else None
+    if layout is None:
+        cache = lat.bfloat16() if bits == "bf16" else lat
+        kd, vd = cache[:, :plan.k_width].float(), cache[:, plan.k_width:].float()
+    else:
+        cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        kd, vd = layout.decode(cache)
+    kl, vl = gather(kd, bt, lens, page), gather(vd, bt, lens, page)
+    cache, bt, nblk = poison_outside_window(cache, bt, lens, page, window, nblk, sink, recent)
+    return plan, k_up, lens, bt, nblk, page, g, layout, cache, kl, vl
+
+
+@pytest.mark.parametrize("sink,recent,window,mode,ranks,bits,splits,extra", [
+    (0, 0, None, "pre_rope", "uneven", None, 1, None),          # plain + LSE, no span
+    (0, 17, None, "pre_rope", "uneven", None, 3, None),         # recent only, split-K
+    (4, 0, None, "post_rope", "uneven", None, 1, None),         # sink only
+    (16, 64, None, "pre_rope", "uneven", None, 2, None),        # 3 of 5 spans empty
+    (4, 1, 30, "pre_rope", "uneven", None, 2, "transform"),     # window + bias/QK-norm
+    (16, 17, None, "post_rope", "equal", (8, 4), 3, None),      # packed, GPP 4, split
+    (4, 64, 90, "pre_rope", "uneven", (4, 4), 1, None),         # packed + window
+    (4, 17, None, "pre_rope", "uneven", None, 2, "lpt"),        # LPT schedule, no LSE
+    (4, 17, None, "pre_rope", "uneven", "bf16", 2, None),       # bf16 cache and queries
+    (16, 1, None, "post_rope", "uneven", (3, 2), 1, None),      # 3/2-bit codes
+    # GPP 2, S = q' K'^T, no split; n = 20: the span would end (t < 3) before it
+    # starts (t >= 4) inside tile 0, which must not be processed
+    (4, 17, None, "pre_rope", "equal", None, 1, "gpp2"),
+])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # interpreter: no NaN/inf arithmetic
+def test_span(sink, recent, window, mode, ranks, bits, splits, extra):
+    """Latent span ``max(sink, n - window) <= t < n - recent`` (everything else
+    NaN or a NaN null block) with the span's LSE: against the float64 loop
+    reference and the torch path (decode_attention) with the same arguments."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+
+    plan, k_up, lens, bt, nblk, page, g, layout, cache, kl, vl = tale_problem(
+        ranks, bits, 43, sink, recent, window)
+    rope = make_rope(32) if mode == "pre_rope" else None
+    q = torch.randn(len(lens), 8, 32 if mode == "pre_rope" else 40, generator=g)
+    if bits == "bf16":
+        q = q.bfloat16()
+    tol = 1e-2 if ON_GPU and bits == "bf16" else TOL32  # bf16 tensor-core dots on GPUs
+    lse_tol = 5e-2 if ON_GPU and bits == "bf16" else LSE_TOL
+    tf = make_transform(plan, g) if extra == "transform" else None
+    cfg = dec.KernelConfig(groups_per_program=2, block_n=16, transposed=False) \
+        if extra == "gpp2" else None
+    want_lse = extra != "lpt"
+    res = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
+              mode=mode, layout=layout, transform=tf, window=window, sink=sink, recent=recent,
+              return_lse=want_lse, config=cfg, schedule="lpt" if extra == "lpt" else None)
+    out, lse = res if want_lse else (res, None)
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    keep = in_span(sink, recent, window)
+    ref, ref_lse = span_reference(plan, k_up, rope, scale, q, kl, vl, lens, keep, mode, tf)
+    empty = torch.isinf(ref_lse[:, 0])
+    assert empty.any() == (sink + recent >= min(TALE_LENS)), "case exercises empty spans"
+    assert (out[empty] == 0).all()
+    assert rel_err(out, ref) < tol
+    if want_lse:
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        fin = torch.isfinite(ref_lse)
+        assert (lse[fin] - ref_lse[fin]).abs().max() < lse_tol
+    # the torch path, same arguments (blocks outside the table: the null block)
+    cpu_rope = None if rope is None else RopeTable(rope.cos.cpu(), rope.sin.cpu(), 32, True)
+    cpu, cpu_lse = decode_attention(plan, k_up, cpu_rope, scale, q.float(),
+                                    cache.view(nblk, 1, page, -1),
+                                    bt.clamp(max=nblk - 1), lens, int(lens.max()),
+                                    post_rope=mode == "post_rope", layout=layout, transform=tf,
+                                    window=window, min_seq_len=int(lens.min()), sink=sink,
+                                    recent=recent, return_lse=True)
+    assert torch.isfinite(cpu).all()
+    assert rel_err(out, cpu.double()) < tol
+    if want_lse:
+        assert torch.equal(torch.isinf(lse), torch.isinf(cpu_lse))
+        fin = torch.isfinite(cpu_lse)
+        assert (lse[fin] - cpu_lse[fin].double()).abs().max() < lse_tol
+
+
+@pytest.mark.parametrize("sink,recent,window,mode,bits,splits", [
+    (4, 17, None, "pre_rope", None, 3),
+    (16, 1, 40, "post_rope", (8, 4), 1),
+])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_span_merge_equals_full(sink, recent, window, mode, bits, splits):
+    """The kernel's (out, lse) over the latent span merged by log-sum-exp with an
+    exact part over the sink and recent positions (float64 here) is attention
+    over every (in-window) position."""
+    plan, k_up, lens, bt, nblk, page, g, layout, cache, kl, vl = tale_problem(
+        "uneven", bits, 47, sink, recent, window)
+    rope = make_rope(32) if mode == "pre_rope" else None
+    q = torch.randn(len(lens), 8, 32 if mode == "pre_rope" else 40, generator=g)
+    scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
+    out_a, lse_a = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens,
+                       num_splits=splits, mode=mode, layout=layout, window=window, sink=sink,
+                       recent=recent, return_lse=True)
+
+    def exact(t, n):
+        return (t < sink or t >= n - recent) and (window is None or t >= n - window)
+
+    out_b, lse_b = span_reference(plan, k_up, rope, scale, q, kl, vl, lens, exact, mode)
+    merged, merged_lse = lse_merge(plan, out_a, lse_a, out_b, lse_b)
+    full = reference(plan, k_up, rope, scale, q, kl, vl, lens, mode=mode, window=window)
+    assert rel_err(merged, full) < TOL32
+    _, full_lse = span_reference(plan, k_up, rope, scale, q, kl, vl, lens,
+                                 in_span(0, 0, window), mode)
+    assert (merged_lse - full_lse).abs().max() < LSE_TOL
+    assert rel_err(out_a, full) > 1e-2  # the exact part matters
+
+
+def test_span_errors():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4)
+    rows = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
+    q = torch.randn(3, 8, 32)
+    for kw in ({"sink": -1}, {"recent": -2}):
+        with pytest.raises(ValueError, match="sink and recent"):
+            dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
+                                        **kw)

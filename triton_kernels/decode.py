@@ -54,11 +54,27 @@ constexpr flags; off, the kernel compiles as without them).
 
 Sliding window (``window=``, both modes; ``WINDOW`` constexpr flag): the query
 of sequence ``b`` (position ``seq_len - 1``) sees keys ``t >= seq_len - window``.
-Earlier rows are masked in every load (zero latents, never read: vLLM may have
-freed their blocks to the null block, which can hold anything, NaN included),
-score ``-inf``; tiles wholly before the window are skipped and the splits share
-the tiles from the first visible one on, so each processed tile has a visible
-key and every split's partial stays finite (an empty split writes ``lse = -inf``).
+Earlier rows are never read (vLLM may have freed their blocks to the null block,
+which can hold anything, NaN included): the tiles start at the first visible key
+(tile ``k`` covers ``first + k * BLOCK_N ..``, ``first = max(seq_len - window, 0)``),
+so no earlier row is in any tile and the rows need only the end mask of the plain
+kernel (a lower mask on ``BLOCK_N``-aligned tiles measured 3-7 % slower on an
+H200: more register spills). The splits share these tiles; each has a visible key,
+so every split's partial stays finite (an empty split writes ``lse = -inf``).
+
+Token-adaptive mode (TALE; ``sink=``, ``recent=``, both modes; ``SPAN`` constexpr
+flag): the first ``sink`` and the last ``recent`` positions of every sequence are
+attended exactly elsewhere (from a separate full-precision cache), so the kernel
+attends the latent span ``max(sink, seq_len - window) <= t < seq_len - recent``
+only: the window machinery with a later start and an earlier end (the tiles
+start at the span's first position, rows from its end on are masked in every
+load, the splits share the tiles; an empty span processes no tile and gives a
+zero row). ``return_lse=True`` (``LSE`` constexpr flag) also returns the
+natural-log log-sum-exp of the attended scores per head, ``[B, H]`` float32
+(``-inf`` for an empty span), so the caller can merge the two parts: ``out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b)``.
+Internally the scores are base 2 (``qk_scale = scale * log2 e``): the stored LSE
+is ``ln 2 * (m + log2 l)``, written by the kernel itself (``num_splits=1``) or
+by the reduce pass, which merges the splits' base-2 partials.
 
 Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): the
 cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; each tile's packed codes
@@ -469,7 +485,7 @@ def _attend_chunk(
     gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads,
-    qk_scale, kb_ptr, kn_ptr, head_dim, norm_eps, window,
+    qk_scale, kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -479,6 +495,7 @@ def _attend_chunk(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
+    SPAN: tl.constexpr, LSE: tl.constexpr,
 ):
     """One work item: sequence ``b``, head groups ``g .. g+GPP-1``, split ``s``.
 
@@ -494,7 +511,13 @@ def _attend_chunk(
     ``O = (P * s_v) codes_v + sum_t P z_v`` (the last sum kept per (token slot,
     head) like the softmax denominator). Pre-RoPE mode and grouped scales
     dequantize the tiles (measured on an H200: post-scaling the values in the
-    pre-RoPE kernel was 5-15 % slower, at 255 registers)."""
+    pre-RoPE kernel was 5-15 % slower, at 255 registers).
+
+    Visible keys: ``t < seq_len``; ``WINDOW``: also ``t >= seq_len - window``;
+    ``SPAN`` (token-adaptive mode): ``max(sink, seq_len - window) <= t <
+    seq_len - recent`` (``window`` only with ``WINDOW``). ``LSE`` without
+    ``SPLIT``: also store the natural log-sum-exp of the scaled scores per head
+    into ``plse_ptr`` ``[B, num_heads]`` (``-inf`` for an empty span)."""
     KPOST: tl.constexpr = QUANT and MODE == 1 and K_QG == 0
     VPOST: tl.constexpr = QUANT and MODE == 1 and V_QG == 0
     # Group table rows (see _Prepared.group_table).
@@ -536,15 +559,25 @@ def _attend_chunk(
 
     seq_len = tl.load(seq_lens_ptr + b)
     n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    if WINDOW:
-        # Keys at positions >= seq_len - window only: the tiles before the one
-        # holding the first visible key are skipped, the splits cut the rest
-        # (every tile in range then has at least one visible key, so the running
-        # max is finite after the first tile).
-        first = tl.maximum(seq_len - window, 0)
-        t_first = first // BLOCK_N
-        per = (n_tiles - t_first + n_splits - 1) // n_splits
-        t_lo = t_first + s * per
+    if WINDOW or SPAN:
+        # Keys at positions first <= t < end only (WINDOW: first = seq_len -
+        # window; SPAN: first >= sink, end = seq_len - recent; otherwise end =
+        # seq_len). The tiles start at the first visible key (tile k covers
+        # first + k * BLOCK_N ..): nothing before it is in any tile, so the rows
+        # need only the end mask, as in the plain kernel (measured on an H200:
+        # a second, lower mask on BLOCK_N-aligned tiles cost 3-7 %); the splits
+        # cut these tiles; each has a visible key, so the running max is finite
+        # after the first; an empty span has no tiles.
+        first = seq_len * 0
+        end = seq_len
+        if WINDOW:
+            first = tl.maximum(seq_len - window, 0)
+        if SPAN:
+            first = tl.maximum(first, sink)
+            end = seq_len - recent
+        n_tiles = tl.where(end > first, (end - first + BLOCK_N - 1) // BLOCK_N, 0)
+        per = (n_tiles + n_splits - 1) // n_splits
+        t_lo = s * per
     else:
         per = (n_tiles + n_splits - 1) // n_splits
         t_lo = s * per
@@ -666,13 +699,16 @@ def _attend_chunk(
         z2 = l2  # sum of P * (value zero point), per (token slot, head)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for t in range(t_lo, t_hi):
-        p0 = t * BLOCK_N
-        pos = p0 + i
-        valid = pos < seq_len
-        if WINDOW:
-            # Out-of-window rows are never loaded (their blocks may be vLLM's null
-            # block): zero latents, -inf scores, zero probabilities.
-            valid = valid & (pos >= first)
+        if WINDOW or SPAN:
+            # Rows past the span's end are never loaded (their blocks may be
+            # vLLM's null block): zero latents, -inf scores, zero probabilities.
+            p0 = first + t * BLOCK_N
+            pos = p0 + i
+            valid = pos < end
+        else:
+            p0 = t * BLOCK_N
+            pos = p0 + i
+            valid = pos < seq_len
         blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
         row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
         if TRANS:
@@ -821,6 +857,11 @@ def _attend_chunk(
         tl.store(plse_ptr + bs * num_heads + g * HG + h, lse, mask=hmask)
     else:
         tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om2)
+        if LSE:
+            # Natural-log LSE of the scaled scores (m_i, l_i are base 2: x ln 2).
+            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(plse_ptr + b.to(tl.int64) * num_heads + g * HG + h, lse_n, mask=hmask)
 
 
 # The two launch skeletons share _attend_chunk; the argument list is spelled once
@@ -832,7 +873,7 @@ def _dispatch(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -841,6 +882,7 @@ def _dispatch(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
+    SPAN: tl.constexpr, LSE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -854,10 +896,10 @@ def _dispatch(
             bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
             s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-            K_BIAS, K_NORM, WINDOW)
+            K_BIAS, K_NORM, WINDOW, SPAN, LSE)
     if NUM_CLS > 1:
         if cls == 1:
             _attend_chunk(
@@ -865,10 +907,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
     if NUM_CLS > 2:
         if cls == 2:
             _attend_chunk(
@@ -876,10 +918,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
     if NUM_CLS > 3:
         if cls == 3:
             _attend_chunk(
@@ -887,10 +929,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
 
 
 @triton.jit
@@ -900,7 +942,7 @@ def _decode_grid_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -909,6 +951,7 @@ def _decode_grid_kernel(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
+    SPAN: tl.constexpr, LSE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -922,10 +965,10 @@ def _decode_grid_kernel(
         w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
         k_scale_off, k_zero_off, v_scale_off, v_zero_off,
         po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-        kb_ptr, kn_ptr, head_dim, norm_eps, window,
+        kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
         MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
         QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-        NUM_CLS, K_BIAS, K_NORM, WINDOW, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+        NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
 
 
 @triton.jit
@@ -936,7 +979,7 @@ def _decode_persistent_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -945,6 +988,7 @@ def _decode_persistent_kernel(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
+    SPAN: tl.constexpr, LSE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -966,17 +1010,22 @@ def _decode_persistent_kernel(
             w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
             k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-            NUM_CLS, K_BIAS, K_NORM, WINDOW, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+            NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)
 
 
 @triton.jit
 def _reduce_kernel(po_ptr, plse_ptr, out_ptr, head_of_col_ptr, n_splits, out_width,
-                   num_heads, S_PAD: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Merge the split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``."""
+                   num_heads, lse_ptr, S_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                   LSE: tl.constexpr, H_PAD: tl.constexpr):
+    """Merge the split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
+
+    ``LSE``: the column block 0 of each sequence also stores the merged natural
+    log-sum-exp per head, ``lse [B, num_heads] = ln 2 * (M + log2 sum_s 2^(lse_s - M))``
+    (``-inf`` where every split is empty)."""
     b = tl.program_id(0)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -996,6 +1045,19 @@ def _reduce_kernel(po_ptr, plse_ptr, out_ptr, head_of_col_ptr, n_splits, out_wid
     den = tl.reduce(w, 0, _add_combine)
     tl.store(out_ptr + b.to(tl.int64) * out_width + c, num / tl.where(den > 0.0, den, 1.0),
              mask=cm)
+    if LSE:
+        if cb == 0:
+            hh = tl.arange(0, H_PAD)
+            hm = hh < num_heads
+            lh = tl.load(plse_ptr + base[:, None] * num_heads + hh[None, :],
+                         mask=sm[:, None] & hm[None, :], other=float("-inf"))
+            mh = tl.reduce(lh, 0, _max_combine)
+            mh = tl.where(mh == float("-inf"), 0.0, mh)
+            dh = tl.reduce(tl.exp2(lh - mh[None, :]), 0, _add_combine)
+            lse_h = tl.where(dh > 0.0,
+                             (mh + tl.log2(tl.where(dh > 0.0, dh, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(lse_ptr + b.to(tl.int64) * num_heads + hh, lse_h, mask=hm)
 
 
 # ----------------------------------------------------------------------------------
@@ -1305,7 +1367,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
                             schedule=None, mode: str = "pre_rope",
                             config: KernelConfig | None = None,
                             out: torch.Tensor | None = None,
-                            transform=None, window: int | None = None) -> torch.Tensor:
+                            transform=None, window: int | None = None, sink: int = 0,
+                            recent: int = 0, return_lse: bool = False):
     """Decode attention (one new token per sequence) from a paged latent cache.
 
     Same meaning and return value as
@@ -1346,13 +1409,28 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         window: Sliding window or ``None``: sequence ``b`` (query at position
             ``seq_lens[b] - 1``) sees keys ``t >= seq_lens[b] - window`` only.
             Earlier positions are never read (their blocks may be null blocks
-            holding garbage or NaN): masked rows load as zero, score ``-inf``,
-            contribute nothing; whole tiles before the window are skipped and the
-            splits share the remaining tiles. ``window >= max_seq_len`` runs the
-            plain kernel.
+            holding garbage or NaN): the tiles start at the window's first
+            position and the splits share them. ``window >= max_seq_len`` runs
+            the plain kernel.
+        sink, recent: Token-adaptive mode (TALE), host ints ``>= 0``, the same
+            for every sequence: only the latent span ``max(sink, seq_lens[b] -
+            window) <= t < seq_lens[b] - recent`` is attended (the first ``sink``
+            and the last ``recent`` positions are attended exactly elsewhere and
+            merged by log-sum-exp, see ``return_lse``). Positions outside the
+            span are never read, like those before a window (the tiles start at
+            the span's first position; rows from its end on are masked). A
+            sequence with an empty span (``seq_lens[b] <= sink + recent``, or a
+            window inside the recent part) gets a zero output row. ``0, 0``
+            runs the plain kernel.
+        return_lse: Also return the log-sum-exp of the attended scores.
 
     Returns:
-        ``[B, plan.out_width]`` float32.
+        ``[B, plan.out_width]`` float32; with ``return_lse`` the pair ``(out,
+        lse)``, ``lse [B, num_heads]`` float32 ``log sum_t exp(scale * q . k_t)``
+        over the attended positions, natural log (``-inf`` where the span is
+        empty). The same as
+        :func:`vllm_lowrank.attention.latent_attention.decode_attention` with the
+        same arguments.
     """
     if mode not in ("pre_rope", "post_rope"):
         raise ValueError(f"mode must be 'pre_rope' or 'post_rope', got {mode!r}")
@@ -1391,6 +1469,10 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     if window is not None and int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     use_window = window is not None and int(window) < max_seq_len
+    sink, recent = int(sink), int(recent)
+    if sink < 0 or recent < 0:
+        raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
+    use_span = sink > 0 or recent > 0
     k_bias = transform is not None and transform.bias is not None
     k_norm = transform is not None and transform.norm_weight is not None
     kd = sh.num_kv_heads * sh.head_dim
@@ -1447,20 +1529,26 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if schedule is not None and not isinstance(schedule, str):
             num_splits = schedule.num_splits
         else:
-            # A window bounds the tiles per sequence (plus one partial tile).
+            # A window bounds the tiles per sequence (plus one partial tile), so
+            # does the latent span (its tiles start at its first position).
             eff_len = min(max_seq_len, int(window) + block_n) if use_window else max_seq_len
+            if use_span:
+                eff_len = max(1, min(eff_len, max_seq_len - sink - recent))
             num_splits = choose_num_splits(bsz, ng // gpp, eff_len, block_n, n_sm, pps)
     num_splits = int(num_splits)
     split = num_splits > 1
     query = query if query.stride(-1) == 1 else query.contiguous()
     if out is None:
         out = torch.empty(bsz, plan.out_width, device=device, dtype=torch.float32)
+    lse = torch.empty(bsz, num_heads, device=device, dtype=torch.float32) \
+        if return_lse else None
     if split:
         po = torch.empty(bsz, num_splits, plan.out_width, device=device,
                          dtype=torch.float32)
         plse = torch.empty(bsz, num_splits, num_heads, device=device, dtype=torch.float32)
     else:
-        po = plse = out
+        po = out
+        plse = lse if return_lse else out  # the kernel stores the final LSE there
 
     classes = list(prep.classes) + [(16, 16)] * (_MAX_CLASSES - len(prep.classes))
     if quant:
@@ -1510,6 +1598,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
         ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
         NUM_CLS=len(prep.classes), K_BIAS=k_bias, K_NORM=k_norm, WINDOW=use_window,
+        SPAN=use_span, LSE=bool(return_lse),
         RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
         RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
         num_warps=num_warps, num_stages=num_stages,
@@ -1525,7 +1614,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         *q_offs,
         po, plse, out, plan.out_width, num_heads, float(scale) * LOG2E,
         kb if k_bias else cos, kn if k_norm else cos, sh.head_dim, norm_eps,
-        int(window) if use_window else 0,
+        int(window) if use_window else 0, sink, recent,
     )
     if schedule is None:
         _decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
@@ -1536,8 +1625,10 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             if schedule != "lpt":
                 raise ValueError(f"unknown schedule {schedule!r}")
             # Cost model only (items are cut by the kernel): windowed sequences
-            # cost their window.
+            # cost their window, token-adaptive ones their latent span.
             cost_lens = seq_lens.clamp(max=int(window) + block_n) if use_window else seq_lens
+            if use_span:
+                cost_lens = (cost_lens - sink - recent).clamp(min=0)
             schedule = build_lpt_schedule(plan, cost_lens, num_splits, block_n,
                                           num_workers=None, device=device)
         if schedule.num_splits != num_splits:
@@ -1549,5 +1640,6 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         block_c = 128
         _reduce_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
             po, plse, out, prep.head_of_col, num_splits, plan.out_width, num_heads,
-            S_PAD=_pow2(num_splits, 2), BLOCK_C=block_c, num_warps=4)
-    return out
+            lse if return_lse else plse, S_PAD=_pow2(num_splits, 2), BLOCK_C=block_c,
+            LSE=bool(return_lse), H_PAD=_pow2(num_heads, 2), num_warps=4)
+    return (out, lse) if return_lse else out

@@ -80,6 +80,15 @@ class LowRankConfig:
             then allocated in multiples of it.
         hadamard: Fold a randomised Walsh-Hadamard rotation into the factors of
             quantized sides (Palu eq. 8); no run-time cost.
+        token_adaptive: TALE mode (sec. 2.2): the first ``sink_tokens`` and
+            the last ``recent_tokens`` tokens of every sequence are cached
+            exactly as well, and attention reads them exactly; only the
+            middle of the context is read from latents. Costs ``(sink +
+            recent)`` full KV slots per sequence (counted by vLLM).
+        sink_tokens: Attention-sink tokens kept exact (rounded up to whole
+            KV blocks: the block is stored anyway); 0 for none.
+        recent_tokens: Most recent tokens kept exact (rounded up to whole KV
+            blocks), at least 1.
     """
 
     mode: str = "none"
@@ -94,6 +103,9 @@ class LowRankConfig:
     v_bits: int = 16
     quant_group_size: int | None = None
     hadamard: bool = True
+    token_adaptive: bool = False
+    sink_tokens: int = 4
+    recent_tokens: int = 128
 
     @property
     def quantized(self) -> bool:
@@ -146,10 +158,11 @@ class LowRankConfig:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
         if "ratio" in kwargs:
             kwargs["ratio"] = _number("ratio", kwargs["ratio"])
-        if "hadamard" in kwargs and not isinstance(kwargs["hadamard"], bool):
-            raise LowRankConfigError(f"hadamard must be true or false, got {kwargs['hadamard']!r}")
+        for key in ("hadamard", "token_adaptive"):
+            if key in kwargs and not isinstance(kwargs[key], bool):
+                raise LowRankConfigError(f"{key} must be true or false, got {kwargs[key]!r}")
         for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
-                    "quant_group_size"):
+                    "quant_group_size", "sink_tokens", "recent_tokens"):
             if kwargs.get(key) is not None:
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs)
@@ -203,6 +216,18 @@ class LowRankConfig:
                 f"quant_group_size={q} must be a positive multiple of {RANK_MULTIPLE} "
                 "(or null: one scale per head group per token)"
             )
+        if self.sink_tokens < 0:
+            raise LowRankConfigError(
+                f"sink_tokens={self.sink_tokens} must be >= 0 (0: no exact sinks)")
+        if self.recent_tokens < 1:
+            raise LowRankConfigError(
+                f"recent_tokens={self.recent_tokens} must be >= 1; to turn the exact "
+                "recent window off, set token_adaptive to false")
+        if self.token_adaptive and self.method == "post_rope":
+            raise LowRankConfigError(
+                "token_adaptive is not supported with method=\"post_rope\" (its queries "
+                "are projected into the latent basis); use another method or set "
+                "token_adaptive to false")
         if self.calibration_tokens < 512:
             raise LowRankConfigError(
                 f"calibration_tokens={self.calibration_tokens} is too small; use "

@@ -63,6 +63,13 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
                   max_model_len=longest + 16, enforce_eager=True,
                   enable_prefix_caching=False, seed=0)
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("step_tokens"):
+        # generate-style: every request advances at most step_tokens per step
+        step = spec["step_tokens"]
+        kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=step,
+                      max_num_batched_tokens=max(step * spec["num_windows"], 16))
     if spec.get("compression") is not None:
         kwargs["additional_config"] = {"kv_compression": spec["compression"]}
     t0 = time.time()
@@ -74,6 +81,13 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     cache_config = llm.llm_engine.vllm_config.cache_config
     result["kv_blocks"] = cache_config.num_gpu_blocks
     result["kv_tokens"] = kv_capacity_tokens(cache_config)
+    if spec.get("compression") is not None:
+        from vllm_lowrank import metrics
+
+        states = metrics.read_states(os.environ.get(metrics.STATE_DIR_ENV, ""))
+        if states:  # latent bytes per token / original, all layers of this worker
+            result["stored_fraction"] = (states[0]["stored_bytes_per_token"]
+                                         / states[0]["original_bytes_per_token"])
     for text in spec["texts"]:
         windows = eval_windows(tok, text, spec["num_windows"], spec["window"])
         t1 = time.time()
@@ -93,9 +107,16 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         spec: ``model``, ``compression`` (the ``kv_compression`` dict or
-            ``None``), ``texts``, ``num_windows``, ``window``, optional ``dtype``
-            and ``passkey`` (kwargs of
-            :func:`vllm_lowrank.passkey.passkey_accuracy`).
+            ``None``), ``texts``, ``num_windows``, ``window``, optional ``dtype``,
+            ``passkey`` (kwargs of
+            :func:`vllm_lowrank.passkey.passkey_accuracy`), ``block_size``
+            and ``step_tokens``: process every window at most this many
+            tokens per engine step (vLLM's ``long_prefill_token_threshold``;
+            the windows advance side by side), so each predicted token sees
+            the cache as a generating request would, not its whole window
+            in one prefill (what the token-adaptive mode's exact recent
+            tokens need to be measured fairly). Passkey prompts are then
+            prefilled in chunks of ``step_tokens * num_windows``.
 
     Raises:
         RuntimeError: the subprocess failed (the tail of its output, vLLM's

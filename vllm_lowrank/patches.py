@@ -56,7 +56,10 @@ CONFIG_HELP = (
     f"({' | '.join(RANK_ALLOCATIONS)}, default {_D.rank_allocation}); artifact "
     "(calibration artifact directory, \"auto\" = cached or calibrated on first "
     "start, \"none\" = weight SVD without calibration, default auto); "
-    f"calibration_tokens (default {_D.calibration_tokens})."
+    f"calibration_tokens (default {_D.calibration_tokens}); k_bits, v_bits "
+    "(16, 8, 4, 3, 2), quant_group_size, hadamard; token_adaptive (exact sink "
+    f"and recent tokens, TALE; default {str(_D.token_adaptive).lower()}), "
+    f"sink_tokens (default {_D.sink_tokens}), recent_tokens (default {_D.recent_tokens})."
 )
 
 

@@ -26,7 +26,10 @@ def register() -> None:
     from vllm_lowrank.models.architectures import ARCHITECTURES
     from vllm_lowrank.models.causal_lm import class_path
 
+    from vllm_lowrank.attention.exact_cache import register_spec
+
     patches.apply()
+    register_spec()  # the token-adaptive mode's exact-token cache group
     metrics.install()  # front end only: state dir for the workers, /metrics collector
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         AttentionBackendEnum.register(BACKEND_NAME, BACKEND_PATH)

@@ -30,7 +30,10 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
+from vllm.model_executor.layers.attention.attention import get_attention_context
+
 from vllm_lowrank.attention import latent_attention as ops
+from vllm_lowrank.attention import token_adaptive as tale
 from vllm_lowrank.plugin import BACKEND_NAME
 
 
@@ -198,8 +201,19 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Scatter latents ``key [T, 1, Rk]``, ``value [T, 1, Rv]`` into the cache
-        (quantized and packed on write when the layer has a slot layout)."""
-        ops.write_latents(kv_cache, key, value, slot_mapping, layer.layout)
+        (quantized and packed on write when the layer has a slot layout).
+
+        Token-adaptive layers pass ``[c_k | k]`` and ``[c_v | v]``: the latents
+        go to this cache, the exact post-RoPE keys and values to the layer's
+        exact cache through that group's slot mapping."""
+        if layer.exact is None:
+            ops.write_latents(kv_cache, key, value, slot_mapping, layer.layout)
+            return
+        rk, rv = layer.plan.k_width, layer.plan.v_width
+        key, value = key.flatten(1), value.flatten(1)
+        ops.write_latents(kv_cache, key[:, :rk], value[:, :rv], slot_mapping, layer.layout)
+        _, exact, exact_cache, exact_slots = get_attention_context(layer.exact.layer_name)
+        tale.write_exact(exact_cache, key[:, rk:], value[:, rv:], exact_slots)
 
     def forward(
         self,
@@ -219,6 +233,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         m = attn_metadata
+        if layer.exact is not None:
+            return self._forward_token_adaptive(layer, query, kv_cache, m, output)
         plan, k_up = layer.plan, layer.k_up
         rope = layer.rope_table(query.device)
         post_rope, layout = layer.post_rope, layer.layout
@@ -243,5 +259,34 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                 m.block_table[r], int(m.seq_lens_cpu[r]), post_rope, layout,
                 transform=transform, window=window,
             )
+            output[start:stop] = out.to(output.dtype)
+        return output
+
+    def _forward_token_adaptive(self, layer, query, kv_cache, m, output):
+        """TALE: the latent middle and the exact sinks/recent tokens, merged by
+        log-sum-exp (:mod:`vllm_lowrank.attention.token_adaptive`); output
+        ``[T, num_heads * head_dim]``."""
+        exact = layer.exact
+        exact_meta, _, exact_cache, _ = get_attention_context(exact.layer_name)
+        common = dict(sink=exact.sink, recent=exact.recent, kv_width=exact.kv_width,
+                      dtype=exact.dtype, layout=layer.layout, transform=layer.key_transform(),
+                      window=self.sliding_window)
+        weights = (layer.plan, layer.k_up, layer.v_up, layer.rope_table(query.device),
+                   self.scale)
+        if len(m.decode_reqs):
+            rows = m.decode_reqs
+            kernel = _gpu_decode() if query.is_cuda and _gpu_supports(layer.layout) else None
+            out = tale.decode(*weights, query.index_select(0, m.decode_tokens), kv_cache,
+                              m.block_table.index_select(0, rows), exact_cache,
+                              exact_meta.block_table.index_select(0, rows),
+                              m.seq_lens.index_select(0, rows), m.max_decode_seq_len,
+                              latent_decode=kernel, min_seq_len=m.min_decode_seq_len, **common)
+            output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
+        qsl = m.query_start_loc_cpu
+        for r in m.prefill_reqs:
+            start, stop = int(qsl[r]), int(qsl[r + 1])
+            out = tale.prefill(*weights, query[start:stop], kv_cache, m.block_table[r],
+                               exact_cache, exact_meta.block_table[r], int(m.seq_lens_cpu[r]),
+                               **common)
             output[start:stop] = out.to(output.dtype)
         return output

@@ -109,17 +109,27 @@ def write_latents(
         layout: :class:`~vllm_lowrank.quantization.SlotLayout` or ``None``.
     """
     n = slot_mapping.shape[0]
-    block_size = kv_cache.shape[2]
     k_rows, v_rows = k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)
     if layout is not None:
         rows = layout.encode(k_rows.float(), v_rows.float())
     else:
         rows = torch.cat((k_rows, v_rows), dim=-1).to(kv_cache.dtype)
+    scatter_rows(kv_cache, rows, slot_mapping)
+
+
+def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``cache[block, 0, offset] = rows`` for ``slot_mapping [T]`` int64
+    (``block * block_size + offset``); negative slots (padding) are skipped.
+
+    Args:
+        cache: ``[num_blocks, 1, block_size, C]``; rows: ``[T, C]`` of its dtype.
+    """
+    block_size = cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         rows, slot_mapping = rows[valid], slot_mapping[valid]
     slot_mapping = slot_mapping.long()
-    kv_cache[slot_mapping // block_size, 0, slot_mapping % block_size] = rows
+    cache[slot_mapping // block_size, 0, slot_mapping % block_size] = rows
 
 
 def gather_latents(
@@ -261,7 +271,10 @@ def decode_attention(
     transform: KeyTransform | None = None,
     window: int | None = None,
     min_seq_len: int = 0,
-) -> torch.Tensor:
+    sink: int = 0,
+    recent: int = 0,
+    return_lse: bool = False,
+):
     """One new token per request, batched.
 
     Scores and the value product are two batched GEMMs per head group; the
@@ -280,17 +293,27 @@ def decode_attention(
             ``None``.
         min_seq_len: ``min(seq_lens)`` (host int); with ``window``, positions
             before ``min_seq_len - window`` are not read.
+        sink, recent: Token-adaptive mode (TALE): only the latent span
+            ``sink <= t < seq_len - recent`` is attended here (the first
+            ``sink`` and last ``recent`` positions are attended exactly
+            elsewhere, :func:`exact_attention`, and merged by :func:`merge`).
+            Positions outside the span are never read unmasked.
+        return_lse: Also return the log-sum-exp of the scaled scores.
 
     Returns:
-        ``[B, out_width]`` float32.
+        ``[B, out_width]`` float32, and with ``return_lse`` also ``[B, H]``
+        float32 ``log sum_t exp(scale * q . k_t)`` over the attended span
+        (``-inf``, with a zero output row, where the span is empty).
     """
     b = query.shape[0]
     first = max(0, min_seq_len - window) if window is not None else 0
-    latents = gather_latents(kv_cache, block_table, max_seq_len, layout, start=first)
-    pos = torch.arange(first, max_seq_len, device=query.device)
+    first = max(first, sink)
+    latents = gather_latents(kv_cache, block_table, max(max_seq_len, first), layout,
+                             start=first)
+    pos = torch.arange(first, max(max_seq_len, first), device=query.device)
     length = pos.shape[0]
     lens = seq_lens[:, None].to(pos.device)
-    visible = pos[None, :] < lens  # [B, L]
+    visible = pos[None, :] < lens - recent  # [B, L]
     if window is not None:
         visible &= pos[None, :] >= lens - window
     rk = plan.k_width
@@ -298,7 +321,7 @@ def decode_attention(
     hg = plan.heads_per_group
     q = query.float()
     lat = latents.float()
-    outs = []
+    outs, lses = [], []
     for g, v_off in enumerate(plan.v_offsets()):
         r_v = plan.v_ranks[g]
         keys = _group_keys(plan, g, k_up, rope, lat, pos, post_rope, transform)
@@ -307,11 +330,14 @@ def decode_attention(
         q_g = q[:, g * hg:(g + 1) * hg, :width].reshape(b, gs, qpk, width)
         scores = torch.matmul(q_g, keys).mul_(scale)  # [B, G, qpk, L]
         scores.masked_fill_(~visible[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(b, hg, length)
+        lse = torch.logsumexp(scores, dim=-1).reshape(b, hg)
+        probs = torch.exp(scores - lse.view(b, gs, qpk, 1)).nan_to_num_(0.0).view(b, hg, length)
         values = lat[:, :, rk + v_off:rk + v_off + r_v]
         values = torch.where(visible[..., None], values, 0.0)  # no NaN from padding
         outs.append(torch.bmm(probs, values).reshape(b, hg * r_v))  # [B, Hg*r_v]
-    return torch.cat(outs, dim=-1)
+        lses.append(lse)
+    out = torch.cat(outs, dim=-1)
+    return (out, torch.cat(lses, dim=-1)) if return_lse else out
 
 
 def prefill_attention(

@@ -44,6 +44,13 @@ class LatentAttention(Attention):
             (``1.0`` for Gemma's ``x * (1 + w)``, ``0.0`` for ``x * w``).
         key_bias: Rebuilt keys get the k_proj bias (buffer ``k_bias``).
         sliding_window: Tokens each query sees (itself included), or ``None``.
+        exact_tokens: ``(sink, recent)`` for the token-adaptive mode (TALE;
+            whole blocks), or ``None``. The layer then owns an
+            :class:`~vllm_lowrank.attention.exact_cache.ExactTokenCache`
+            (``exact``), :meth:`forward` also takes the exact post-RoPE keys and
+            values, and the output is per-head values ``[T, num_heads *
+            head_dim]`` for the model's own ``o_proj``
+            (:mod:`vllm_lowrank.attention.token_adaptive`).
         cache_config, quant_config, prefix: As for vLLM's ``Attention``.
 
     Buffers:
@@ -51,13 +58,16 @@ class LatentAttention(Attention):
             up-projection, filled at weight loading.
         k_bias: ``[num_kv_heads * head_dim]`` float32 key bias (empty without
             ``key_bias``), filled at weight loading.
+        v_up: ``[Rv, num_kv_heads * head_dim]`` float32 block-diagonal value
+            up-projection (token-adaptive mode only; empty otherwise).
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
                  layout=None, key_norm=None, key_norm_offset: float = 0.0,
                  key_bias: bool = False,
-                 sliding_window: int | None = None, cache_config=None, quant_config=None,
-                 prefix: str = "") -> None:
+                 sliding_window: int | None = None,
+                 exact_tokens: tuple[int, int] | None = None, cache_config=None,
+                 quant_config=None, prefix: str = "") -> None:
         shape = plan.shape
         # Post-RoPE queries arrive projected into the key latent basis, padded
         # to the largest key rank.
@@ -90,6 +100,27 @@ class LatentAttention(Attention):
         self.__dict__["_key_norm"] = key_norm
         self._key_norm_offset = key_norm_offset
         self._key_transform: KeyTransform | None = None
+        self.register_buffer(
+            "v_up", torch.zeros(plan.v_width if exact_tokens else 0, shape.kv_width,
+                                dtype=torch.float32), persistent=False)
+        self.exact = None
+        if exact_tokens is not None:
+            from vllm_lowrank.attention.exact_cache import ExactTokenCache
+
+            dtype = self.kv_cache_torch_dtype
+            latent_bytes = (layout.slot_bytes if layout is not None else
+                            (plan.k_width + plan.v_width) * dtype.itemsize)
+            # a plain attribute: vLLM finds the cache layer by its name
+            self.__dict__["exact"] = ExactTokenCache(
+                shape.kv_width, dtype, latent_bytes, *exact_tokens, prefix=f"{prefix}.exact")
+
+    @property
+    def out_width(self) -> int:
+        """Width of :meth:`forward`'s output: value latents per query head, or
+        ``num_heads * head_dim`` in the token-adaptive mode."""
+        if self.exact is not None:
+            return self.plan.shape.num_heads * self.plan.shape.head_dim
+        return self.plan.out_width
 
     def rope_table(self, device: torch.device) -> RopeTable:
         """float32 RoPE table of this layer's rotary module on ``device``."""
@@ -128,22 +159,30 @@ class LatentAttention(Attention):
             return SlidingWindowSpec(sliding_window=self.sliding_window, **slot)
         return FullAttentionSpec(**slot)
 
-    def forward(self, query: torch.Tensor, k_latent: torch.Tensor,
-                v_latent: torch.Tensor) -> torch.Tensor:
-        """Cache the latents, attend, return ``[T, out_width]``.
+    def forward(self, query: torch.Tensor, k_latent: torch.Tensor, v_latent: torch.Tensor,
+                k_exact: torch.Tensor | None = None,
+                v_exact: torch.Tensor | None = None) -> torch.Tensor:
+        """Cache the latents (and exact keys/values), attend, return
+        ``[T, out_width]``.
 
         Args:
             query: ``[T, num_heads * head_dim]`` post-RoPE queries (post-RoPE
                 mode: ``[T, num_heads * max(k_ranks)]`` latent queries).
             k_latent: ``[T, Rk]`` key latents (pre-RoPE, or post-RoPE).
             v_latent: ``[T, Rv]`` value latents.
+            k_exact, v_exact: ``[T, num_kv_heads * head_dim]`` post-RoPE keys
+                and values (token-adaptive mode only). They travel to the
+                backend appended to the latents (``[c_k | k]``, ``[c_v | v]``).
         """
         num_tokens = query.shape[0]
-        output = torch.empty(num_tokens, self.plan.out_width, dtype=query.dtype,
+        output = torch.empty(num_tokens, self.out_width, dtype=query.dtype,
                              device=query.device)
         query = query.view(-1, self.num_heads, self.head_size)
-        key = k_latent.view(-1, 1, self.plan.k_width)
-        value = v_latent.view(-1, 1, self.plan.v_width)
+        if self.exact is not None:
+            k_latent = torch.cat((k_latent, k_exact), dim=-1)
+            v_latent = torch.cat((v_latent, v_exact), dim=-1)
+        key = k_latent.view(num_tokens, 1, -1)
+        value = v_latent.view(num_tokens, 1, -1)
         if self.use_direct_call:
             from vllm.model_executor.layers.attention.attention import (
                 unified_attention_with_output,

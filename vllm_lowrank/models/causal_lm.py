@@ -106,6 +106,7 @@ def _latent_attention(arch: Architecture, compression, arguments: dict):
         sliding_window=settings.sliding_window,
         post_rope=compression.post_rope, layout=compression.layout(layer),
         hadamard_seed=layer if compression.cfg.hadamard else None,
+        exact_tokens=compression.exact_tokens,
         cache_config=arguments.get("cache_config"),
         quant_config=arguments.get("quant_config"), prefix=prefix,
     )

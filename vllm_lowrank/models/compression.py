@@ -62,12 +62,15 @@ class ModelCompression:
         plans: ``{layer: LayerPlan}``.
         artifact: Calibrated bases, or ``None`` for weight SVD.
         artifact_path: Where the artifact came from (for messages).
+        exact_tokens: ``(sink, recent)`` of the token-adaptive mode in tokens,
+            rounded up to whole KV blocks, or ``None`` when it is off.
     """
 
     cfg: LowRankConfig
     plans: dict[int, LayerPlan]
     artifact: art.Artifact | None
     artifact_path: str | None
+    exact_tokens: tuple[int, int] | None = None
 
     @property
     def post_rope(self) -> bool:
@@ -232,12 +235,14 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     tp = vllm_config.parallel_config.tensor_parallel_size
     shapes = model_shapes(hf_config, tp)
     cfg = shard.rank_config(cfg, tp, shapes[0].num_kv_heads)
+    exact = exact_tokens(cfg, vllm_config.cache_config.block_size)
     artifact, path = None, None
     if cfg.ratio == 1.0 and not cfg.ranks and cfg.artifact in ("auto", "none"):
         # Full rank everywhere: every group uses its exact identity basis, so no
         # calibration is needed (and none is run).
         plans = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()}
-        return ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
+        return ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None,
+                                exact_tokens=exact)
     if cfg.artifact == "auto" and cfg.needs_calibration:
         # "all KV heads" under tensor parallelism: all heads of one rank's shard
         auto_cfg = cfg if tp == 1 or cfg.group_size else dataclasses.replace(
@@ -265,8 +270,25 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
         logger.warning("vllm-lowrank: no calibration artifact; using plain weight SVD "
                        "with uniform ranks (artifact=%r, method=%r). Expect a large "
                        "accuracy loss; calibrate for real use.", cfg.artifact, cfg.method)
-    plans = _plans(cfg, shapes, artifact, per_layer=mixes_attention_kinds(hf_config))
-    return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path)
+    per_layer = mixes_attention_kinds(hf_config) or cfg.token_adaptive
+    plans = _plans(cfg, shapes, artifact, per_layer=per_layer)
+    return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path,
+                            exact_tokens=exact)
+
+
+def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
+    """``(sink, recent)`` of the token-adaptive mode rounded up to whole
+    blocks of ``block_size`` tokens (their blocks are stored whole anyway), or
+    ``None`` when ``cfg.token_adaptive`` is off.
+
+    Token-adaptive layers own a second (exact) KV cache group, so vLLM's
+    hybrid allocator needs one page size across layers: the plans then get
+    one latent width per layer, as for hybrid models
+    (:func:`mixes_attention_kinds`)."""
+    if not cfg.token_adaptive:
+        return None
+    return (-(-cfg.sink_tokens // block_size) * block_size,
+            -(-cfg.recent_tokens // block_size) * block_size)
 
 
 def mixes_attention_kinds(hf_config) -> bool:

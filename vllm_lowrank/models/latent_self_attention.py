@@ -13,6 +13,15 @@ The key bias ``b_k`` (Qwen2) and the key norm (Qwen3, Gemma-3) are applied to
 the rebuilt key, not to the latent: both are exact whatever the rank, and the
 norm, being nonlinear, cannot be folded into ``A_k``.
 
+Token-adaptive mode (``token_adaptive``, TALE sec. 2.2)::
+
+    [q | k | v | c_k | c_v] = x @ [W_q; W_k; W_v; A_k^T; A_v^T]^T   (+ q, k biases)
+    q, k = RoPE(norm_q(q)), RoPE(norm_k(k))
+    o = LatentAttention(q, c_k, c_v, k, v)      latents and exact k, v both cached;
+                                                sinks + recent tokens read exactly
+    y = o @ W_o^T                               the model's own o_proj (B_v applied
+                                                in attention, to the latent part)
+
 Post-RoPE latents (``method="post_rope"``, ZACK sec. 4; one KV head per group)::
 
     [q | k | c_v] = x @ [W_q; W_k; A_v^T]^T
@@ -63,6 +72,7 @@ class LatentSelfAttention(nn.Module):
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
             sides, or ``None`` for no rotation.
+        exact_tokens: ``(sink, recent)`` of the token-adaptive mode, or ``None``.
         cache_config, quant_config: vLLM configs.
         prefix: Module prefix (``model.layers.N.self_attn``).
 
@@ -77,6 +87,7 @@ class LatentSelfAttention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float = 1e-6, sliding_window: int | None = None,
                  post_rope: bool = False, layout=None, hadamard_seed: int | None = None,
+                 exact_tokens: tuple[int, int] | None = None,
                  cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
@@ -84,8 +95,11 @@ class LatentSelfAttention(nn.Module):
         self.post_rope = post_rope
         self.layout = layout
         self.hadamard_seed = hadamard_seed
+        self.token_adaptive = exact_tokens is not None
         self.q_size = shape.num_heads * shape.head_dim
         self.k_size = shape.kv_width if post_rope else plan.k_width
+        # exact keys and values come out of the projection too (token-adaptive)
+        self.exact_sizes = [shape.kv_width] * 2 if self.token_adaptive else []
         if post_rope:
             if plan.group_size != 1:
                 raise ValueError("post-RoPE latents need one KV head per group")
@@ -98,13 +112,13 @@ class LatentSelfAttention(nn.Module):
                                  persistent=False)
         self.qkv_proj = MergedColumnParallelLinear(
             input_size=shape.hidden_size,
-            output_sizes=full_sizes(self.q_size, self.k_size, plan.v_width),
+            output_sizes=full_sizes(self.q_size, *self.exact_sizes, self.k_size, plan.v_width),
             bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
-            input_size=full_sizes(plan.out_width)[0],
+            input_size=full_sizes(self.q_size if self.token_adaptive else plan.out_width)[0],
             output_size=shape.hidden_size,
             bias=o_bias,
             quant_config=quant_config,
@@ -125,6 +139,7 @@ class LatentSelfAttention(nn.Module):
                                     key_norm_offset=norm_offset,
                                     key_bias=qkv_bias and not post_rope,
                                     sliding_window=sliding_window,
+                                    exact_tokens=exact_tokens,
                                     cache_config=cache_config, quant_config=quant_config,
                                     prefix=f"{prefix}.attn")
 
@@ -133,6 +148,14 @@ class LatentSelfAttention(nn.Module):
         """``hidden_states [T, hidden]`` at ``positions [T]`` -> ``[T, hidden]``
         (extra keyword arguments some decoder layers pass are ignored)."""
         qkv, _ = self.qkv_proj(hidden_states)
+        if self.token_adaptive:
+            q, k, v, c_k, c_v = qkv.split(
+                [self.q_size, *self.exact_sizes, self.k_size, self.plan.v_width], dim=-1)
+            if self.q_norm is not None:
+                q, k = self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)
+            q, k = self.rotary_emb(positions, q, k)
+            out, _ = self.o_proj(self.attn(q, c_k, c_v, k, v))
+            return out
         q, k, c_v = qkv.split([self.q_size, self.k_size, self.plan.v_width], dim=-1)
         if self.q_norm is not None:
             q = self._per_head(self.q_norm, q)
@@ -204,7 +227,8 @@ class LatentSelfAttention(nn.Module):
                 for j, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
                     self.k_down[j, :, :r] = f.k_up[off:off + r, j * d:(j + 1) * d].T
         key_weight = w_k.float() if self.post_rope else f.a_k.T
-        for shard, w in enumerate((w_q, key_weight, f.a_v.T)):
+        exact = (w_k, w_v) if self.token_adaptive else ()
+        for shard, w in enumerate((w_q, *exact, key_weight, f.a_v.T)):
             load_local(self.qkv_proj, param, w.to(param.dtype).contiguous(), shard)
         loaded = ["qkv_proj.weight"]
         if self.qkv_proj.bias is not None:
@@ -215,8 +239,13 @@ class LatentSelfAttention(nn.Module):
             else:
                 k_bias_here = k_bias.to(bias.dtype)
             zeros_v = torch.zeros(plan.v_width, dtype=bias.dtype)
-            for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), k_bias_here,
-                                       zeros_v)):
+            exact_biases = ()
+            if self.token_adaptive:  # exact keys get their bias; the value bias is in o_proj's
+                kv = plan.shape.kv_width
+                exact_biases = (torch.zeros(kv, dtype=bias.dtype) if k_bias is None
+                                else k_bias.to(bias.dtype), torch.zeros(kv, dtype=bias.dtype))
+            for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), *exact_biases,
+                                       k_bias_here, zeros_v)):
                 load_local(self.qkv_proj, bias, b, shard)
             loaded.append("qkv_proj.bias")
             if k_bias is not None and not self.post_rope:
@@ -225,7 +254,12 @@ class LatentSelfAttention(nn.Module):
         if not self.post_rope:
             with torch.no_grad():
                 self.attn.k_up.copy_(f.k_up)
-        o_weight = fold.folded_o_proj(plan, w_o, f.v_up)
+        if self.token_adaptive:  # B_v is applied in attention, o_proj stays the model's
+            with torch.no_grad():
+                self.attn.v_up.copy_(f.v_up)
+            o_weight = w_o
+        else:
+            o_weight = fold.folded_o_proj(plan, w_o, f.v_up)
         p = self.o_proj.weight
         load_local(self.o_proj, p, o_weight.to(p.dtype))
         loaded.append("o_proj.weight")

@@ -1,0 +1,212 @@
+"""Token-adaptive attention (TALE) on CPU against a float64 loop.
+
+For a step whose first new token is at ``s``, the reference attends exact keys
+and values for ``t < S`` and ``t >= max(S, s - W)`` and latent ones (keys
+rebuilt and rotated, values ``c_v B_v``) for the rest, in one softmax. The
+caches are poisoned with NaN wherever the other form should be read: latent
+rows of exact positions, exact rows of latent positions (vLLM frees those
+blocks), so any read of the wrong form shows up as NaN.
+"""
+
+import pytest
+import torch
+
+from test_latent_attention import BLOCK, fill, rotate64, setup_case
+from vllm_lowrank.attention import token_adaptive as tale
+
+SCALE = 0.3
+
+
+def exact_set(s, sink, recent):
+    return lambda t: t < sink or t >= max(sink, s - recent)
+
+
+def make_v_up(plan):
+    v_up = torch.zeros(plan.v_width, plan.shape.kv_width)
+    gw = plan.group_width
+    for g, (off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        v_up[off:off + r, g * gw:(g + 1) * gw] = torch.randn(r, gw)
+    return v_up
+
+
+def reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, q_pos, is_exact, window=None):
+    """``[Q, H, d]`` float64: one softmax over exact and latent keys."""
+    s = plan.shape
+    d, rk = s.head_dim, plan.k_width
+    out = torch.zeros(len(q_pos), s.num_heads, d, dtype=torch.float64)
+    for qi, p in enumerate(q_pos):
+        for i in range(s.num_heads):
+            j = i // s.queries_per_kv
+            g = j // plan.group_size
+            cols = slice(j * d, (j + 1) * d)
+            ko, vo = plan.k_offsets()[g], plan.v_offsets()[g]
+            rkg, rvg = plan.k_ranks[g], plan.v_ranks[g]
+            first = 0 if window is None else max(0, p - window + 1)
+            scores, values = [], []
+            for t in range(first, p + 1):
+                if is_exact(t):
+                    k, v = k_ex[t, cols].double(), v_ex[t, cols].double()
+                else:
+                    k = rotate64(lat[t, ko:ko + rkg].double() @ k_up[ko:ko + rkg, cols].double(),
+                                 t, rope)
+                    v = lat[t, rk + vo:rk + vo + rvg].double() @ v_up[vo:vo + rvg, cols].double()
+                scores.append(float(q[qi, i].double() @ k) * SCALE)
+                values.append(v)
+            w = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+            out[qi, i] = w @ torch.stack(values)
+    return out
+
+
+def exact_cache_for(num_blocks, kv_width, pad=12):
+    return torch.full((num_blocks, 1, BLOCK, 2 * kv_width * 4 + pad), 0xFF, dtype=torch.uint8)
+
+
+def write_rows(exact_cache, table, k_ex, v_ex, positions):
+    pos = torch.tensor(positions, dtype=torch.long)
+    slots = table[pos // BLOCK].long() * BLOCK + pos % BLOCK
+    tale.write_exact(exact_cache, k_ex[pos], v_ex[pos], slots)
+
+
+def poison_latents(cache, table, positions):
+    for t in positions:
+        cache[int(table[t // BLOCK]), 0, t % BLOCK] = float("nan")
+
+
+def sequence(plan, cache, exact_cache, table, exact_table, n, s, sink, recent):
+    """Random latents and exact K/V for positions ``< n``, written in the form
+    each position must be read in at a step starting at ``s``."""
+    kvw = plan.shape.kv_width
+    lat = torch.randn(n, plan.k_width + plan.v_width)
+    k_ex, v_ex = torch.randn(n, kvw), torch.randn(n, kvw)
+    is_exact = exact_set(s, sink, recent)
+    fill(cache, table, lat)
+    poison_latents(cache, table, [t for t in range(n) if is_exact(t)])
+    write_rows(exact_cache, exact_table, k_ex, v_ex, [t for t in range(n) if is_exact(t)])
+    return lat, k_ex, v_ex, is_exact
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_decode_batch_matches_reference(window):
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    exact_cache = exact_cache_for(40, plan.shape.kv_width)
+    sink, recent = 4, 8
+    lens = [5, 30, 19]
+    perm, exact_perm = torch.randperm(24), torch.randperm(39) + 1
+    tables = torch.zeros(3, 8, dtype=torch.int32)
+    exact_tables = torch.zeros(3, 8, dtype=torch.int32)  # block 0: the (poisoned) null block
+    used = used_exact = 0
+    cases = []
+    for b, n in enumerate(lens):
+        nb = -(-n // BLOCK)
+        tables[b, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+        is_exact = exact_set(n - 1, sink, recent)
+        for blk in range(nb):  # only blocks holding exact positions exist
+            if any(is_exact(t) for t in range(blk * BLOCK, min(n, (blk + 1) * BLOCK))):
+                exact_tables[b, blk] = int(exact_perm[used_exact])
+                used_exact += 1
+        cases.append(sequence(plan, cache, exact_cache, tables[b], exact_tables[b], n, n - 1,
+                              sink, recent))
+    q = torch.randn(3, 8, 16)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, tables, exact_cache, exact_tables,
+                      lens_t, max(lens), sink=sink, recent=recent, kv_width=plan.shape.kv_width,
+                      dtype=torch.float32, window=window, min_seq_len=min(lens))
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens):
+        lat, k_ex, v_ex, is_exact = cases[b]
+        ref = reference(plan, k_up, v_up, rope, q[b:b + 1], lat, k_ex, v_ex, [n - 1], is_exact,
+                        window)
+        assert torch.allclose(out[b].view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-5)
+
+
+def test_tokens_change_form_exactly_once_as_they_age():
+    """One sequence decoded step by step: at every step each position is read
+    in the form the TALE rule gives (the wrong form is NaN), so a position is
+    exact until the step starting at ``t + recent + 1`` and latent from then on."""
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    sink, recent, n_max = 4, 8, 26
+    table = torch.randperm(24)[:7].to(torch.int32)
+    exact_table = torch.randperm(7).to(torch.int32) + 1
+    kvw = plan.shape.kv_width
+    lat = torch.randn(n_max, plan.k_width + plan.v_width)
+    k_ex, v_ex = torch.randn(n_max, kvw), torch.randn(n_max, kvw)
+    became_latent = {}
+    for n in range(1, n_max + 1):
+        is_exact = exact_set(n - 1, sink, recent)
+        cache.fill_(float("nan"))
+        exact_cache = exact_cache_for(8, kvw)
+        fill(cache, table, lat[:n])
+        poison_latents(cache, table, [t for t in range(n) if is_exact(t)])
+        write_rows(exact_cache, exact_table, k_ex, v_ex, [t for t in range(n) if is_exact(t)])
+        q = torch.randn(1, 8, 16)
+        out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, table[None], exact_cache,
+                          exact_table[None], torch.tensor([n]), n, sink=sink, recent=recent,
+                          kv_width=kvw, dtype=torch.float32)
+        ref = reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, [n - 1], is_exact)
+        assert torch.allclose(out.view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-5), n
+        for t in range(n):
+            if not is_exact(t):
+                became_latent.setdefault(t, n)
+            else:
+                assert t not in became_latent, f"position {t} became exact again at length {n}"
+    assert became_latent == {t: t + recent + 2 for t in range(sink, n_max - recent - 1)}
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_prefill_chunk_sees_its_own_tokens_exactly(window, monkeypatch):
+    """A 9-token chunk after 20 cached tokens: its queries see sinks, the last
+    ``recent`` history tokens and the whole chunk exactly, older history as
+    latents (query chunking exercised)."""
+    monkeypatch.setattr(tale, "QUERY_CHUNK", 4)
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    exact_cache = exact_cache_for(12, plan.shape.kv_width)
+    sink, recent, n, s = 4, 8, 29, 20
+    table = torch.tensor([7, 2, 19, 11, 3, 5, 21, 0], dtype=torch.int32)
+    exact_table = torch.tensor([5, 0, 0, 3, 9, 1, 10, 11], dtype=torch.int32)  # 1, 2: freed
+    exact_cache[0] = 0xFF  # null block: NaN bytes
+    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, table, exact_table, n, s,
+                                         sink, recent)
+    q = torch.randn(n - s, 8, 16)
+    out = tale.prefill(plan, k_up, v_up, rope, SCALE, q, cache, table, exact_cache, exact_table,
+                       n, sink=sink, recent=recent, kv_width=plan.shape.kv_width,
+                       dtype=torch.float32, window=window)
+    ref = reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, list(range(s, n)), is_exact,
+                    window)
+    assert torch.allclose(out.view(-1, 8, 16).double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_all_exact_when_recent_covers_the_context():
+    """``recent`` >= the context: no latent is read (all latents NaN) and the
+    result is plain attention over the exact keys and values."""
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    exact_cache = exact_cache_for(8, plan.shape.kv_width)
+    table = torch.tensor([3, 1, 4, 6], dtype=torch.int32)
+    n = 15
+    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, table, table, n, n - 1, 4, 64)
+    assert all(is_exact(t) for t in range(n))
+    q = torch.randn(1, 8, 16)
+    out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, table[None], exact_cache,
+                      table[None], torch.tensor([n]), n, sink=4, recent=64,
+                      kv_width=plan.shape.kv_width, dtype=torch.float32)
+    k = k_ex.view(n, 4, 16).repeat_interleave(2, dim=1).transpose(0, 1).double()
+    v = v_ex.view(n, 4, 16).repeat_interleave(2, dim=1).transpose(0, 1).double()
+    w = torch.softmax((q[0].double()[:, None, :] @ k.transpose(1, 2)) * SCALE, dim=-1)
+    assert torch.allclose(out.view(8, 16).double(), (w @ v)[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_merge_equals_one_softmax():
+    torch.manual_seed(1)
+    s = torch.randn(3, 10, dtype=torch.float64)
+    v = torch.randn(10, 5, dtype=torch.float64)
+    a, b = slice(0, 4), slice(4, 10)
+    parts = [(torch.softmax(s[:, x], -1) @ v[x], torch.logsumexp(s[:, x], -1)) for x in (a, b)]
+    got = tale.merge(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    assert torch.allclose(got, torch.softmax(s, -1) @ v)
+    empty = tale.merge(parts[0][0], torch.full((3,), float("-inf"), dtype=torch.float64),
+                       parts[1][0], parts[1][1])
+    assert torch.allclose(empty, parts[1][0])

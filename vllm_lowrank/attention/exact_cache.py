@@ -1,0 +1,256 @@
+"""Exact cache of the token-adaptive mode: sink and recent tokens at full precision.
+
+TALE (``../shared/papers/tale.md``, sec. 2.2) spends precision where attention
+looks most: the first tokens (attention sinks) and the most recent ones stay
+exact, the middle of the context is read from the latent cache, and the tokens
+being computed always see their own exact keys and values (lazy
+approximation). Each latent attention layer in this mode owns one
+:class:`ExactTokenCache`, a second vLLM cache layer whose paged blocks hold
+post-RoPE keys and values, ``[k | v]`` (``2 * num_kv_heads * head_dim``
+elements of the model dtype per token, padded, see below).
+
+Why a vLLM cache group rather than a buffer of our own: vLLM then allocates,
+frees, prefix-caches and preempts these blocks like any other, and its capacity
+figure counts them. :class:`ExactTokensSpec` is vLLM's ``SlidingWindowSpec``
+(window ``recent + 1``: a step starting at position ``s`` keeps
+``s - recent .. s - 1``) plus ``sink`` leading tokens; :class:`ExactTokensManager`
+is vLLM's sliding-window manager that never frees the sink blocks, and finds a
+prefix-cache hit only where the sink blocks are cached too. Per sequence the
+group holds at most ``sink + recent`` tokens plus the tokens in flight and one
+partly filled block: the bounded extra memory TALE pays.
+
+Every latent token is also written to the latent cache when it is computed
+(its only write); as it leaves the recent window attention starts reading that
+latent instead, so a token's cached representation changes form exactly once.
+
+Page sizes: vLLM's hybrid allocator needs one page size for all groups and
+enlarges the block size of groups with smaller pages when the larger page is a
+multiple of theirs (otherwise it pads the smaller page, which would waste the
+latent cache's savings). The exact slot is therefore padded up to a multiple
+of the latent slot (:func:`exact_slot_bytes`): the latent group gets an integer
+multiple of the block size and loses nothing; the padding costs at most one
+latent slot per exact token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactTokensSpec(SlidingWindowSpec):
+    """vLLM cache spec of the exact tokens: a sliding window of
+    ``sliding_window = recent + 1`` tokens plus the first ``sink`` tokens
+    (``sink`` a multiple of ``block_size``; 0 for none).
+
+    The page holds ``block_size`` slots of ``state_content_bytes`` uint8 each.
+    """
+
+    sink: int = 0
+
+    @property
+    def sink_blocks(self) -> int:
+        """Leading blocks never freed."""
+        return cdiv(self.sink, self.block_size)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
+                                         max_model_len: int) -> int:
+        """Sliding-window bound plus the sink blocks."""
+        return super().max_admission_blocks_per_request(
+            max_in_flight_tokens, max_model_len) + self.sink_blocks
+
+    def is_uniform_with_collection(self, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        """Groupable with exact caches of the same window and sinks only."""
+        return all(isinstance(s, ExactTokensSpec) and s.sliding_window == self.sliding_window
+                   and s.sink == self.sink for s in kv_cache_specs.values())
+
+
+def _manager_class():
+    """:class:`ExactTokensManager`, defined on first use (vLLM's manager
+    module is heavy and imported lazily by the plugin entry point)."""
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    class ExactTokensManager(SlidingWindowManager):
+        """vLLM's sliding-window manager that keeps the sink blocks.
+
+        - Blocks leave when the window passes them, except the first
+          ``spec.sink_blocks``.
+        - A prefix-cache hit must also find the sink blocks cached; if it
+          does not, the hit is empty (everything is recomputed: correct, just
+          less reuse). Sink blocks are always marked for caching.
+        """
+
+        def __init__(self, kv_cache_spec: ExactTokensSpec, **kwargs) -> None:
+            super().__init__(kv_cache_spec, **kwargs)
+            self.sink_blocks = kv_cache_spec.sink_blocks
+
+        def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                                  num_prompt_tokens: int | None = None) -> None:
+            skipped = self.get_num_skipped_tokens(processed_computed_tokens)
+            blocks = self.req_to_blocks.get(request_id, [])
+            end = min(skipped // self.block_size, len(blocks))
+            self._remove_blocks_in_range(request_id, self.sink_blocks, end)
+
+        def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                       total_computed_tokens, *args, **kwargs) -> int:
+            """vLLM's count, plus the evictable sink blocks of a prefix hit
+            that the sliding-window count leaves out (they are kept)."""
+            n = super().get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
+                                                   total_computed_tokens, *args, **kwargs)
+            if request_id in self.num_cached_block or not new_computed_blocks:
+                return n
+            return n + self._get_num_evictable_blocks(self._skipped_sinks(
+                new_computed_blocks, total_computed_tokens))
+
+        def add_local_computed_blocks(self, request_id, new_computed_blocks,
+                                      num_local_computed_tokens,
+                                      num_external_computed_tokens) -> None:
+            """vLLM's, then the sink blocks of the hit, which the sliding-window
+            logic replaced by null blocks, are put back (and touched)."""
+            super().add_local_computed_blocks(request_id, new_computed_blocks,
+                                              num_local_computed_tokens,
+                                              num_external_computed_tokens)
+            sinks = self._skipped_sinks(new_computed_blocks,
+                                        num_local_computed_tokens + num_external_computed_tokens)
+            if self.enable_caching:
+                self.block_pool.touch(sinks)
+            blocks = self.req_to_blocks[request_id]
+            for i, block in enumerate(sinks):
+                blocks[i] = block
+
+        def _skipped_sinks(self, new_computed_blocks, computed_tokens: int) -> list:
+            """Hit blocks among the sinks that the window would skip."""
+            skipped = self.get_num_skipped_tokens(computed_tokens) // self.block_size
+            sinks = list(new_computed_blocks[:min(self.sink_blocks, skipped)])
+            assert not any(b.is_null for b in sinks), "a prefix hit without its sink blocks"
+            return sinks
+
+        @classmethod
+        def reachable_block_mask(cls, start_block, end_block, alignment_tokens, kv_cache_spec,
+                                 use_eagle, *args, **kwargs):
+            """vLLM caches only the blocks a window hit can use; the sink
+            blocks are needed by every hit, so they are always cached."""
+            mask = super().reachable_block_mask(start_block, end_block, alignment_tokens,
+                                                kv_cache_spec, use_eagle, *args, **kwargs)
+            if mask is not None:
+                for i in range(start_block, min(end_block, kv_cache_spec.sink_blocks)):
+                    mask[i - start_block] = True
+            return mask
+
+        @classmethod
+        def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids,
+                                   block_pool, kv_cache_spec, drop_eagle_block,
+                                   alignment_tokens, dcp_world_size=1, pcp_world_size=1):
+            computed, hit = super().find_longest_cache_hit(
+                block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
+                drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
+            sinks = min(kv_cache_spec.sink_blocks, len(computed[0]))
+            if not sinks:
+                return computed, hit
+            hashes = resolve_block_hashes(
+                block_hashes, block_pool.hash_block_size, kv_cache_spec.block_size,
+                supports_fine_grained_hash_lookup=cls.supports_fine_grained_hash_lookup,
+                alignment_tokens=alignment_tokens)
+            for i in range(sinks):
+                if not computed[0][i].is_null:
+                    continue
+                cached = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+                if cached is None:
+                    return tuple([] for _ in kv_cache_group_ids), 0
+                for blocks, block in zip(computed, cached):
+                    blocks[i] = block
+            return computed, hit
+
+    return ExactTokensManager
+
+
+_REGISTERED = False
+
+
+def register_spec() -> None:
+    """Register :class:`ExactTokensSpec` with its manager in vLLM's
+    ``KVCacheSpecRegistry`` (idempotent; vLLM's built-in specs are registered
+    first, since the registry fills itself only while empty)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(ExactTokensSpec, _manager_class(),
+                                 uniform_type_base_spec=ExactTokensSpec)
+    _REGISTERED = True
+
+
+def exact_slot_bytes(kv_width: int, dtype: torch.dtype, latent_slot_bytes: int) -> int:
+    """Bytes of one exact slot: ``2 * kv_width`` elements of ``dtype`` rounded
+    up to a multiple of ``latent_slot_bytes`` (see the module docstring)."""
+    raw = 2 * kv_width * torch.empty(0, dtype=dtype).element_size()
+    return cdiv(raw, latent_slot_bytes) * latent_slot_bytes
+
+
+class ExactTokenCache(nn.Module, AttentionLayerBase):
+    """The exact-token cache layer of one latent attention layer.
+
+    Registered in vLLM's static forward context under ``prefix`` (its own
+    cache group, block table and slot mapping); it has no weights and no
+    forward. The latent attention backend writes and reads it.
+
+    Args:
+        kv_width: ``num_kv_heads * head_dim`` of this rank.
+        dtype: Model dtype of the stored keys and values.
+        latent_slot_bytes: Bytes of the owning layer's latent slot.
+        sink: Sink tokens (rounded up to whole blocks by the caller).
+        recent: Recent tokens kept exact.
+        prefix: Layer name (``...self_attn.attn.exact``).
+
+    Attributes:
+        kv_cache: ``[num_blocks, 1, block_size, slot_bytes]`` uint8, bound by vLLM.
+    """
+
+    def __init__(self, kv_width: int, dtype: torch.dtype, latent_slot_bytes: int,
+                 sink: int, recent: int, prefix: str) -> None:
+        super().__init__()
+        self.kv_width = kv_width
+        self.dtype = dtype
+        self.sink = sink
+        self.recent = recent
+        self.slot_bytes = exact_slot_bytes(kv_width, dtype, latent_slot_bytes)
+        self.layer_name = prefix
+        self.kv_cache = torch.tensor([])
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        """:class:`ExactTokensSpec` with window ``recent + 1`` and the sinks."""
+        return ExactTokensSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.kv_width,
+            head_size_v=self.kv_width,
+            dtype=torch.uint8,
+            state_content_bytes=self.slot_bytes,
+            sliding_window=self.recent + 1,
+            sink=self.sink,
+        )
+
+    def get_attn_backend(self):
+        """The latent backend: its metadata builder gives this group's block
+        table and slot mapping."""
+        from vllm_lowrank.attention.backend import LatentAttentionBackend
+
+        return LatentAttentionBackend
+
+    def forward(self):  # pragma: no cover - never called
+        raise RuntimeError("ExactTokenCache is read and written by the latent backend")

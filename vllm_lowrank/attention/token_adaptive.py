@@ -1,0 +1,276 @@
+r"""Token-adaptive attention (TALE): exact sinks and recent tokens, latent middle.
+
+TALE (``../shared/papers/tale.md``, sec. 2.2) keeps the first tokens (attention
+sinks) and the most recent ones exact and reads the rest of the context from the
+low-rank cache; the tokens being computed always use their own exact keys and
+values (lazy approximation). For a step whose first new token is at position
+``s`` (a prefill chunk ``s .. seq_len - 1``, or one decode token
+``s = seq_len - 1``), with ``S`` sink and ``W`` recent tokens::
+
+    exact  E = {t < S}  U  {t >= max(S, s - W)}        from the exact cache
+    latent L = {S <= t < s - W}                        from the latent cache
+
+(a sliding-window layer further drops ``t <= p - window`` for the query at
+``p``). Both parts are attended separately and merged by their log-sum-exp
+(flash-decoding's reduction, Dao et al. 2023)::
+
+    o = (e^{lse_E} o_E + e^{lse_L} o_L) / (e^{lse_E} + e^{lse_L})
+
+which equals one softmax over ``E U L``. The latent part's output lives in the
+value latent space (``[.., sum_i r_v]``); :func:`values_up` lifts it with
+``B_v`` to per-head values before the merge, so in this mode ``o_proj`` is the
+model's own (not folded with ``B_v``).
+
+Shapes: the exact cache is ``[num_blocks, 1, block_size, slot_bytes]`` uint8;
+each slot starts with ``[k | v]`` (``2 * kv_width`` elements of the model
+dtype, post-RoPE keys) followed by padding
+(:mod:`vllm_lowrank.attention.exact_cache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_lowrank.attention import latent_attention as latent
+from vllm_lowrank.factorization.plan import LayerPlan
+
+QUERY_CHUNK = latent.PREFILL_QUERY_CHUNK
+
+
+def write_exact(exact_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Scatter exact ``key``/``value`` ``[T, kv_width]`` (model dtype, keys
+    post-RoPE) into their slots; negative slots (padding) are skipped."""
+    n = slot_mapping.shape[0]
+    rows = torch.cat((key[:n], value[:n]), dim=-1).contiguous().view(torch.uint8)
+    pad = exact_cache.shape[-1] - rows.shape[-1]
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    latent.scatter_rows(exact_cache, rows, slot_mapping)
+
+
+def read_exact(exact_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+               kv_width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at ``positions [B, L]`` (valid entries only; the caller
+    masks the rest, which are read from block 0 of the row).
+
+    Returns:
+        ``(k, v)``, each ``[B, L, kv_width]`` float32.
+    """
+    block_size = exact_cache.shape[2]
+    pos = positions.clamp(0, block_table.shape[1] * block_size - 1)
+    blocks = torch.gather(block_table.long(), 1, pos // block_size)
+    rows = exact_cache[blocks, 0, pos % block_size]  # [B, L, slot_bytes]
+    width = 2 * kv_width * torch.empty(0, dtype=dtype).element_size()
+    kv = rows[..., :width].contiguous().view(dtype).float()
+    return kv[..., :kv_width], kv[..., kv_width:]
+
+
+def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Lift value-latent outputs ``[N, out_width]`` to ``[N, H, d]`` float32:
+    query head ``i`` of head group ``g`` reading KV head ``j`` gets
+    ``o_i B_v[g][:, j]`` (Palu eq. 6 without the fold into ``o_proj``).
+
+    Args:
+        v_up: ``[Rv, kv_width]`` float32 block-diagonal value up-projection.
+    """
+    s = plan.shape
+    d, qpk, gs = s.head_dim, s.queries_per_kv, plan.group_size
+    parts, col = [], 0
+    for g, (v_off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        hg = plan.heads_per_group
+        o = out[:, col:col + hg * r].float().view(-1, gs, qpk, r)  # [N, G, qpk, r]
+        b = v_up[v_off:v_off + r, g * gs * d:(g + 1) * gs * d].view(r, gs, d)
+        parts.append(torch.einsum("ngqr,rgd->ngqd", o, b).reshape(-1, hg, d))
+        col += hg * r
+    return torch.cat(parts, dim=1)
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> torch.Tensor:
+    """One softmax from two disjoint parts: ``out_* [..., H, d]`` and their
+    ``lse_* [..., H]`` (``-inf`` for an empty part, whose output is ignored).
+    At least one part must be non-empty per row."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = (lse_a - top).exp(), (lse_b - top).exp()
+    return (out_a * w_a[..., None] + out_b * w_b[..., None]) / (w_a + w_b)[..., None]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention with log-sum-exp, GQA by broadcasting.
+
+    Args:
+        q: ``[B, Hkv, qpk, Q, dk]``; k: ``[B, Hkv, 1, L, dk]``; v: ``[B, Hkv, 1, L, dv]``.
+        visible: ``[B, 1, 1, Q, L]`` bool.
+
+    Returns:
+        ``(out [B, Hkv, qpk, Q, dv], lse [B, Hkv, qpk, Q])`` float32; rows
+        with nothing visible give zeros and ``-inf``.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    return torch.matmul(probs, v), lse
+
+
+def _exact_positions(seq_lens: torch.Tensor, first_new: torch.Tensor, length: int,
+                     sink: int, recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the exact set per request: ``[B, sink + recent + length]``
+    (sinks, the last ``recent`` history tokens, the new tokens) and a
+    ``[B, ...]`` mask of the real ones (inside the sequence, no position twice)."""
+    dev = seq_lens.device
+    sinks = torch.arange(sink, device=dev).expand(seq_lens.shape[0], -1)
+    tail_start = torch.clamp(first_new - recent, min=sink)  # [B]
+    tail = tail_start[:, None] + torch.arange(recent + length, device=dev)[None, :]
+    pos = torch.cat((sinks, tail), dim=1)
+    real = torch.cat((sinks < seq_lens[:, None], tail < seq_lens[:, None]), dim=1)
+    return pos, real
+
+
+def exact_attention(query: torch.Tensor, exact_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, q_lens: int, sink: int, recent: int,
+                    kv_width: int, dtype: torch.dtype, scale: float,
+                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact part for ``B`` requests with ``q_lens`` new tokens each.
+
+    Args:
+        query: ``[B, Q, H, d]`` post-RoPE queries at positions
+            ``seq_len - Q .. seq_len - 1``.
+        exact_cache: The exact cache (the new tokens already written).
+        block_table: ``[B, max_blocks]`` of the exact cache group.
+        seq_lens: ``[B]`` int (after this step).
+        sink, recent: ``S`` and ``W`` (module docstring).
+
+    Returns:
+        ``(out [B, Q, H, d], lse [B, Q, H])`` float32.
+    """
+    b, q_len, h, d = query.shape
+    hkv = kv_width // d
+    lens = seq_lens.long()
+    first_new = lens - q_len
+    pos, real = _exact_positions(lens, first_new, q_len, sink, recent)
+    k, v = read_exact(exact_cache, block_table, pos, kv_width, dtype)
+    k = torch.where(real[..., None], k, 0.0).view(b, -1, hkv, d).permute(0, 2, 1, 3)[:, :, None]
+    v = torch.where(real[..., None], v, 0.0).view(b, -1, hkv, d).permute(0, 2, 1, 3)[:, :, None]
+    q = query.float().view(b, q_len, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)
+    outs, lses = [], []
+    for start in range(0, q_len, QUERY_CHUNK):
+        stop = min(q_len, start + QUERY_CHUNK)
+        qpos = first_new[:, None] + torch.arange(start, stop, device=lens.device)[None, :]
+        visible = real[:, None, :] & (pos[:, None, :] <= qpos[:, :, None])  # [B, Q, L]
+        if window is not None:
+            visible &= pos[:, None, :] > qpos[:, :, None] - window
+        o, lse = _attend(q[:, :, :, start:stop], k, v, visible[:, None, None], scale)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.cat(outs, dim=3).permute(0, 3, 1, 2, 4).reshape(b, q_len, h, d)
+    lse = torch.cat(lses, dim=3).permute(0, 3, 1, 2).reshape(b, q_len, h)
+    return out, lse
+
+
+def latent_history_attention(plan: LayerPlan, k_up: torch.Tensor, rope, scale: float,
+                             query: torch.Tensor, kv_cache: torch.Tensor,
+                             block_table_row: torch.Tensor, first_new: int, sink: int,
+                             recent: int, layout=None, transform=None,
+                             window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent part of a prefill chunk: history ``sink <= t < first_new -
+    recent``, which every query of the chunk sees (all of it precedes them;
+    a sliding window still drops ``t <= p - window``).
+
+    Args:
+        query: ``[Q, H, d]`` post-RoPE queries at ``first_new ..``.
+
+    Returns:
+        ``(out [Q, out_width], lse [Q, H])`` float32 (zeros / ``-inf`` when
+        the span is empty).
+    """
+    q_len, h, _ = query.shape
+    stop = first_new - recent
+    if stop <= sink:
+        return (query.new_zeros(q_len, plan.out_width, dtype=torch.float32),
+                query.new_full((q_len, h), float("-inf"), dtype=torch.float32))
+    start = sink if window is None else max(sink, first_new - window + 1)
+    lat = latent.gather_latents(kv_cache, block_table_row[None], stop, layout,
+                                start=min(start, stop)).float()
+    pos = torch.arange(min(start, stop), stop, device=query.device)
+    qpos = first_new + torch.arange(q_len, device=query.device)
+    visible = torch.ones(q_len, pos.shape[0], dtype=torch.bool, device=query.device)
+    if window is not None:
+        visible &= pos[None, :] > qpos[:, None] - window
+    rk, hg, gs = plan.k_width, plan.heads_per_group, plan.group_size
+    outs, lses = [], []
+    for g, v_off in enumerate(plan.v_offsets()):
+        r_v = plan.v_ranks[g]
+        keys = latent._group_keys(plan, g, k_up, rope, lat, pos, False, transform)[0]
+        # keys [L, G, d] -> [G, 1, L, d]; queries [Q, Hg, d] -> [G, qpk, Q, d]
+        k = keys.permute(1, 0, 2)[:, None]
+        q = query[:, g * hg:(g + 1) * hg].float().view(q_len, gs, hg // gs, -1).permute(1, 2, 0, 3)
+        v = lat[0, :, rk + v_off:rk + v_off + r_v][None, None]
+        o, lse = _attend(q[None], k[None], v[None].expand(1, gs, 1, -1, -1),
+                         visible[None, None, None], scale)
+        outs.append(o[0].permute(2, 0, 1, 3).reshape(q_len, hg * r_v))
+        lses.append(lse[0].permute(2, 0, 1).reshape(q_len, hg))
+    return torch.cat(outs, dim=-1), torch.cat(lses, dim=-1)
+
+
+def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale: float,
+           query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+           exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
+           seq_lens: torch.Tensor, max_seq_len: int, *, sink: int, recent: int,
+           kv_width: int, dtype: torch.dtype, layout=None, transform=None,
+           window: int | None = None, latent_decode=None, min_seq_len: int = 0) -> torch.Tensor:
+    """One new token per request: latent span ``sink <= t < seq_len - 1 -
+    recent`` plus the exact set, merged.
+
+    Args:
+        query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
+        kv_cache, block_table: The latent cache and the requests' rows of its
+            block table; exact_cache, exact_block_table: the same for the
+            exact cache (this token already written to both).
+        seq_lens: ``[B]`` (this token included); max_seq_len, min_seq_len:
+            their max / min as host ints.
+        latent_decode: The latent-span kernel (``None``: the torch path
+            :func:`~vllm_lowrank.attention.latent_attention.decode_attention`;
+            on CUDA the backend passes the Triton kernel, same contract).
+
+    Returns:
+        ``[B, H * d]`` float32.
+    """
+    args = (plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens, max_seq_len)
+    span = dict(layout=layout, transform=transform, window=window, sink=sink,
+                recent=recent + 1, return_lse=True)
+    if latent_decode is None:
+        lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
+    else:
+        lat, lat_lse = latent_decode(*args, mode="pre_rope", **span)
+    ex, ex_lse = exact_attention(query[:, None], exact_cache, exact_block_table, seq_lens, 1,
+                                 sink, recent, kv_width, dtype, scale, window)
+    out = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
+    return out.reshape(query.shape[0], -1)
+
+
+def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale: float,
+            query: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor,
+            exact_cache: torch.Tensor, exact_block_table_row: torch.Tensor, seq_len: int, *,
+            sink: int, recent: int, kv_width: int, dtype: torch.dtype, layout=None,
+            transform=None, window: int | None = None) -> torch.Tensor:
+    """A chunk of ``Q`` new tokens of one request (positions ``seq_len - Q ..``):
+    latent history plus the exact set (its own tokens included), merged.
+
+    Args:
+        query: ``[Q, H, d]`` post-RoPE.
+        block_table_row, exact_block_table_row: ``[max_blocks]`` each.
+
+    Returns:
+        ``[Q, H * d]`` float32.
+    """
+    q_len = query.shape[0]
+    lat, lat_lse = latent_history_attention(plan, k_up, rope, scale, query, kv_cache,
+                                            block_table_row, seq_len - q_len, sink, recent,
+                                            layout, transform, window)
+    lens = torch.tensor([seq_len], device=query.device)
+    ex, ex_lse = exact_attention(query[None], exact_cache, exact_block_table_row[None], lens,
+                                 q_len, sink, recent, kv_width, dtype, scale, window)
+    return merge(values_up(plan, v_up, lat), lat_lse, ex[0], ex_lse[0]).reshape(q_len, -1)
