@@ -13,6 +13,7 @@ import torch
 
 from test_latent_attention import BLOCK, fill, rotate64, setup_case
 from vllm_lowrank.attention import token_adaptive as tale
+from vllm_lowrank.attention.rope import RopeTable
 
 SCALE = 0.3
 
@@ -85,16 +86,12 @@ def sequence(plan, cache, exact_cache, table, exact_table, n, s, sink, recent):
     return lat, k_ex, v_ex, is_exact
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_decode_batch_matches_reference(window):
-    plan, k_up, rope, cache = setup_case()
-    v_up = make_v_up(plan)
-    exact_cache = exact_cache_for(40, plan.shape.kv_width)
-    sink, recent = 4, 8
-    lens = [5, 30, 19]
+def decode_batch(plan, cache, exact_cache, lens, sink, recent):
+    """Three sequences on disjoint, shuffled blocks; exact blocks only where
+    exact positions are (the rest of the exact table is the NaN null block 0)."""
     perm, exact_perm = torch.randperm(24), torch.randperm(39) + 1
-    tables = torch.zeros(3, 8, dtype=torch.int32)
-    exact_tables = torch.zeros(3, 8, dtype=torch.int32)  # block 0: the (poisoned) null block
+    tables = torch.zeros(len(lens), 8, dtype=torch.int32)
+    exact_tables = torch.zeros(len(lens), 8, dtype=torch.int32)
     used = used_exact = 0
     cases = []
     for b, n in enumerate(lens):
@@ -102,12 +99,22 @@ def test_decode_batch_matches_reference(window):
         tables[b, :nb] = perm[used:used + nb].to(torch.int32)
         used += nb
         is_exact = exact_set(n - 1, sink, recent)
-        for blk in range(nb):  # only blocks holding exact positions exist
+        for blk in range(nb):
             if any(is_exact(t) for t in range(blk * BLOCK, min(n, (blk + 1) * BLOCK))):
                 exact_tables[b, blk] = int(exact_perm[used_exact])
                 used_exact += 1
         cases.append(sequence(plan, cache, exact_cache, tables[b], exact_tables[b], n, n - 1,
                               sink, recent))
+    return tables, exact_tables, cases
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_decode_batch_matches_reference(window):
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    exact_cache = exact_cache_for(40, plan.shape.kv_width)
+    sink, recent, lens = 4, 8, [5, 30, 19]
+    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, lens, sink, recent)
     q = torch.randn(3, 8, 16)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, tables, exact_cache, exact_tables,
@@ -210,3 +217,29 @@ def test_merge_equals_one_softmax():
     empty = tale.merge(parts[0][0], torch.full((3,), float("-inf"), dtype=torch.float64),
                        parts[1][0], parts[1][1])
     assert torch.allclose(empty, parts[1][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused decode kernel on CUDA")
+def test_decode_with_the_fused_kernel_matches_reference():
+    """On CUDA the backend passes the Triton kernel as the latent part
+    (latent span + log-sum-exp); same result as the float64 loop."""
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    exact_cache = exact_cache_for(40, plan.shape.kv_width)
+    sink, recent, lens = 4, 8, [5, 30, 19]
+    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, lens, sink, recent)
+    q = torch.randn(3, 8, 16)
+    cuda, cpu_rope = torch.device("cuda"), rope
+    rope = RopeTable(rope.cos.to(cuda), rope.sin.to(cuda), rope.rotary_dim, rope.neox)
+    out = tale.decode(plan, k_up.to(cuda), v_up.to(cuda), rope, SCALE, q.to(cuda),
+                      cache.to(cuda), tables.to(cuda), exact_cache.to(cuda), exact_tables.to(cuda),
+                      torch.tensor(lens, dtype=torch.int32, device=cuda), max(lens), sink=sink,
+                      recent=recent, kv_width=plan.shape.kv_width, dtype=torch.float32,
+                      latent_decode=latent_decode_attention)
+    for b, n in enumerate(lens):
+        lat, k_ex, v_ex, is_exact = cases[b]
+        ref = reference(plan, k_up, v_up, cpu_rope, q[b:b + 1], lat, k_ex, v_ex, [n - 1], is_exact)
+        # the kernel's float32 dots run on tensor cores (TF32, ~1e-3 relative)
+        assert torch.allclose(out[b].cpu().view(8, 16).double(), ref[0], rtol=1e-2, atol=1e-2)
