@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 
 def main() -> None:
@@ -39,7 +40,9 @@ def main() -> None:
     p.add_argument("--texts", nargs="+", default=["wikipedia", "bbc"])
     p.add_argument("--step", type=int, default=32, help="tokens per request per step")
     p.add_argument("--passkey-cases", type=int, default=20)
-    p.add_argument("--json", default=None)
+    p.add_argument("--skip-plain", action="store_true",
+                   help="only the equal-bytes plain setting, not the one at the same ratio")
+    p.add_argument("--json", default=None, help="write (and resume from) every number")
     args = p.parse_args()
 
     from vllm_lowrank.cli import resolve_model
@@ -61,13 +64,22 @@ def main() -> None:
                           "sink_tokens": sink, "recent_tokens": recent}, r + overhead))
     passkey = ({"num_cases": args.passkey_cases, "context_tokens": args.context - 16}
                if args.passkey_cases else None)
+    if args.skip_plain:
+        settings = [s for s in settings if not s[0].startswith("latent ") or "equal" in s[0]]
     rows, results = [], {}
+    if args.json and os.path.exists(args.json):  # resume: settings measured before
+        with open(args.json) as f:
+            results = json.load(f)
     for name, compression, nominal in settings:
         spec = {"model": model, "compression": compression, "texts": args.texts,
                 "num_windows": args.windows, "window": args.context, "passkey": passkey,
                 "block_size": block, "step_tokens": args.step}
-        r = run_setting(spec)
-        results[name] = r
+        if name not in results:
+            results[name] = run_setting(spec)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+        r = results[name]
         stored = r.get("stored_fraction")
         if stored is not None and compression and compression.get("token_adaptive"):
             stored += overhead
@@ -87,9 +99,6 @@ def main() -> None:
         pk = r.get("passkey")
         pk_cell = f"{pk['accuracy']:.2f} ({round(pk['accuracy'] * pk['cases'])}/{pk['cases']})" if pk else "-"
         print(f"| {name} | {stored:.3f} ({1 / stored:.2f}x) | {' | '.join(cells)} | {pk_cell} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("step_tokens"):
         # generate-style: every request advances at most step_tokens per step
         step = spec["step_tokens"]
+        side_by_side = max(spec["num_windows"], (spec.get("passkey") or {}).get("num_cases", 1))
         kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=step,
-                      max_num_batched_tokens=max(step * spec["num_windows"], 16))
+                      max_num_batched_tokens=max(step * side_by_side, 16))
     if spec.get("compression") is not None:
         kwargs["additional_config"] = {"kv_compression": spec["compression"]}
     t0 = time.time()
@@ -115,8 +116,8 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
             the windows advance side by side), so each predicted token sees
             the cache as a generating request would, not its whole window
             in one prefill (what the token-adaptive mode's exact recent
-            tokens need to be measured fairly). Passkey prompts are then
-            prefilled in chunks of ``step_tokens * num_windows``.
+            tokens need to be measured fairly). Passkey prompts advance the
+            same way.
 
     Raises:
         RuntimeError: the subprocess failed (the tail of its output, vLLM's

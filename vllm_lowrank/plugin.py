@@ -16,9 +16,11 @@ BACKEND_PATH = "vllm_lowrank.attention.backend.LatentAttentionBackend"
 
 
 def register() -> None:
-    """Install the CLI patches, the latent attention backend, the model
-    classes of every supported architecture and the ``vllm_lowrank_*``
-    Prometheus metrics (idempotent)."""
+    """Install the CLI patches, the latent attention backend, the exact-token
+    cache spec of the token-adaptive mode (in vLLM's ``KVCacheSpecRegistry``:
+    the scheduler process looks its manager up there), the model classes of
+    every supported architecture and the ``vllm_lowrank_*`` Prometheus metrics
+    (idempotent)."""
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
