@@ -12,7 +12,9 @@ Bytes per token (relative to the 16-bit K+V of the same token): the latent
 slot, plus for TALE ``(sink + recent) / context`` full slots (the exact
 tokens of one sequence of ``context`` tokens, sinks and window rounded up to
 whole blocks). The plain setting at "equal bytes" gets the ratio that makes
-its latent slot that large.
+its latent slot that large. "vLLM KV tokens" is vLLM's own capacity figure
+(``max_concurrency x max_model_len``): in TALE mode it also reserves exact slots
+for a whole prefill chunk per request (README, token-adaptive mode).
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python -P benchmarks/token_adaptive.py
 
@@ -42,6 +44,8 @@ def main() -> None:
     p.add_argument("--passkey-cases", type=int, default=20)
     p.add_argument("--skip-plain", action="store_true",
                    help="only the equal-bytes plain setting, not the one at the same ratio")
+    p.add_argument("--only", default=None,
+                   help="only the settings whose name contains this (and the baseline)")
     p.add_argument("--json", default=None, help="write (and resume from) every number")
     args = p.parse_args()
 
@@ -64,6 +68,8 @@ def main() -> None:
                           "sink_tokens": sink, "recent_tokens": recent}, r + overhead))
     passkey = ({"num_cases": args.passkey_cases, "context_tokens": args.context - 16}
                if args.passkey_cases else None)
+    if args.only:
+        settings = [s for s in settings if s[0] == "uncompressed" or args.only in s[0]]
     if args.skip_plain:
         settings = [s for s in settings if not s[0].startswith("latent ") or "equal" in s[0]]
     rows, results = [], {}
@@ -89,8 +95,8 @@ def main() -> None:
     print(f"\n{args.model}, {args.windows} x {args.context} held-out tokens per text, "
           f"{args.step} tokens per request per step, block size {block}\n")
     head = " | ".join(f"{t} ppl" for t in args.texts)
-    print(f"| setting | bytes / token (vs 16-bit K+V) | {head} | passkey |")
-    print("|---|---|" + "---|" * len(args.texts) + "---|")
+    print(f"| setting | bytes / token (vs 16-bit K+V) | vLLM KV tokens | {head} | passkey |")
+    print("|---|---|---|" + "---|" * len(args.texts) + "---|")
     for name, stored, r in rows:
         cells = []
         for t in args.texts:
@@ -98,7 +104,8 @@ def main() -> None:
             cells.append(f"{ppl:.3f}" + ("" if r is base else f" ({100 * (ppl / ref - 1):+.1f} %)"))
         pk = r.get("passkey")
         pk_cell = f"{pk['accuracy']:.2f} ({round(pk['accuracy'] * pk['cases'])}/{pk['cases']})" if pk else "-"
-        print(f"| {name} | {stored:.3f} ({1 / stored:.2f}x) | {' | '.join(cells)} | {pk_cell} |")
+        print(f"| {name} | {stored:.3f} ({1 / stored:.2f}x) | {r['kv_tokens']:,} | "
+              f"{' | '.join(cells)} | {pk_cell} |")
 
 
 if __name__ == "__main__":
