@@ -82,9 +82,11 @@ def main() -> None:
                 "block_size": block, "step_tokens": args.step}
         if name not in results:
             results[name] = run_setting(spec)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
+        elif passkey and "passkey" not in results[name]:  # resume: add the passkey row
+            results[name]["passkey"] = run_setting({**spec, "texts": []})["passkey"]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         r = results[name]
         stored = r.get("stored_fraction")
         if stored is not None and compression and compression.get("token_adaptive"):

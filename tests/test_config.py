@@ -43,6 +43,10 @@ def test_ratio_bounds_accepted():
     ({"token_adaptive": True, "recent_tokens": 0}, "recent_tokens=0 must be >= 1"),
     ({"token_adaptive": True, "method": "post_rope", "group_size": 1,
       "rank_allocation": "energy"}, "token_adaptive is not supported with method"),
+    ({"k_quant": "block"}, "k_quant='block' is not supported"),
+    ({"k_quant": "channel", "k_bits": 4}, "needs k_bits < 16 and token_adaptive"),
+    ({"k_quant": "channel", "token_adaptive": True}, "needs k_bits < 16 and token_adaptive"),
+    ({"k_channel_tokens": 0}, "k_channel_tokens=0 must be >= 1"),
 ])
 def test_bad_values_name_the_problem(raw, fragment):
     with pytest.raises(LowRankConfigError, match=fragment):
@@ -86,3 +90,13 @@ def test_string_shorthand_in_additional_config():
     assert config_from_additional({"kv_compression": "lowrank"}).enabled
     with pytest.raises(LowRankConfigError):
         config_from_additional({"kv_compression": "zip"})
+
+
+def test_channel_group_must_divide_the_block():
+    from vllm_lowrank.models.compression import exact_tokens
+
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 4, "token_adaptive": True,
+                                   "k_quant": "channel", "k_channel_tokens": 48})
+    with pytest.raises(LowRankConfigError, match="k_channel_tokens=48 must divide the KV block"):
+        exact_tokens(cfg, 32)
+    assert exact_tokens(cfg, 96) == (96, 192)

@@ -7,7 +7,10 @@ sink blocks kept while the window slides over a 600-token prompt prefilled in
 128-token chunks, a prefix-cache hit that needs the sink and window blocks
 cached, a branch off that prefix, and preemption with recompute. At ratio 0.5
 with ``recent_tokens`` covering the whole context no latent is ever read, and
-the tokens again equal the uncompressed engine's.
+the tokens again equal the uncompressed engine's. With 4-bit latents and
+per-channel key groups (written when a group completes, from latents staged in
+the exact cache), a prefix-cache hit and preemption must give the tokens of a
+cold, undisturbed run of the same compressed engine.
 """
 
 from __future__ import annotations
@@ -29,18 +32,21 @@ PROMPTS = [
 CHUNK = 128
 FULL_RANK_SMALL_WINDOW = {"mode": "lowrank", "ratio": 1.0, "token_adaptive": True,
                           "sink_tokens": 4, "recent_tokens": 32}
+CHANNEL_KEYS = {"mode": "lowrank", "ratio": 0.5, "k_bits": 4, "v_bits": 4,
+                "token_adaptive": True, "sink_tokens": 4, "recent_tokens": 32,
+                "k_quant": "channel", "k_channel_tokens": 32}
 
 
-def _run(model_path, compression, **kwargs):
+def _run(model_path, compression, prefix_caching=True, **kwargs):
     """(tokens, gaps) of the short prompts, a 600-token prompt, its repeat (a
     prefix-cache hit) and a branch off its first 450 tokens; prefix hits."""
     from vllm.inputs import TokensPrompt
 
     from vllm_lowrank.evaluation import eval_windows
 
-    llm = make_llm(model_path, compression, enable_prefix_caching=True,
-                   enable_chunked_prefill=True, max_num_batched_tokens=CHUNK,
-                   disable_log_stats=False, **kwargs)
+    llm = make_llm(model_path, compression, **{
+        "enable_prefix_caching": prefix_caching, "enable_chunked_prefill": True,
+        "max_num_batched_tokens": CHUNK, "disable_log_stats": False, **kwargs})
     long_ids = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 600)[0]
     prompts = PROMPTS + [TokensPrompt(prompt_token_ids=long_ids)]
     first = greedy_with_gaps(llm, prompts)
@@ -69,14 +75,92 @@ def test_half_ratio_window_covering_the_context_equals_uncompressed(model_path, 
     assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
 
 
+def test_channel_keys_prefix_hits_equal_a_cold_run(model_path):
+    """The repeat reads per-channel key groups written by the first request
+    (whole blocks only are shared) and gives the tokens of an engine without
+    prefix caching. Which tokens are read exactly depends on where a step
+    starts (lazy approximation), so both engines advance every request 32
+    tokens per step: chunk boundaries fall on multiples of 32 whether or not a
+    prefix hit skipped the first blocks. Block size 32: the latent group's
+    blocks are exact slot / latent slot (about 17) times larger, vLLM's hybrid
+    allocator matching the exact group's page size, so the 600-token prompt
+    fills one latent block."""
+    steps = dict(block_size=32, long_prefill_token_threshold=32, max_num_batched_tokens=256)
+    hit = _run(model_path, CHANNEL_KEYS, **steps)
+    cold = _run(model_path, CHANNEL_KEYS, prefix_caching=False, **steps)
+    assert hit["hits"] > 0
+    assert_same_until_tie(hit["tokens"], cold["tokens"], cold["gaps"], at_least=100)
+
+
+def _preempt_three(llm, preempted):
+    """Make the scheduler preempt three decoding requests, one at a time
+    (after 8, 16, 24 output tokens), recording ``(prompt token ids, outputs
+    so far)``."""
+    import time
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+
+    def preempting_schedule(*args, **kwargs):
+        decoding = [r for r in scheduler.running if r.num_output_tokens >= 8 + 8 * len(preempted)]
+        if decoding and len(preempted) < 3:
+            scheduler.running.remove(decoding[0])
+            preempted.append((list(decoding[0].prompt_token_ids),
+                              decoding[0].num_output_tokens))
+            scheduler._preempt_request(decoding[0], time.monotonic())
+        return schedule(*args, **kwargs)
+
+    scheduler.schedule = preempting_schedule
+    return lambda: setattr(scheduler, "schedule", schedule)
+
+
+def test_channel_keys_preempted_request_resumes_like_a_new_one(model_path, monkeypatch):
+    """A preempted request is recomputed from its prompt and the tokens it had
+    generated, which rewrites its per-channel key groups. Its continuation
+    must equal that of a new request whose prompt is those tokens (at ratio
+    0.5 the earlier tokens differ from an undisturbed run's, because a
+    recomputed chunk reads more tokens exactly than one-token decode steps
+    did). Every request advances at most 32 tokens per step, so chunk
+    boundaries (and with them the exact/latent split) agree in both. 8-bit
+    keys: rounding to a code is discontinuous, and the float noise of
+    different batch compositions could flip a 4-bit code by a step that moves
+    scores more than a near tie."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm_lowrank.evaluation import eval_windows
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in-process
+    keys8 = {**CHANNEL_KEYS, "k_bits": 8, "v_bits": 16}
+    llm = make_llm(model_path, keys8, block_size=32, max_model_len=512,
+                   enable_prefix_caching=False, long_prefill_token_threshold=32,
+                   max_num_batched_tokens=256,
+                   async_scheduling=False)  # no token in flight at preemption
+    prompts = eval_windows(llm.get_tokenizer(), "bbc", 4, 200)
+    preempted = []
+    restore = _preempt_three(llm, preempted)
+    got, _ = greedy_with_gaps(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts],
+                              max_tokens=48)
+    restore()
+    assert len(preempted) == 3
+    rows = [prompts.index(prompt) for prompt, _ in preempted]
+    # submitted together: vLLM lifts the per-request step limit for a lone request
+    new = [TokensPrompt(prompt_token_ids=prompts[i] + got[i][:done])
+           for i, (_, done) in zip(rows, preempted)]
+    toks, g = greedy_with_gaps(llm, new, max_tokens=48 - min(d for _, d in preempted))
+    resumed = [got[i][done:] for i, (_, done) in zip(rows, preempted)]
+    expected = [t[:48 - done] for t, (_, done) in zip(toks, preempted)]
+    gaps = [x[:48 - done] for x, (_, done) in zip(g, preempted)]
+    del llm
+    gc.collect()
+    assert_same_until_tie(resumed, expected, gaps, at_least=40)
+
+
 def test_preempted_requests_resume_with_the_same_tokens(model_path, monkeypatch):
     """Requests preempted in the middle of decoding (by the scheduler's own
     preemption routine, called between steps: with the exact group vLLM
     admits conservatively and a small pool does not make it preempt) free
     both groups' blocks and are recomputed; their greedy tokens equal those
     of an undisturbed run."""
-    import time
-
     from vllm.inputs import TokensPrompt
 
     from vllm_lowrank.evaluation import eval_windows
@@ -87,18 +171,8 @@ def test_preempted_requests_resume_with_the_same_tokens(model_path, monkeypatch)
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in eval_windows(llm.get_tokenizer(), "bbc", 4, 200)]
     expected, gaps = greedy_with_gaps(llm, prompts, max_tokens=48)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    schedule, preempted = scheduler.schedule, []
-
-    def preempting_schedule(*args, **kwargs):
-        decoding = [r for r in scheduler.running if r.num_output_tokens >= 8 + 8 * len(preempted)]
-        if decoding and len(preempted) < 3:
-            scheduler.running.remove(decoding[0])
-            scheduler._preempt_request(decoding[0], time.monotonic())
-            preempted.append(decoding[0].request_id)
-        return schedule(*args, **kwargs)
-
-    scheduler.schedule = preempting_schedule
+    preempted = []
+    _preempt_three(llm, preempted)
     got, _ = greedy_with_gaps(llm, prompts, max_tokens=48)
     del llm
     gc.collect()

@@ -32,6 +32,7 @@ MODES = ("none", "lowrank")
 METHODS = ("svd", "whitened", "eigen", "kq", "post_rope", "fisher")
 RANK_ALLOCATIONS = ("uniform", "energy", "fisher")
 STORAGE_BITS = (16, 8, 4, 3, 2)
+K_QUANT_AXES = ("token", "channel")
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
@@ -79,7 +80,7 @@ class LowRankConfig:
             pair per head group per token. Must be a multiple of 8; ranks are
             then allocated in multiples of it.
         hadamard: Fold a randomised Walsh-Hadamard rotation into the factors of
-            quantized sides (Palu eq. 8); no run-time cost.
+            quantized sides (Palu eq. 8; not per-channel keys); no run-time cost.
         token_adaptive: TALE mode (sec. 2.2): the first ``sink_tokens`` and
             the last ``recent_tokens`` tokens of every sequence are cached
             exactly as well, and attention reads them exactly; only the
@@ -89,6 +90,13 @@ class LowRankConfig:
             KV blocks: the block is stored anyway); 0 for none.
         recent_tokens: Most recent tokens kept exact (rounded up to whole KV
             blocks), at least 1.
+        k_quant: ``"token"`` (per-token scale/zero, Palu) or ``"channel"``
+            (per-channel scale/zero over groups of ``k_channel_tokens`` tokens,
+            KIVI sec. 3.2). ``"channel"`` needs quantized keys and
+            ``token_adaptive``: a group is quantized once it is complete, from
+            latents staged in the exact cache while its tokens are recent.
+        k_channel_tokens: Tokens per per-channel key group; must divide the KV
+            block size.
     """
 
     mode: str = "none"
@@ -106,6 +114,8 @@ class LowRankConfig:
     token_adaptive: bool = False
     sink_tokens: int = 4
     recent_tokens: int = 128
+    k_quant: str = "token"
+    k_channel_tokens: int = 32
 
     @property
     def quantized(self) -> bool:
@@ -162,7 +172,8 @@ class LowRankConfig:
             if key in kwargs and not isinstance(kwargs[key], bool):
                 raise LowRankConfigError(f"{key} must be true or false, got {kwargs[key]!r}")
         for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
-                    "quant_group_size", "sink_tokens", "recent_tokens"):
+                    "quant_group_size", "sink_tokens", "recent_tokens",
+                    "k_channel_tokens"):
             if kwargs.get(key) is not None:
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs)
@@ -228,6 +239,17 @@ class LowRankConfig:
                 "token_adaptive is not supported with method=\"post_rope\" (its queries "
                 "are projected into the latent basis); use another method or set "
                 "token_adaptive to false")
+        _choice("k_quant", self.k_quant, K_QUANT_AXES)
+        if self.k_channel_tokens < 1:
+            raise LowRankConfigError(
+                f"k_channel_tokens={self.k_channel_tokens} must be >= 1 (tokens per "
+                "per-channel key group, a divisor of the KV block size; e.g. 32)")
+        if self.k_quant == "channel" and (self.k_bits == 16 or not self.token_adaptive):
+            raise LowRankConfigError(
+                "k_quant=\"channel\" quantizes keys per channel over groups of tokens "
+                "and needs k_bits < 16 and token_adaptive true (a group is quantized "
+                "once complete, from latents staged with the exact recent tokens); "
+                f"got k_bits={self.k_bits}, token_adaptive={self.token_adaptive}")
         if self.calibration_tokens < 512:
             raise LowRankConfigError(
                 f"calibration_tokens={self.calibration_tokens} is too small; use "

@@ -89,6 +89,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         if states:  # latent bytes per token / original, all layers of this worker
             result["stored_fraction"] = (states[0]["stored_bytes_per_token"]
                                          / states[0]["original_bytes_per_token"])
+            result["layers"] = states[0]["layers"]  # ranks and widths as built
     for text in spec["texts"]:
         windows = eval_windows(tok, text, spec["num_windows"], spec["window"])
         t1 = time.time()

@@ -59,7 +59,10 @@ CONFIG_HELP = (
     f"calibration_tokens (default {_D.calibration_tokens}); k_bits, v_bits "
     "(16, 8, 4, 3, 2), quant_group_size, hadamard; token_adaptive (exact sink "
     f"and recent tokens, TALE; default {str(_D.token_adaptive).lower()}), "
-    f"sink_tokens (default {_D.sink_tokens}), recent_tokens (default {_D.recent_tokens})."
+    f"sink_tokens (default {_D.sink_tokens}), recent_tokens (default {_D.recent_tokens}); "
+    f"k_quant (token | channel: keys per channel over k_channel_tokens-token groups, "
+    f"KIVI; needs token_adaptive; default {_D.k_quant}), k_channel_tokens "
+    f"(default {_D.k_channel_tokens})."
 )
 
 

@@ -15,6 +15,14 @@ kernels):
   byte ``k // (8/bits)``); for 3 bits, 8 codes fill 3 bytes. Row widths are
   multiples of 8 (ranks are), so rows end on a byte boundary.
 
+- Per-channel keys (KIVI, Liu et al. 2024, sec. 3.2; ``k_channel_tokens``):
+  the key latents of ``G`` consecutive tokens (an aligned run of positions
+  inside one KV block) share one ``scale``/``zero`` per channel, computed
+  over those ``G`` tokens (:func:`quantize_channels`). The ``4 * Rk`` bytes of
+  a group's parameters are spread over its ``G`` slots (each slot carries a
+  share of ``ceil(4 * Rk / G)`` bytes), so vLLM's per-token page layout holds
+  them without a separate per-block buffer.
+
 All functions take and return torch tensors; ``pack``/``unpack`` are exact
 inverses on codes in range.
 """
@@ -50,12 +58,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     c = codes.to(torch.int32)
     lead = c.shape[:-1]
     # 8 codes -> `bits` bytes: build a 8*bits-bit integer per octet of codes.
-    octets = c.reshape(*lead, -1, 8)
+    octets = c.reshape(*lead, c.shape[-1] // 8, 8)  # explicit: lead may hold a 0
     shifts = torch.arange(8, device=c.device, dtype=torch.int64) * bits
     word = (octets.to(torch.int64) << shifts).sum(-1)  # [..., n_oct] < 2^(8*bits)
     byte_shifts = torch.arange(bits, device=c.device, dtype=torch.int64) * 8
     out = (word[..., None] >> byte_shifts) & 0xFF  # [..., n_oct, bits]
-    return out.reshape(*lead, -1).to(torch.uint8)
+    return out.reshape(*lead, codes.shape[-1] * bits // 8).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
@@ -65,7 +73,7 @@ def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     if packed.shape[-1] != nbytes:
         raise ValueError(f"expected {nbytes} packed bytes, got {packed.shape[-1]}")
     lead = packed.shape[:-1]
-    b = packed.to(torch.int64).reshape(*lead, -1, bits)
+    b = packed.to(torch.int64).reshape(*lead, nbytes // bits, bits)
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     word = (b << byte_shifts).sum(-1)  # [..., n_oct]
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
@@ -88,7 +96,7 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     if x.shape[-1] % group:
         raise ValueError(f"width {x.shape[-1]} is not a multiple of group {group}")
     levels = (1 << bits) - 1
-    g = x.float().reshape(*x.shape[:-1], -1, group)
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
     lo = g.amin(-1)
     hi = g.amax(-1)
     scale = ((hi - lo) / levels).to(torch.float16)
@@ -99,6 +107,24 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     codes = torch.where(s > 0, torch.round((g - z) / safe), torch.zeros_like(g))
     codes = codes.clamp(0, levels).to(torch.int32).reshape(x.shape)
     return codes, scale, zero
+
+
+def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-channel asymmetric quantization over a group of tokens (KIVI's key
+    quantization, Liu et al. 2024, sec. 3.2).
+
+    Args:
+        x: ``[..., G, width]`` float latents of ``G`` tokens.
+        bits: Code width.
+
+    Returns:
+        ``(codes [..., G, width] int32, scale [..., width] float16,
+        zero [..., width] float16)``: ``scale = (max - min) / (2^bits - 1)``
+        and ``zero = min`` over the ``G`` tokens of each channel.
+    """
+    t = x.float().transpose(-1, -2)  # [..., width, G]: a channel is a "group"
+    codes, scale, zero = quantize(t, bits, t.shape[-1])
+    return codes.transpose(-1, -2), scale[..., 0], zero[..., 0]
 
 
 def hadamard_rotation(width: int, seed: int = 0) -> torch.Tensor:
@@ -125,7 +151,7 @@ def hadamard_rotation(width: int, seed: int = 0) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                group: int) -> torch.Tensor:
     """``codes * scale + zero`` per channel group, float32 ``[..., width]``."""
-    c = codes.float().reshape(*codes.shape[:-1], -1, group)
+    c = codes.float().reshape(*codes.shape[:-1], codes.shape[-1] // group, group)
     out = c * scale.float()[..., None] + zero.float()[..., None]
     return out.reshape(codes.shape)
 
@@ -135,7 +161,7 @@ class SlotLayout:
 
     A slot (one vLLM head slot, ``slot_bytes`` uint8) holds, in order::
 
-        [ K codes | V codes | K scales | K zeros | V scales | V zeros ]
+        [ K codes | V codes | K scales | K zeros | V scales | V zeros | K share ]
 
     - K codes: for each head group ``g`` in order, its ``k_ranks[g]`` codes
       packed at ``k_bits`` (:func:`pack`); V codes likewise at ``v_bits``.
@@ -144,6 +170,13 @@ class SlotLayout:
       ``q = k_group or r`` (``None``: one pair per head group per token, Palu's
       per-token quantization). Groups of all head groups are concatenated in
       head-group order.
+    - With per-channel keys (``k_channel_tokens = G``) the K scales and zeros
+      are not per token: the ``G`` slots of an aligned group of positions
+      together hold ``[K scales (Rk) | K zeros (Rk)]`` float16, slot ``i`` of
+      the group bytes ``[i * share, (i + 1) * share)`` in its "K share"
+      region (``share = ceil(4 * Rk / G)``). They are written once the group is
+      complete (:meth:`encode_key_groups`); :meth:`encode` leaves the K codes
+      and share of a token zero.
 
     Args:
         k_ranks, v_ranks: Latent width per head group.
@@ -151,20 +184,27 @@ class SlotLayout:
             float16 values without scale/zero).
         k_group, v_group: Channels per scale/zero pair (``None`` = whole head
             group); must divide every rank of its side.
+        k_channel_tokens: ``G``: quantize keys per channel over aligned
+            groups of ``G`` tokens instead of per token (``None``: per token).
 
     Raises:
-        ValueError: unsupported bits or a group that does not divide a rank.
+        ValueError: unsupported bits, a group that does not divide a rank, or
+            per-channel keys stored at 16 bits.
     """
 
     def __init__(self, k_ranks, v_ranks, k_bits: int, v_bits: int,
-                 k_group: int | None = None, v_group: int | None = None) -> None:
+                 k_group: int | None = None, v_group: int | None = None,
+                 k_channel_tokens: int | None = None) -> None:
         self.k_ranks, self.v_ranks = tuple(k_ranks), tuple(v_ranks)
         self.k_bits, self.v_bits = k_bits, v_bits
+        if k_channel_tokens is not None and (k_bits == RAW_BITS or k_channel_tokens < 1):
+            raise ValueError("per-channel keys need k_bits < 16 and k_channel_tokens >= 1")
+        self.k_channel_tokens = k_channel_tokens
         self.k_groups = self._groups(self.k_ranks, k_group)
         self.v_groups = self._groups(self.v_ranks, v_group)
         self.k_codes_bytes = sum(packed_bytes(r, k_bits) for r in self.k_ranks)
         self.v_codes_bytes = sum(packed_bytes(r, v_bits) for r in self.v_ranks)
-        self.k_params = 0 if k_bits == RAW_BITS else sum(
+        self.k_params = 0 if k_bits == RAW_BITS or k_channel_tokens else sum(
             r // q for r, q in zip(self.k_ranks, self.k_groups))
         self.v_params = 0 if v_bits == RAW_BITS else sum(
             r // q for r, q in zip(self.v_ranks, self.v_groups))
@@ -174,7 +214,15 @@ class SlotLayout:
         self.k_zero_offset = self.k_scale_offset + 2 * self.k_params
         self.v_scale_offset = self.k_zero_offset + 2 * self.k_params
         self.v_zero_offset = self.v_scale_offset + 2 * self.v_params
-        self.slot_bytes = self.v_zero_offset + 2 * self.v_params
+        self.k_share_offset = self.v_zero_offset + 2 * self.v_params
+        rk = sum(self.k_ranks)
+        self.k_share_bytes = -(-4 * rk // k_channel_tokens) if k_channel_tokens else 0
+        self.slot_bytes = self.k_share_offset + self.k_share_bytes
+
+    @property
+    def k_per_channel(self) -> bool:
+        """True when keys are quantized per channel over token groups."""
+        return self.k_channel_tokens is not None
 
     @staticmethod
     def _groups(ranks, group):
@@ -200,15 +248,47 @@ class SlotLayout:
         return (torch.cat(codes, -1), torch.cat(params_s, -1), torch.cat(params_z, -1))
 
     def encode(self, k_latent: torch.Tensor, v_latent: torch.Tensor) -> torch.Tensor:
-        """Quantize and pack ``[T, Rk]``, ``[T, Rv]`` latents into ``[T, slot_bytes]`` uint8."""
-        kc, ks, kz = self._side(k_latent, self.k_ranks, self.k_groups, self.k_bits)
+        """Quantize and pack ``[T, Rk]``, ``[T, Rv]`` latents into ``[T, slot_bytes]``
+        uint8 (per-channel keys: K codes and share left zero, see
+        :meth:`encode_key_groups`)."""
         vc, vs, vz = self._side(v_latent, self.v_ranks, self.v_groups, self.v_bits)
+        if self.k_per_channel:
+            kc = vc.new_zeros(*vc.shape[:-1], self.k_codes_bytes)
+            ks = kz = vs.new_zeros(*vs.shape[:-1], 0)
+        else:
+            kc, ks, kz = self._side(k_latent, self.k_ranks, self.k_groups, self.k_bits)
         as_bytes = [t.contiguous().view(torch.uint8) for t in (ks, kz, vs, vz)]
-        return torch.cat([kc, vc, *as_bytes], dim=-1)
+        share = vc.new_zeros(*vc.shape[:-1], self.k_share_bytes)
+        return torch.cat([kc, vc, *as_bytes, share], dim=-1)
+
+    def encode_key_groups(self, k_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel keys of complete token groups.
+
+        Args:
+            k_latent: ``[N, G, Rk]`` key latents of ``N`` groups of ``G =
+                k_channel_tokens`` consecutive positions.
+
+        Returns:
+            ``(codes [N, G, k_codes_bytes], share [N, G, k_share_bytes])``
+            uint8: the bytes of the K codes region and of the K share region of
+            each of the group's slots.
+        """
+        n, g, rk = k_latent.shape
+        codes, scale, zero = quantize_channels(k_latent, self.k_bits)
+        packed = pack(codes, self.k_bits)  # head groups are consecutive channels
+        params = torch.cat((scale, zero), dim=-1).contiguous().view(torch.uint8)  # [N, 4 Rk]
+        params = torch.nn.functional.pad(params, (0, g * self.k_share_bytes - 4 * rk))
+        return packed, params.view(n, g, self.k_share_bytes)
 
     def decode(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of :meth:`encode` up to quantization: ``[..., slot_bytes]``
-        uint8 -> (``[..., Rk]``, ``[..., Rv]``) float32."""
+        """Inverse of :meth:`encode` (and :meth:`encode_key_groups`) up to
+        quantization: ``[..., slot_bytes]`` uint8 -> (``[..., Rk]``, ``[..., Rv]``)
+        float32. With per-channel keys ``slots`` is ``[..., L, slot_bytes]``
+        with ``L`` a multiple of ``G`` starting at a group boundary."""
+        if slots.numel() == 0:  # e.g. a decode batch with no latent span
+            lead = slots.shape[:-1]
+            return (slots.new_zeros(*lead, sum(self.k_ranks), dtype=torch.float32),
+                    slots.new_zeros(*lead, sum(self.v_ranks), dtype=torch.float32))
         def side(codes_off, ranks, groups, bits, s_off, z_off, n_params):
             if bits == RAW_BITS:
                 nb = 2 * sum(ranks)
@@ -225,8 +305,24 @@ class SlotLayout:
                 p += r // q
             return torch.cat(parts, -1)
 
-        k = side(0, self.k_ranks, self.k_groups, self.k_bits, self.k_scale_offset,
-                 self.k_zero_offset, self.k_params)
+        if self.k_per_channel:
+            k = self._decode_key_groups(slots)
+        else:
+            k = side(0, self.k_ranks, self.k_groups, self.k_bits, self.k_scale_offset,
+                     self.k_zero_offset, self.k_params)
         v = side(self.v_codes_offset, self.v_ranks, self.v_groups, self.v_bits,
                  self.v_scale_offset, self.v_zero_offset, self.v_params)
         return k, v
+
+    def _decode_key_groups(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per-channel keys of ``slots [..., L, slot_bytes]`` (whole groups)."""
+        g, rk = self.k_channel_tokens, sum(self.k_ranks)
+        lead, length = slots.shape[:-2], slots.shape[-2]
+        if length % g:
+            raise ValueError(f"{length} slots are not whole groups of {g} tokens")
+        groups = slots.reshape(*lead, length // g, g, -1)
+        share = groups[..., self.k_share_offset:].reshape(*lead, length // g, -1)
+        params = share[..., :4 * rk].contiguous().view(torch.float16).float()
+        scale, zero = params[..., None, :rk], params[..., None, rk:]  # [..., n, 1, Rk]
+        codes = unpack(groups[..., :self.k_codes_bytes], self.k_bits, rk)
+        return (codes.float() * scale + zero).reshape(*lead, length, rk)

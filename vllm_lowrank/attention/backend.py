@@ -160,10 +160,13 @@ def _gpu_supports(layout) -> bool:
     sides, for full-attention and sliding-window layers, with plain keys
     ``c_k B_k`` or with a key bias / QK-norm (Qwen2/Qwen3/Gemma-3; applied in
     the kernel before RoPE, ``transform=``). A side kept as raw float16 inside a
-    packed slot takes the torch path (which runs on CUDA tensors too)."""
+    packed slot, and per-channel keys, take the torch path (which runs on CUDA
+    tensors too)."""
     from vllm_lowrank.quantization import RAW_BITS
 
-    return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
+    if layout is None:
+        return True
+    return RAW_BITS not in (layout.k_bits, layout.v_bits) and not layout.k_per_channel
 
 
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
@@ -213,7 +216,12 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         key, value = key.flatten(1), value.flatten(1)
         ops.write_latents(kv_cache, key[:, :rk], value[:, :rv], slot_mapping, layer.layout)
         _, exact, exact_cache, exact_slots = get_attention_context(layer.exact.layer_name)
-        tale.write_exact(exact_cache, key[:, rk:], value[:, rv:], exact_slots)
+        per_channel = layer.layout is not None and layer.layout.k_per_channel
+        tale.write_exact(exact_cache, key[:, rk:], value[:, rv:], exact_slots,
+                         staged=key[:, :rk] if per_channel else None)
+        if per_channel:  # key groups completed by this step's tokens
+            tale.write_key_groups(kv_cache, exact_cache, slot_mapping, exact_slots,
+                                  layer.layout, exact.kv_width, exact.dtype)
 
     def forward(
         self,

@@ -19,9 +19,15 @@ prefix-cache hit only where the sink blocks are cached too. Per sequence the
 group holds at most ``sink + recent`` tokens plus the tokens in flight and one
 partly filled block: the bounded extra memory TALE pays.
 
-Every latent token is also written to the latent cache when it is computed
-(its only write); as it leaves the recent window attention starts reading that
-latent instead, so a token's cached representation changes form exactly once.
+Every latent token is also written to the latent cache when it is computed;
+as it leaves the recent window attention starts reading that latent instead,
+so a token's cached representation changes form exactly once. With
+per-channel key quantization (``k_quant: "channel"``) an exact slot also stages
+the token's key latent ``c_k`` (``[k | v | c_k]``): a group of ``G`` tokens
+is quantized per channel, and its key codes written to the latent cache, in
+the step that completes it (:func:`vllm_lowrank.attention.token_adaptive.write_key_groups`).
+Its tokens are then still in the window (``G <= block <= recent``), so
+attention never reads a key latent of an incomplete group.
 
 Page sizes: vLLM's hybrid allocator needs one page size for all groups and
 enlarges the block size of groups with smaller pages when the larger page is a
@@ -191,10 +197,12 @@ def register_spec() -> None:
     _REGISTERED = True
 
 
-def exact_slot_bytes(kv_width: int, dtype: torch.dtype, latent_slot_bytes: int) -> int:
-    """Bytes of one exact slot: ``2 * kv_width`` elements of ``dtype`` rounded
-    up to a multiple of ``latent_slot_bytes`` (see the module docstring)."""
-    raw = 2 * kv_width * torch.empty(0, dtype=dtype).element_size()
+def exact_slot_bytes(kv_width: int, dtype: torch.dtype, latent_slot_bytes: int,
+                     staged_width: int = 0) -> int:
+    """Bytes of one exact slot: ``2 * kv_width + staged_width`` elements of
+    ``dtype`` rounded up to a multiple of ``latent_slot_bytes`` (see the module
+    docstring)."""
+    raw = (2 * kv_width + staged_width) * torch.empty(0, dtype=dtype).element_size()
     return cdiv(raw, latent_slot_bytes) * latent_slot_bytes
 
 
@@ -212,19 +220,22 @@ class ExactTokenCache(nn.Module, AttentionLayerBase):
         sink: Sink tokens (rounded up to whole blocks by the caller).
         recent: Recent tokens kept exact.
         prefix: Layer name (``...self_attn.attn.exact``).
+        staged_width: Key latent width staged per token for per-channel key
+            quantization (``Rk``), or 0.
 
     Attributes:
         kv_cache: ``[num_blocks, 1, block_size, slot_bytes]`` uint8, bound by vLLM.
     """
 
     def __init__(self, kv_width: int, dtype: torch.dtype, latent_slot_bytes: int,
-                 sink: int, recent: int, prefix: str) -> None:
+                 sink: int, recent: int, prefix: str, staged_width: int = 0) -> None:
         super().__init__()
         self.kv_width = kv_width
         self.dtype = dtype
         self.sink = sink
         self.recent = recent
-        self.slot_bytes = exact_slot_bytes(kv_width, dtype, latent_slot_bytes)
+        self.staged_width = staged_width
+        self.slot_bytes = exact_slot_bytes(kv_width, dtype, latent_slot_bytes, staged_width)
         self.layer_name = prefix
         self.kv_cache = torch.tensor([])
         context = get_current_vllm_config().compilation_config.static_forward_context

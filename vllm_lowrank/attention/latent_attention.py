@@ -152,13 +152,17 @@ def gather_latents(
         when dequantized).
     """
     block_size = kv_cache.shape[2]
-    pos = torch.arange(start, length, device=kv_cache.device)
+    # per-channel keys decode whole token groups (their scales are spread over
+    # the group's slots); a group never spans two blocks
+    g = layout.k_channel_tokens if layout is not None and layout.k_per_channel else 1
+    lo, hi = start - start % g, max(-(-length // g) * g, start)
+    pos = torch.arange(lo, hi, device=kv_cache.device)
     blocks = block_table[:, pos // block_size].long()  # [B, L]
     rows = kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
     if layout is None:
         return rows
     k, v = layout.decode(rows)
-    return torch.cat((k, v), dim=-1)
+    return torch.cat((k, v), dim=-1)[:, start - lo:length - lo]
 
 
 def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,

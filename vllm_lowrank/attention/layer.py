@@ -111,8 +111,10 @@ class LatentAttention(Attention):
             latent_bytes = (layout.slot_bytes if layout is not None else
                             (plan.k_width + plan.v_width) * dtype.itemsize)
             # a plain attribute: vLLM finds the cache layer by its name
+            staged = plan.k_width if layout is not None and layout.k_per_channel else 0
             self.__dict__["exact"] = ExactTokenCache(
-                shape.kv_width, dtype, latent_bytes, *exact_tokens, prefix=f"{prefix}.exact")
+                shape.kv_width, dtype, latent_bytes, *exact_tokens, prefix=f"{prefix}.exact",
+                staged_width=staged)
 
     @property
     def out_width(self) -> int:

@@ -23,7 +23,8 @@ model's own (not folded with ``B_v``).
 
 Shapes: the exact cache is ``[num_blocks, 1, block_size, slot_bytes]`` uint8;
 each slot starts with ``[k | v]`` (``2 * kv_width`` elements of the model
-dtype, post-RoPE keys) followed by padding
+dtype, post-RoPE keys), then, with per-channel key quantization, the staged key
+latent ``c_k`` (``Rk`` elements), then padding
 (:mod:`vllm_lowrank.attention.exact_cache`).
 """
 
@@ -38,15 +39,64 @@ QUERY_CHUNK = latent.PREFILL_QUERY_CHUNK
 
 
 def write_exact(exact_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+                slot_mapping: torch.Tensor, staged: torch.Tensor | None = None) -> None:
     """Scatter exact ``key``/``value`` ``[T, kv_width]`` (model dtype, keys
-    post-RoPE) into their slots; negative slots (padding) are skipped."""
+    post-RoPE) into their slots; negative slots (padding) are skipped.
+
+    Args:
+        staged: ``[T, Rk]`` key latents staged behind them (model dtype; for
+            per-channel key quantization, :func:`write_key_groups`), or ``None``.
+    """
     n = slot_mapping.shape[0]
-    rows = torch.cat((key[:n], value[:n]), dim=-1).contiguous().view(torch.uint8)
+    parts = (key[:n], value[:n]) + (() if staged is None else (staged[:n],))
+    rows = torch.cat(parts, dim=-1).contiguous().view(torch.uint8)
     pad = exact_cache.shape[-1] - rows.shape[-1]
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
     latent.scatter_rows(exact_cache, rows, slot_mapping)
+
+
+def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout,
+                     kv_width: int, dtype: torch.dtype) -> None:
+    """Quantize per channel every key group completed in this step and write
+    its codes and scales into the latent cache (KIVI's per-channel keys over
+    groups of ``G = layout.k_channel_tokens`` tokens).
+
+    A group is complete when its last position ``p`` (``p % G == G - 1``) is
+    written; its ``G`` key latents are read back from the exact cache, where
+    :func:`write_exact` staged them (all ``G`` tokens are still in the exact
+    window, ``G <= recent``). ``G`` divides both groups' block sizes, so the
+    group's slots are the ``G`` consecutive slots ending at ``p``'s in either
+    cache. Run after this step's tokens were written to both caches.
+
+    Args:
+        kv_cache: Latent cache ``[num_blocks, 1, block_size, slot_bytes]`` uint8.
+        exact_cache: Exact cache (slots ``[k | v | c_k]``).
+        slot_mapping, exact_slots: ``[T]`` int64 slots of this step's tokens in
+            the latent and the exact cache (negative: padding).
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` with per-channel keys.
+        kv_width, dtype: Width and dtype of the exact keys/values.
+    """
+    g = layout.k_channel_tokens
+    n = min(slot_mapping.shape[0], exact_slots.shape[0])
+    lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
+    last = (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
+    if not bool(last.any()):
+        return
+    back = torch.arange(g - 1, -1, -1, device=lat.device)
+    lat_slots = lat[last][:, None] - back  # [N, G]
+    ex_slots = ex[last][:, None] - back
+    eb, lb = exact_cache.shape[2], kv_cache.shape[2]
+    rows = exact_cache[ex_slots // eb, 0, ex_slots % eb]  # [N, G, exact slot bytes]
+    size = torch.empty(0, dtype=dtype).element_size()
+    start = 2 * kv_width * size
+    rk = sum(layout.k_ranks)
+    c_k = rows[..., start:start + rk * size].contiguous().view(dtype).float()
+    codes, share = layout.encode_key_groups(c_k)
+    blocks, offsets = lat_slots // lb, lat_slots % lb
+    kv_cache[blocks, 0, offsets, :layout.k_codes_bytes] = codes
+    kv_cache[blocks, 0, offsets, layout.k_share_offset:] = share
 
 
 def read_exact(exact_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,

@@ -92,7 +92,9 @@ class ModelCompression:
         from vllm_lowrank.quantization import SlotLayout
 
         p, q = self.plans[layer], self.cfg.quant_group_size
-        return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q)
+        channel = self.cfg.k_channel_tokens if self.cfg.k_quant == "channel" else None
+        return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q,
+                          k_channel_tokens=channel)
 
     def bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
         """(original, stored) KV bytes per token over this worker's layers, for
@@ -113,7 +115,8 @@ class ModelCompression:
 
         Returns:
             ``enabled``, ``configured_ratio``, ``method``, ``artifact``,
-            ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...]}}``),
+            ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...],
+            "kv_width": int}}``),
             ``original_bytes_per_token``, ``stored_bytes_per_token`` and
             ``compression_ratio`` (original / stored), over this worker's layers.
         """
@@ -123,7 +126,8 @@ class ModelCompression:
             "configured_ratio": self.cfg.ratio,
             "method": self.artifact.manifest["method"] if self.artifact else "svd",
             "artifact": self.artifact_path or "none",
-            "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks)}
+            "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks),
+                           "kv_width": p.shape.kv_width}
                        for i, p in self.plans.items()},
             "original_bytes_per_token": original,
             "stored_bytes_per_token": stored,
@@ -284,9 +288,18 @@ def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
     Token-adaptive layers own a second (exact) KV cache group, so vLLM's
     hybrid allocator needs one page size across layers: the plans then get
     one latent width per layer, as for hybrid models
-    (:func:`mixes_attention_kinds`)."""
+    (:func:`mixes_attention_kinds`).
+
+    Raises:
+        LowRankConfigError: per-channel key groups that do not divide the block.
+    """
     if not cfg.token_adaptive:
         return None
+    if cfg.k_quant == "channel" and block_size % cfg.k_channel_tokens:
+        raise LowRankConfigError(
+            f"k_channel_tokens={cfg.k_channel_tokens} must divide the KV block size "
+            f"{block_size} (a per-channel key group lies inside one block); use a "
+            f"divisor of {block_size} or change --block-size")
     return (-(-cfg.sink_tokens // block_size) * block_size,
             -(-cfg.recent_tokens // block_size) * block_size)
 

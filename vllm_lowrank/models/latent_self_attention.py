@@ -217,7 +217,10 @@ class LatentSelfAttention(nn.Module):
             )
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
         if self.layout is not None and self.hadamard_seed is not None:
-            sides = ("k" if self.layout.k_bits < 16 else "") + ("v" if self.layout.v_bits < 16 else "")
+            # per-channel keys keep their channels: a rotation would spread an
+            # outlier channel's range over every channel (KIVI sec. 3.2)
+            k_rotated = self.layout.k_bits < 16 and not self.layout.k_per_channel
+            sides = ("k" if k_rotated else "") + ("v" if self.layout.v_bits < 16 else "")
             f = fold.rotate_latents(plan, f, sides, self.hadamard_seed)
         param = self.qkv_proj.weight
         if self.post_rope:  # keys stay full until RoPE; their projection P_j = B_k^T

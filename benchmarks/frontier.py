@@ -1,0 +1,198 @@
+"""The accuracy frontier: perplexity increase vs achieved compression ratio.
+
+Every setting is served by vLLM with this plugin and measured with the
+generate-style protocol of ``benchmarks/token_adaptive.py`` (held-out windows
+of ``--context`` tokens advancing ``--step`` tokens per request per engine
+step, side by side, so each predicted token sees the cache as a generating
+request would). One engine per setting, in a fresh subprocess.
+
+The quantization-only peers are configurations of the same cache at full rank
+(``ratio 1.0``: identity bases, the cached latents are the model's own pre-RoPE
+keys and values; no calibration): int8 per token (groups of 64 channels), and
+KIVI-style int4 / int2 (keys per channel over 32-token groups, values per token
+in groups of 64, the last 128 tokens exact: KIVI's full-precision residual,
+Liu et al. 2024, sec. 3.3). KIVI quantizes post-RoPE keys; these peers quantize
+pre-RoPE keys (KVQuant's finding: pre-RoPE per-channel is the better of the
+two). An fp8 peer is not offered by the cache (see ``../shared/notes/baselines.md``:
+fp8 e4m3 costs +0.7 % at 2x, int8 +0.0 %).
+
+Compression ratio = 16-bit K+V bytes per token / bytes vLLM allocates per
+token in a 16-bit deployment: the latent slot of every layer (codes, scales and
+zeros, per-channel key scales included) plus, with exact tokens, ``(sink +
+recent) / context`` exact slots (keys, values, the staged key latent of
+per-channel keys, padding to a multiple of the latent slot), from the ranks the
+workers actually built (:func:`allocated_bytes`).
+
+    VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python -P benchmarks/frontier.py --json frontier.json
+
+Prints a markdown table; ``--json`` writes (and resumes from) every number,
+``--plot`` draws the frontier (PNG, matplotlib: ``pip install 'vllm-lowrank[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+KIVI = {"ratio": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
+        "sink_tokens": 0, "recent_tokens": 128, "k_quant": "channel", "k_channel_tokens": 32}
+TALE = {"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128, "k_quant": "channel",
+        "k_channel_tokens": 32}
+
+SETTINGS: dict[str, tuple[str, dict | None]] = {
+    # name: (kind, compression)
+    "uncompressed": ("peer", None),
+    "int8 per token (g64)": ("peer", {"ratio": 1.0, "k_bits": 8, "v_bits": 8,
+                                      "quant_group_size": 64, "hadamard": False}),
+    "KIVI-style int4 (+128 recent)": ("peer", {**KIVI, "k_bits": 4, "v_bits": 4}),
+    "KIVI-style int2 (+128 recent)": ("peer", {**KIVI, "k_bits": 2, "v_bits": 2}),
+    "latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.75, "k_bits": 4, "v_bits": 4}),
+    "latent 0.5, K4 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.5, "k_bits": 4, "v_bits": 4}),
+    "latent 0.5, K2 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.5, "k_bits": 2, "v_bits": 4}),
+    "latent 0.5, K4 per channel, V2, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.5, "k_bits": 4, "v_bits": 2}),
+    "latent 0.375, K4 per channel, V2, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.375, "k_bits": 4, "v_bits": 2}),
+}
+
+
+def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) -> tuple[int, float]:
+    """(16-bit K+V bytes, allocated bytes) per token over all layers.
+
+    Args:
+        layers: ``{layer: {"k_ranks", "v_ranks", "kv_width"}}`` as the workers
+            built them (evaluation result ``layers``); ``None`` entries for an
+            uncompressed run are not allowed.
+        cfg: The ``kv_compression`` settings.
+        context: Tokens per sequence (amortises the exact tokens).
+        block: KV block size (sinks and window round up to whole blocks).
+    """
+    import torch
+
+    from vllm_lowrank.attention.exact_cache import exact_slot_bytes
+    from vllm_lowrank.quantization import SlotLayout
+
+    k_bits, v_bits = cfg.get("k_bits", 16), cfg.get("v_bits", 16)
+    q = cfg.get("quant_group_size")
+    channel = cfg.get("k_channel_tokens", 32) if cfg.get("k_quant") == "channel" else None
+    original, allocated = 0, 0.0
+    for layer in layers.values():
+        kvw, rk, rv = layer["kv_width"], sum(layer["k_ranks"]), sum(layer["v_ranks"])
+        original += 2 * kvw * 2
+        if k_bits < 16 or v_bits < 16:
+            slot = SlotLayout(layer["k_ranks"], layer["v_ranks"], k_bits, v_bits, q, q,
+                              k_channel_tokens=channel).slot_bytes
+        else:
+            slot = 2 * (rk + rv)
+        allocated += slot
+        if cfg.get("token_adaptive"):
+            exact = (math.ceil(cfg.get("sink_tokens", 4) / block) * block
+                     + math.ceil(cfg.get("recent_tokens", 128) / block) * block)
+            staged = rk if channel else 0
+            allocated += exact / context * exact_slot_bytes(kvw, torch.float16, slot, staged)
+    return original, allocated
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Perplexity increase (mean over texts, %) vs compression ratio, PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for kind, marker, color in (("peer", "s", "tab:gray"), ("ours", "o", "tab:blue")):
+        pts = [r for r in rows if r["kind"] == kind and r["ratio"] > 1]
+        ax.scatter([r["ratio"] for r in pts], [r["delta"] for r in pts], marker=marker,
+                   color=color, label="quantization only" if kind == "peer" else "vllm-lowrank")
+        for r in pts:
+            ax.annotate(r["name"].split(",")[0].replace(" (+128 recent)", ""),
+                        (r["ratio"], r["delta"]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+    ax.axhline(2, color="tab:green", lw=0.8, ls="--")
+    ax.axhline(5, color="tab:orange", lw=0.8, ls="--")
+    ax.set_xlabel("compression ratio (16-bit K+V bytes / allocated bytes per token)")
+    ax.set_ylabel("perplexity increase, mean of texts (%)")
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="KV block size (vLLM's CPU attention needs a multiple of 32)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--windows", type=int, default=1, help="windows per text")
+    p.add_argument("--texts", nargs="+", default=["wikipedia", "bbc"])
+    p.add_argument("--step", type=int, default=32, help="tokens per request per step")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="only the settings whose name contains one of these (and the baseline)")
+    p.add_argument("--json", default=None, help="write (and resume from) every number")
+    p.add_argument("--plot", default=None, help="write the frontier plot (PNG) here")
+    args = p.parse_args()
+
+    from vllm_lowrank.cli import resolve_model
+    from vllm_lowrank.evaluation import run_setting
+
+    model = resolve_model(args.model)
+    names = [n for n in SETTINGS if n == "uncompressed" or args.only is None
+             or any(o in n for o in args.only)]
+    results = {}
+    if args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            results = json.load(f)
+    for name in names:
+        if name in results:
+            continue
+        kind, cfg = SETTINGS[name]
+        spec = {"model": model, "compression": None if cfg is None else {"mode": "lowrank", **cfg},
+                "texts": args.texts, "num_windows": args.windows, "window": args.context,
+                "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
+        results[name] = run_setting(spec)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        print(f"done: {name}", flush=True)
+    base = results["uncompressed"]
+    rows = []
+    for name in names:
+        kind, cfg = SETTINGS[name]
+        r = results[name]
+        if cfg is None:
+            ratio = 1.0
+        else:
+            original, allocated = allocated_bytes(r["layers"], cfg, args.context,
+                                                  args.block_size)
+            ratio = original / allocated
+        deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]
+        rows.append({"name": name, "kind": kind, "ratio": ratio, "r": r, "deltas": deltas,
+                     "delta": sum(deltas) / len(deltas)})
+    title = (f"{args.model}, {args.windows} x {args.context} held-out tokens per text, "
+             f"{args.step}-token steps, block size {args.block_size}")
+    print(f"\n{title}\n")
+    head = " | ".join(f"{t} ppl" for t in args.texts)
+    print(f"| setting | kind | compression ratio | vLLM KV tokens | {head} | mean change |")
+    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|")
+    for row in sorted(rows, key=lambda x: x["ratio"]):
+        r = row["r"]
+        cells = [f"{r[t]['ppl']:.3f}" + ("" if r is base else f" ({d:+.1f} %)")
+                 for t, d in zip(args.texts, row["deltas"])]
+        mean = "" if r is base else f"{row['delta']:+.1f} %"
+        print(f"| {row['name']} | {row['kind']} | {row['ratio']:.2f}x | {r['kv_tokens']:,} | "
+              f"{' | '.join(cells)} | {mean} |")
+    if args.plot:
+        plot(rows, args.plot, title)
+        print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
