@@ -58,6 +58,10 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
         "ours", {**TALE, "ratio": 0.5, "k_bits": 4, "v_bits": 2}),
     "latent 0.375, K4 per channel, V2, sink 32 + recent 128": (
         "ours", {**TALE, "ratio": 0.375, "k_bits": 4, "v_bits": 2}),
+    "latent 0.5, K2 per channel, V2, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.5, "k_bits": 2, "v_bits": 2}),
+    "latent 0.25, K4 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "ratio": 0.25, "k_bits": 4, "v_bits": 4}),
 }
 
 
@@ -66,8 +70,9 @@ def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) ->
 
     Args:
         layers: ``{layer: {"k_ranks", "v_ranks", "kv_width"}}`` as the workers
-            built them (evaluation result ``layers``); ``None`` entries for an
-            uncompressed run are not allowed.
+            built them (evaluation result ``layers``). Slots are padded to one
+            size as the plugin pads them
+            (:func:`vllm_lowrank.quantization.page_padding`).
         cfg: The ``kv_compression`` settings.
         context: Tokens per sequence (amortises the exact tokens).
         block: KV block size (sinks and window round up to whole blocks).
@@ -75,20 +80,22 @@ def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) ->
     import torch
 
     from vllm_lowrank.attention.exact_cache import exact_slot_bytes
-    from vllm_lowrank.quantization import SlotLayout
+    from vllm_lowrank.quantization import SlotLayout, page_padding
 
     k_bits, v_bits = cfg.get("k_bits", 16), cfg.get("v_bits", 16)
     q = cfg.get("quant_group_size")
     channel = cfg.get("k_channel_tokens", 32) if cfg.get("k_quant") == "channel" else None
+    quantized = k_bits < 16 or v_bits < 16
+    natural = [SlotLayout(la["k_ranks"], la["v_ranks"], k_bits, v_bits, q, q,
+                          k_channel_tokens=channel).slot_bytes if quantized else 0
+               for la in layers.values()]
+    pad = page_padding([sum(la["k_ranks"]) + sum(la["v_ranks"]) for la in layers.values()],
+                       natural) or 0
     original, allocated = 0, 0.0
-    for layer in layers.values():
+    for layer, size in zip(layers.values(), natural):
         kvw, rk, rv = layer["kv_width"], sum(layer["k_ranks"]), sum(layer["v_ranks"])
         original += 2 * kvw * 2
-        if k_bits < 16 or v_bits < 16:
-            slot = SlotLayout(layer["k_ranks"], layer["v_ranks"], k_bits, v_bits, q, q,
-                              k_channel_tokens=channel).slot_bytes
-        else:
-            slot = 2 * (rk + rv)
+        slot = max(size, pad) if quantized else 2 * (rk + rv)
         allocated += slot
         if cfg.get("token_adaptive"):
             exact = (math.ceil(cfg.get("sink_tokens", 4) / block) * block
@@ -96,6 +103,15 @@ def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) ->
             staged = rk if channel else 0
             allocated += exact / context * exact_slot_bytes(kvw, torch.float16, slot, staged)
     return original, allocated
+
+
+def _label(name: str) -> str:
+    """Short plot label: ``int8``, ``KIVI-4``, ``r0.5 K4c/V4``."""
+    kind, cfg = SETTINGS[name]
+    if kind == "peer":
+        return name.split(" (")[0].replace("-style int", "-").replace(" per token", "")
+    k = f"K{cfg['k_bits']}" + ("c" if cfg.get("k_quant") == "channel" else "")
+    return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -111,9 +127,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.scatter([r["ratio"] for r in pts], [r["delta"] for r in pts], marker=marker,
                    color=color, label="quantization only" if kind == "peer" else "vllm-lowrank")
         for r in pts:
-            ax.annotate(r["name"].split(",")[0].replace(" (+128 recent)", ""),
-                        (r["ratio"], r["delta"]), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points")
+            ax.annotate(_label(r["name"]), (r["ratio"], r["delta"]), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
     ax.axhline(2, color="tab:green", lw=0.8, ls="--")
     ax.axhline(5, color="tab:orange", lw=0.8, ls="--")
     ax.set_xlabel("compression ratio (16-bit K+V bytes / allocated bytes per token)")
@@ -180,14 +195,15 @@ def main() -> None:
              f"{args.step}-token steps, block size {args.block_size}")
     print(f"\n{title}\n")
     head = " | ".join(f"{t} ppl" for t in args.texts)
-    print(f"| setting | kind | compression ratio | vLLM KV tokens | {head} | mean change |")
+    print(f"| setting | kind | bytes / token (of 16-bit K+V) | compression ratio | {head} "
+          "| mean change |")
     print("|---|---|---|---|" + "---|" * len(args.texts) + "---|")
     for row in sorted(rows, key=lambda x: x["ratio"]):
         r = row["r"]
         cells = [f"{r[t]['ppl']:.3f}" + ("" if r is base else f" ({d:+.1f} %)")
                  for t, d in zip(args.texts, row["deltas"])]
         mean = "" if r is base else f"{row['delta']:+.1f} %"
-        print(f"| {row['name']} | {row['kind']} | {row['ratio']:.2f}x | {r['kv_tokens']:,} | "
+        print(f"| {row['name']} | {row['kind']} | {1 / row['ratio']:.3f} | {row['ratio']:.2f}x | "
               f"{' | '.join(cells)} | {mean} |")
     if args.plot:
         plot(rows, args.plot, title)

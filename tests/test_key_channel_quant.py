@@ -65,11 +65,39 @@ def test_per_channel_beats_per_token_on_outlier_channels():
     assert err_channel < 0.5 * err_token  # measured: about 4x lower
 
 
-def make_layer():
+def make_layer(pad=0):
     shape = AttentionShape(hidden_size=32, num_heads=8, num_kv_heads=4, head_dim=16)
     plan = LayerPlan(shape, 2, k_ranks=(8, 16), v_ranks=(16, 8))
     layout = SlotLayout(plan.k_ranks, plan.v_ranks, 4, 4, k_channel_tokens=G)
+    if pad:  # as ModelCompression pads layers to one page size
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, 4, 4, k_channel_tokens=G,
+                            pad_to=layout.slot_bytes + pad)
     return plan, layout
+
+
+def test_layers_of_equal_width_get_one_slot_size():
+    """Per-channel key shares depend on the key width, so layers with the same
+    latent width but different K/V splits are padded to one slot size (vLLM
+    needs one page size); layers of different widths are left alone."""
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models.compression import ModelCompression
+
+    shape = AttentionShape(hidden_size=32, num_heads=8, num_kv_heads=4, head_dim=16)
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 4, "v_bits": 2,
+                                   "token_adaptive": True, "k_quant": "channel"})
+    equal = {0: LayerPlan(shape, 4, (16,), (48,)), 1: LayerPlan(shape, 4, (40,), (24,))}
+    c = ModelCompression(cfg=cfg, plans=equal, artifact=None, artifact_path=None)
+    natural = [SlotLayout(p.k_ranks, p.v_ranks, 4, 2, k_channel_tokens=32).slot_bytes
+               for p in equal.values()]
+    assert natural[0] != natural[1]
+    sizes = {c.layout(i).slot_bytes for i in equal}
+    assert sizes == {-(-max(natural) // 4) * 4}
+    assert c.bytes_per_token(2)[1] == 2 * sizes.pop()
+    unequal = {0: LayerPlan(shape, 4, (16,), (48,)), 1: LayerPlan(shape, 4, (40,), (40,))}
+    c = ModelCompression(cfg=cfg, plans=unequal, artifact=None, artifact_path=None)
+    assert [c.layout(i).slot_bytes for i in unequal] == [
+        SlotLayout(p.k_ranks, p.v_ranks, 4, 2, k_channel_tokens=32).slot_bytes
+        for p in unequal.values()]
 
 
 class PagedSequence:
@@ -123,8 +151,9 @@ class PagedSequence:
         return torch.cat([k] + v, dim=-1)
 
 
-def test_groups_are_quantized_once_complete_and_read_back():
-    plan, layout = make_layer()
+@pytest.mark.parametrize("pad", [0, 6])
+def test_groups_are_quantized_once_complete_and_read_back(pad):
+    plan, layout = make_layer(pad)
     seq = PagedSequence(plan, layout, 96)
     rk = plan.k_width
     for count, padding in [(5, 2), (1, 0), (1, 0), (13, 3), (7, 0), (1, 1), (20, 0), (1, 0),
@@ -154,12 +183,13 @@ def test_groups_are_quantized_once_complete_and_read_back():
             assert torch.equal(ex[start:start + rk * 4].view(torch.float32), seq.lat[t, :rk])
 
 
-@pytest.mark.parametrize("n,sink,recent", [(90, 16, 16), (61, 0, 32), (40, 16, 16)])
-def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent):
+@pytest.mark.parametrize("n,sink,recent,pad", [(90, 16, 16, 0), (61, 0, 32, 0),
+                                                (40, 16, 16, 0), (90, 16, 16, 6)])
+def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad):
     """TALE decode at the last position of a sequence written step by step:
     the latent span reads only complete groups and matches the float64 loop
     over the stored (dequantized) latents and the exact tokens."""
-    plan, layout = make_layer()
+    plan, layout = make_layer(pad)
     seq = PagedSequence(plan, layout, n)
     for count in [7, 9, 1, 16, 3] + [1] * n:
         if seq.n + count > n:

@@ -156,6 +156,26 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return out.reshape(codes.shape)
 
 
+def page_padding(widths, natural_bytes) -> int | None:
+    """Slot size that gives every layer of a model one page size, or ``None``.
+
+    Layers with equal latent widths (the token-adaptive mode and hybrid
+    models, where vLLM needs one page size) but different K/V splits get
+    different natural slot sizes once K and V are stored differently (bits,
+    per-channel key shares); they are padded to the largest, rounded up to 4
+    bytes. Layers of different widths (one cache group of per-layer sizes) are
+    left alone.
+
+    Args:
+        widths: Latent width ``Rk + Rv`` of each layer.
+        natural_bytes: Unpadded :attr:`SlotLayout.slot_bytes` of each layer.
+    """
+    sizes = set(natural_bytes)
+    if len(set(widths)) == 1 and len(sizes) > 1:
+        return -(-max(sizes) // 4) * 4
+    return None
+
+
 class SlotLayout:
     """Byte layout of one token's slot in a quantized latent cache.
 
@@ -186,6 +206,10 @@ class SlotLayout:
             group); must divide every rank of its side.
         k_channel_tokens: ``G``: quantize keys per channel over aligned
             groups of ``G`` tokens instead of per token (``None``: per token).
+        pad_to: Total slot bytes, zero padding at the end (``None``: none).
+            Layers of one vLLM cache group with equal latent widths but
+            different K/V splits get different natural sizes once K and V are
+            stored differently; padding gives them one page size.
 
     Raises:
         ValueError: unsupported bits, a group that does not divide a rank, or
@@ -194,7 +218,7 @@ class SlotLayout:
 
     def __init__(self, k_ranks, v_ranks, k_bits: int, v_bits: int,
                  k_group: int | None = None, v_group: int | None = None,
-                 k_channel_tokens: int | None = None) -> None:
+                 k_channel_tokens: int | None = None, pad_to: int | None = None) -> None:
         self.k_ranks, self.v_ranks = tuple(k_ranks), tuple(v_ranks)
         self.k_bits, self.v_bits = k_bits, v_bits
         if k_channel_tokens is not None and (k_bits == RAW_BITS or k_channel_tokens < 1):
@@ -217,7 +241,8 @@ class SlotLayout:
         self.k_share_offset = self.v_zero_offset + 2 * self.v_params
         rk = sum(self.k_ranks)
         self.k_share_bytes = -(-4 * rk // k_channel_tokens) if k_channel_tokens else 0
-        self.slot_bytes = self.k_share_offset + self.k_share_bytes
+        self.natural_bytes = self.k_share_offset + self.k_share_bytes
+        self.slot_bytes = max(self.natural_bytes, pad_to or 0)
 
     @property
     def k_per_channel(self) -> bool:
@@ -258,8 +283,8 @@ class SlotLayout:
         else:
             kc, ks, kz = self._side(k_latent, self.k_ranks, self.k_groups, self.k_bits)
         as_bytes = [t.contiguous().view(torch.uint8) for t in (ks, kz, vs, vz)]
-        share = vc.new_zeros(*vc.shape[:-1], self.k_share_bytes)
-        return torch.cat([kc, vc, *as_bytes, share], dim=-1)
+        tail = vc.new_zeros(*vc.shape[:-1], self.slot_bytes - self.k_share_offset)
+        return torch.cat([kc, vc, *as_bytes, tail], dim=-1)  # K share and padding
 
     def encode_key_groups(self, k_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel keys of complete token groups.
@@ -321,7 +346,8 @@ class SlotLayout:
         if length % g:
             raise ValueError(f"{length} slots are not whole groups of {g} tokens")
         groups = slots.reshape(*lead, length // g, g, -1)
-        share = groups[..., self.k_share_offset:].reshape(*lead, length // g, -1)
+        share = groups[..., self.k_share_offset:self.natural_bytes].reshape(
+            *lead, length // g, -1)
         params = share[..., :4 * rk].contiguous().view(torch.float16).float()
         scale, zero = params[..., None, :rk], params[..., None, rk:]  # [..., n, 1, Rk]
         codes = unpack(groups[..., :self.k_codes_bytes], self.k_bits, rk)

@@ -96,7 +96,7 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor,
     codes, share = layout.encode_key_groups(c_k)
     blocks, offsets = lat_slots // lb, lat_slots % lb
     kv_cache[blocks, 0, offsets, :layout.k_codes_bytes] = codes
-    kv_cache[blocks, 0, offsets, layout.k_share_offset:] = share
+    kv_cache[blocks, 0, offsets, layout.k_share_offset:layout.natural_bytes] = share
 
 
 def read_exact(exact_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,

@@ -86,15 +86,28 @@ class ModelCompression:
 
     def layout(self, layer: int):
         """:class:`~vllm_lowrank.quantization.SlotLayout` of ``layer``'s packed
-        slot, or ``None`` when latents are stored unquantized."""
+        slot, or ``None`` when latents are stored unquantized. When every layer
+        has the same latent width but the slots' natural sizes differ (a K/V
+        split that differs by layer, with K and V stored at different bits or
+        per-channel keys), every slot is padded to the largest, so that vLLM
+        sees one page size (it needs one across cache groups)."""
         if not self.cfg.quantized:
             return None
         from vllm_lowrank.quantization import SlotLayout
 
-        p, q = self.plans[layer], self.cfg.quant_group_size
+        from vllm_lowrank.quantization import page_padding
+
+        q = self.cfg.quant_group_size
         channel = self.cfg.k_channel_tokens if self.cfg.k_quant == "channel" else None
-        return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q,
-                          k_channel_tokens=channel)
+
+        def make(p, pad_to=None):
+            return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q,
+                              k_channel_tokens=channel, pad_to=pad_to)
+
+        plans = self.plans.values()
+        pad = page_padding([p.k_width + p.v_width for p in plans],
+                           [make(p).slot_bytes for p in plans])
+        return make(self.plans[layer], pad)
 
     def bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
         """(original, stored) KV bytes per token over this worker's layers, for
