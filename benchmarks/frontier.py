@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 KIVI = {"ratio": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
@@ -65,14 +64,14 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
 }
 
 
-def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) -> tuple[int, float]:
+def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[int, float]:
     """(16-bit K+V bytes, allocated bytes) per token over all layers.
 
     Args:
         layers: ``{layer: {"k_ranks", "v_ranks", "kv_width"}}`` as the workers
-            built them (evaluation result ``layers``). Slots are padded to one
-            size as the plugin pads them
-            (:func:`vllm_lowrank.quantization.page_padding`).
+            built them (evaluation result ``layers``); their slots are laid out
+            (and padded to one size) as the plugin lays them out
+            (:func:`vllm_lowrank.models.compression.slot_layouts`).
         cfg: The ``kv_compression`` settings.
         context: Tokens per sequence (amortises the exact tokens).
         block: KV block size (sinks and window round up to whole blocks).
@@ -80,28 +79,23 @@ def allocated_bytes(layers: dict, cfg: dict | None, context: int, block: int) ->
     import torch
 
     from vllm_lowrank.attention.exact_cache import exact_slot_bytes
-    from vllm_lowrank.quantization import SlotLayout, page_padding
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models.compression import exact_tokens, slot_layouts
 
-    k_bits, v_bits = cfg.get("k_bits", 16), cfg.get("v_bits", 16)
-    q = cfg.get("quant_group_size")
-    channel = cfg.get("k_channel_tokens", 32) if cfg.get("k_quant") == "channel" else None
-    quantized = k_bits < 16 or v_bits < 16
-    natural = [SlotLayout(la["k_ranks"], la["v_ranks"], k_bits, v_bits, q, q,
-                          k_channel_tokens=channel).slot_bytes if quantized else 0
-               for la in layers.values()]
-    pad = page_padding([sum(la["k_ranks"]) + sum(la["v_ranks"]) for la in layers.values()],
-                       natural) or 0
+    settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})
+    ranks = [(la["k_ranks"], la["v_ranks"]) for la in layers.values()]
+    layouts = slot_layouts(settings, ranks) or [None] * len(ranks)
+    exact = exact_tokens(settings, block)
     original, allocated = 0, 0.0
-    for layer, size in zip(layers.values(), natural):
+    for layer, layout in zip(layers.values(), layouts):
         kvw, rk, rv = layer["kv_width"], sum(layer["k_ranks"]), sum(layer["v_ranks"])
         original += 2 * kvw * 2
-        slot = max(size, pad) if quantized else 2 * (rk + rv)
+        slot = layout.slot_bytes if layout is not None else 2 * (rk + rv)
         allocated += slot
-        if cfg.get("token_adaptive"):
-            exact = (math.ceil(cfg.get("sink_tokens", 4) / block) * block
-                     + math.ceil(cfg.get("recent_tokens", 128) / block) * block)
-            staged = rk if channel else 0
-            allocated += exact / context * exact_slot_bytes(kvw, torch.float16, slot, staged)
+        if exact is not None:
+            staged = rk if layout is not None and layout.k_per_channel else 0
+            allocated += (sum(exact) / context
+                          * exact_slot_bytes(kvw, torch.float16, slot, staged))
     return original, allocated
 
 

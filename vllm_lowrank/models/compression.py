@@ -26,10 +26,11 @@ weights with its slice of the full-model artifact
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -84,30 +85,17 @@ class ModelCompression:
         """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
         return None if self.artifact is None else self.artifact.bases[layer]
 
+    @functools.cached_property
+    def _layouts(self):
+        """``{layer: SlotLayout}`` (:func:`slot_layouts`), or ``None``."""
+        layouts = slot_layouts(self.cfg, [(p.k_ranks, p.v_ranks) for p in self.plans.values()])
+        return None if layouts is None else dict(zip(self.plans, layouts))
+
     def layout(self, layer: int):
         """:class:`~vllm_lowrank.quantization.SlotLayout` of ``layer``'s packed
-        slot, or ``None`` when latents are stored unquantized. When every layer
-        has the same latent width but the slots' natural sizes differ (a K/V
-        split that differs by layer, with K and V stored at different bits or
-        per-channel keys), every slot is padded to the largest, so that vLLM
-        sees one page size (it needs one across cache groups)."""
-        if not self.cfg.quantized:
-            return None
-        from vllm_lowrank.quantization import SlotLayout
-
-        from vllm_lowrank.quantization import page_padding
-
-        q = self.cfg.quant_group_size
-        channel = self.cfg.k_channel_tokens if self.cfg.k_quant == "channel" else None
-
-        def make(p, pad_to=None):
-            return SlotLayout(p.k_ranks, p.v_ranks, self.cfg.k_bits, self.cfg.v_bits, q, q,
-                              k_channel_tokens=channel, pad_to=pad_to)
-
-        plans = self.plans.values()
-        pad = page_padding([p.k_width + p.v_width for p in plans],
-                           [make(p).slot_bytes for p in plans])
-        return make(self.plans[layer], pad)
+        slot (padded as :func:`slot_layouts` says), or ``None`` when latents are
+        stored unquantized."""
+        return None if self._layouts is None else self._layouts[layer]
 
     def bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
         """(original, stored) KV bytes per token over this worker's layers, for
@@ -291,6 +279,39 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     plans = _plans(cfg, shapes, artifact, per_layer=per_layer)
     return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path,
                             exact_tokens=exact)
+
+
+def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequence[int]]]):
+    """Packed slot layout of every layer, or ``None`` when ``cfg`` stores
+    latents unquantized.
+
+    When every layer has the same latent width but the slots' natural sizes
+    differ (a K/V split that differs by layer, with K and V stored at
+    different bits or per-channel keys), every slot is padded to the largest
+    (:func:`~vllm_lowrank.quantization.page_padding`), so that vLLM sees one
+    page size (it needs one across cache groups).
+
+    Args:
+        cfg: The settings (bits, quantization groups, per-channel keys).
+        ranks: ``(k_ranks, v_ranks)`` per head group, one pair per layer.
+
+    Returns:
+        ``[SlotLayout]`` in the order of ``ranks``, or ``None``.
+    """
+    if not cfg.quantized:
+        return None
+    from vllm_lowrank.quantization import SlotLayout, page_padding
+
+    q = cfg.quant_group_size
+    channel = cfg.k_channel_tokens if cfg.k_quant == "channel" else None
+
+    def make(k, v, pad_to=None):
+        return SlotLayout(k, v, cfg.k_bits, cfg.v_bits, q, q, k_channel_tokens=channel,
+                          pad_to=pad_to)
+
+    pad = page_padding([sum(k) + sum(v) for k, v in ranks],
+                       [make(k, v).slot_bytes for k, v in ranks])
+    return [make(k, v, pad) for k, v in ranks]
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
