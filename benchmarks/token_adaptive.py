@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 
@@ -50,12 +49,14 @@ def main() -> None:
     args = p.parse_args()
 
     from vllm_lowrank.cli import resolve_model
+    from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.evaluation import run_setting
+    from vllm_lowrank.models.compression import exact_tokens
 
     model = resolve_model(args.model)
     block = args.block_size
-    sink = math.ceil(args.sink / block) * block
-    recent = math.ceil(args.recent / block) * block
+    sink, recent = exact_tokens(LowRankConfig(token_adaptive=True, sink_tokens=args.sink,
+                                              recent_tokens=args.recent), block)
     overhead = (sink + recent) / args.context  # full slots per token, one sequence
     settings: list[tuple[str, dict | None, float]] = [("uncompressed", None, 1.0)]
     for r in args.ratios:
