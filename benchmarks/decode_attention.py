@@ -7,6 +7,9 @@ and for V. Paged cache with 16-token blocks, block tables shuffled (non-contiguo
 pages), every sequence at full context length.
 
 Columns:
+  kernel      cuda: the mma.sync kernel of csrc/latent_decode.cu (what
+              latent_decode_attention runs by default on a bf16 cache in its scope);
+              triton: the Triton kernel (backend="triton"), the general path
   ours_us     median time of one decode-attention call (CUDA-graph replay, L2
               flushed before each replay)
   sdpa_us     torch SDPA, full bf16 K/V [B, 8, L, 128] contiguous, enable_gqa=True
@@ -22,6 +25,7 @@ Usage::
     python benchmarks/decode_attention.py                 # the table
     python benchmarks/decode_attention.py --sweep         # launch-parameter sweep
     python benchmarks/decode_attention.py --shapes 16x32k,8x128k --ratios 0.5
+    python benchmarks/decode_attention.py --quant none --no-lb --no-post   # issue-4 table
     python benchmarks/decode_attention.py --variants --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --span --shapes 16x8k,16x32k --ratios 0.5
 """
@@ -226,14 +230,30 @@ def reference(plan, rope, p, scale, mode="pre_rope"):
     return torch.cat(outs)
 
 
-def _heuristic_splits(plan, p):
+def _cuda_kernel_available() -> bool:
+    """True when the CUDA pre-RoPE decode kernel (vllm_lowrank.cuda_ext) builds here."""
+    from vllm_lowrank.triton_kernels import decode as dec
+
+    why = dec._cuda_unavailable()
+    if why:
+        print(why)
+    return why is None
+
+
+def _heuristic_splits(plan, p, kernel="triton"):
     """The split count latent_decode_attention picks by default for this case."""
     from vllm_lowrank.triton_kernels import decode as dec
 
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    if kernel == "cuda":
+        from vllm_lowrank import cuda_ext
+
+        warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
+        return choose_num_splits(p["q"].shape[0], plan.num_groups, int(p["lens"].max()),
+                                 32 * warps, n_sm, 1)
     prep = dec._prepare(plan, p["layout"], HEAD_DIM, True, torch.device("cuda"))
     d = dec._default_config(plan, prep, "pre_rope", torch.device("cuda"),
                             p["layout"] is not None)
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     return choose_num_splits(p["q"].shape[0], plan.num_groups // d["groups_per_program"],
                              int(p["lens"].max()), d["block_n"], n_sm, d["programs_per_sm"])
 
@@ -267,7 +287,7 @@ def sdpa_case(batch, length):
 # Main table
 # ---------------------------------------------------------------------------------
 def run_case(plan, rope, p, cfg=None, num_splits=None, schedule=None, check=True,
-             mode="pre_rope", ref=None):
+             mode="pre_rope", ref=None, backend="triton"):
     scale = HEAD_DIM ** -0.5
     b = p["q"].shape[0]
     out = torch.empty(b, plan.out_width, device="cuda")
@@ -277,7 +297,8 @@ def run_case(plan, rope, p, cfg=None, num_splits=None, schedule=None, check=True
     def fn():
         latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
                                 p["lens"], max_len, layout=p["layout"], num_splits=num_splits,
-                                schedule=schedule, config=cfg, out=out, mode=mode)
+                                schedule=schedule, config=cfg, out=out, mode=mode,
+                                backend=backend)
 
     out.fill_(float("nan"))
     fn()
@@ -301,6 +322,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep")
     ap.add_argument("--no-lb", action="store_true", help="skip the load-balancer rows")
     ap.add_argument("--no-post", action="store_true", help="skip the post-RoPE rows")
+    ap.add_argument("--no-cuda", action="store_true",
+                    help="skip the CUDA pre-RoPE kernel rows (Triton only)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     ap.add_argument("--variants", action="store_true",
                     help="only: plain vs key bias + QK-norm vs sliding window (pre-RoPE)")
@@ -347,11 +370,11 @@ def main():
         print("\n".join(variant_rows(rope, shapes, ratios[0])))
         return
 
-    hdr = (f"{'shape':>7} {'ratio':>5} {'cache':>5} {'S':>3} {'ours_us':>8} {'sdpa_us':>8} "
-           f"{'speedup':>7} {'GB/s':>6} {'%copy':>6} {'max_abs':>8} {'rel':>8}  "
+    hdr = (f"{'shape':>7} {'ratio':>5} {'cache':>5} {'kernel':>6} {'S':>3} {'ours_us':>8} "
+           f"{'sdpa_us':>8} {'speedup':>7} {'GB/s':>6} {'%copy':>6} {'max_abs':>8} {'rel':>8}  "
            f"{'best S':>6} {'best_us':>8} {'best_x':>6}")
     lines = [hdr]
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    cuda_ok = not args.no_cuda and _cuda_kernel_available()
     for ratio in ratios:
         r = int(round(ratio * HEAD_DIM))
         plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
@@ -359,25 +382,33 @@ def main():
             for name in shapes:
                 bsz, length = SHAPES[name]
                 p = make_problem(plan, bsz, length, qbits[qname])
-                t, err, rel = run_case(plan, rope, p)
-                s_h = _heuristic_splits(plan, p)
-                best = (t, s_h)
-                for s_try in sorted({1, 2, 4, 8, 16, 32} - {s_h}):
-                    if s_try > math.ceil(length / 128):
-                        continue
-                    ts_, _, _ = run_case(plan, rope, p, num_splits=s_try, check=False)
-                    best = min(best, (ts_, s_try))
-                gbs = kernel_bytes(plan, p) / t / 1e3
-                ts, _ = sdpa[name]
-                line = (f"{name:>7} {ratio:>5} {qname:>5} {s_h:>3} {t:8.1f} {ts:8.1f} "
-                        f"{ts / t:7.2f} {gbs:6.0f} {100 * gbs / bw:5.1f}% {err:8.1e} "
-                        f"{rel:8.1e}  {best[1]:>6} {best[0]:8.1f} {ts / best[0]:6.2f}")
-                print(line, flush=True)
-                lines.append(line)
-                rows.append(dict(shape=name, ratio=ratio, cache=qname, splits=s_h, ours_us=t,
-                                 sdpa_us=ts, gbs=gbs, copy_gbs=bw, max_abs=err, rel=rel,
-                                 best_splits=best[1], best_us=best[0]))
-                del p
+                ref = reference(plan, rope, p, HEAD_DIM ** -0.5)
+                # The CUDA kernel serves the unquantized cache (backend="auto" picks
+                # it there); the Triton kernel is timed beside it.
+                kernels = ("cuda", "triton") if cuda_ok and qname == "none" else ("triton",)
+                for kern in kernels:
+                    t, err, rel = run_case(plan, rope, p, ref=ref, backend=kern)
+                    s_h = _heuristic_splits(plan, p, kern)
+                    best = (t, s_h)
+                    for s_try in sorted({1, 2, 4, 8, 16, 32} - {s_h}):
+                        if s_try > math.ceil(length / 128):
+                            continue
+                        ts_, _, _ = run_case(plan, rope, p, num_splits=s_try, check=False,
+                                             backend=kern)
+                        best = min(best, (ts_, s_try))
+                    gbs = kernel_bytes(plan, p) / t / 1e3
+                    ts, _ = sdpa[name]
+                    line = (f"{name:>7} {ratio:>5} {qname:>5} {kern:>6} {s_h:>3} {t:8.1f} "
+                            f"{ts:8.1f} {ts / t:7.2f} {gbs:6.0f} {100 * gbs / bw:5.1f}% "
+                            f"{err:8.1e} {rel:8.1e}  {best[1]:>6} {best[0]:8.1f} "
+                            f"{ts / best[0]:6.2f}")
+                    print(line, flush=True)
+                    lines.append(line)
+                    rows.append(dict(shape=name, ratio=ratio, cache=qname, kernel=kern,
+                                     splits=s_h, ours_us=t, sdpa_us=ts, gbs=gbs, copy_gbs=bw,
+                                     max_abs=err, rel=rel, best_splits=best[1],
+                                     best_us=best[0]))
+                del p, ref
                 torch.cuda.empty_cache()
     if not args.no_post:
         lines += post_rope_rows(rope, bw, sdpa, rows, [s_ for s_ in ("16x32k", "8x128k")
@@ -420,7 +451,8 @@ def variant_rows(rope, shapes, ratio, window=4096):
 
             def fn(kw=kw, out=out):
                 latent_decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"],
-                                        p["bt"], p["lens"], max_len, out=out, **kw)
+                                        p["bt"], p["lens"], max_len, out=out,
+                                        backend="triton", **kw)
 
             fn()
             ref = decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"], p["bt"],
@@ -467,7 +499,7 @@ def span_rows(rope, shapes, ratio, sink=4, recent=128):
             def fn(kw=kw, out=out, res=res):
                 res["r"] = latent_decode_attention(plan, p["k_up"], rope, scale, p["q"],
                                                    p["cache"], p["bt"], p["lens"], max_len,
-                                                   out=out, **kw)
+                                                   out=out, backend="triton", **kw)
 
             fn()
             err = lse_err = float("nan")

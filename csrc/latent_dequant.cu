@@ -292,8 +292,19 @@ torch::Tensor latent_pv(torch::Tensor p, torch::Tensor cache, torch::Tensor bloc
   return out;
 }
 
+// csrc/latent_decode.cu
+std::vector<int64_t> latent_decode_config(int64_t rk, int64_t rv);
+void latent_decode_pre_rope(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
+                            torch::Tensor seq_lens, torch::Tensor bkt, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor out, c10::optional<torch::Tensor> lse,
+                            int64_t num_splits, double qk_scale, bool gptj);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("latent_scores", &latent_scores,
         "post-RoPE scores: scale * q~ . dequant(K latents), -inf past seq_len");
   m.def("latent_pv", &latent_pv, "value path: sum_t p[b,h,t] * dequant(V latents)");
+  m.def("latent_decode_config", &latent_decode_config,
+        "(warps, stages, smem bytes) of the pre-RoPE decode kernel for (r_k, r_v)");
+  m.def("latent_decode_pre_rope", &latent_decode_pre_rope,
+        "pre-RoPE decode attention over a bf16/fp16 latent cache (mma.sync)");
 }

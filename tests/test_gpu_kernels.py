@@ -143,7 +143,7 @@ def test_triton_decode_serving_shape_bf16(ratio, quant):
         ref_cache = torch.cat([kd, vd], -1).view(cache_q.shape[0], 1, page, -1)
     out = torch.full((4, plan.out_width), float("nan"), device="cuda")
     latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
-                            layout=layout, out=out)
+                            layout=layout, out=out, backend="triton")
     ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(), ref_cache.float(), bt,
                            lens_t, max(lens))
     assert torch.isfinite(out).all()
@@ -239,3 +239,152 @@ def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
             ref[b, hg * vo:hg * (vo + r)] = o.flatten()
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+# ----------------------------------------------------------------------------------
+# CUDA pre-RoPE decode kernel (csrc/latent_decode.cu) against float64
+# ----------------------------------------------------------------------------------
+def _rope_table(neox, mscale=1.0, max_pos=8192):
+    from vllm_lowrank.attention.rope import RopeTable
+
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda").double() / 128))
+    ang = torch.outer(torch.arange(max_pos, device="cuda").double(), inv)
+    return RopeTable((mscale * ang.cos()).float().contiguous(),
+                     (mscale * ang.sin()).float().contiguous(), 128, neox)
+
+
+def _cuda_problem(r_k, r_v, lens, page, dtype, seed):
+    """Random latents in a paged cache with shuffled (non-contiguous) blocks and
+    spare blocks, block-diagonal k_up, queries; all on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shape = AttentionShape(32 * 128, 32, 8, 128)
+    plan = LayerPlan(shape, 1, (r_k,) * 8, (r_v,) * 8)
+    per = [math.ceil(n / page) for n in lens]
+    nblk = sum(per) + 5
+    perm = torch.randperm(nblk, device="cuda", generator=g)
+    bt = torch.full((len(lens), max(per) + 2), 10 ** 6, dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(per):
+        bt[b, :n] = perm[used:used + n].int()
+        used += n
+    cache = torch.randn(nblk, 1, page, plan.k_width + plan.v_width, device="cuda",
+                        generator=g).to(dtype)
+    k_up = torch.zeros(plan.k_width, 8 * 128, device="cuda")
+    for gi, off in enumerate(plan.k_offsets()):
+        k_up[off:off + r_k, gi * 128:(gi + 1) * 128] = torch.randn(
+            r_k, 128, device="cuda", generator=g) / math.sqrt(r_k)
+    q = torch.randn(len(lens), 32, 128, device="cuda", generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return plan, k_up, cache, bt, lens_t, q
+
+
+def _reference_f64(plan, k_up, rope, scale, q, cache, bt, lens):
+    """float64 pre-RoPE decode: rebuild, RoPE at absolute positions, softmax,
+    value latents. Returns (out [B, out_width], lse [B, H])."""
+    page, d, hg = cache.shape[2], 128, plan.heads_per_group
+    rows = cache.reshape(-1, cache.shape[-1]).double()
+    out = torch.zeros(q.shape[0], plan.out_width, dtype=torch.float64, device="cuda")
+    lse = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float64, device="cuda")
+    for b, n in enumerate(lens.tolist()):
+        pos = torch.arange(n, device="cuda")
+        lat = rows[bt[b, pos // page].long() * page + pos % page]
+        c, s = rope.full_tables(d, pos)
+        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
+            rk, rv = plan.k_ranks[gi], plan.v_ranks[gi]
+            k = lat[:, ko:ko + rk] @ k_up[ko:ko + rk, gi * d:(gi + 1) * d].double()
+            k = k * c.double() + rope.rotate_half(k) * s.double()
+            sc = scale * q[b, gi * hg:(gi + 1) * hg].double() @ k.T
+            lse_g = torch.logsumexp(sc, -1)
+            o = torch.exp(sc - lse_g[:, None]) @ lat[:, plan.k_width + vo:plan.k_width + vo + rv]
+            out[b, hg * vo:hg * (vo + rv)] = o.flatten()
+            lse[b, gi * hg:(gi + 1) * hg] = lse_g
+    return out, lse
+
+
+CUDA_DECODE_CASES = [
+    # r_k, r_v, page, neox, splits, dtype, mscale
+    (64, 64, 16, True, 1, torch.bfloat16, 1.0),     # ratio 0.5
+    (32, 32, 16, True, 3, torch.bfloat16, 1.0),     # ratio 0.25, split-K
+    (48, 96, 32, False, 1, torch.bfloat16, 1.0),    # uneven K/V ranks, gptj, block 32
+    (128, 16, 32, True, 4, torch.bfloat16, 1.2),    # rank 128 (4-warp CTA), YaRN-like mscale
+    (16, 128, 16, False, 2, torch.float16, 1.0),    # fp16 cache, gptj
+    (64, 32, 16, True, None, torch.float16, 1.0),   # heuristic split count
+]
+
+
+@pytest.mark.parametrize("r_k,r_v,page,neox,splits,dtype,mscale", CUDA_DECODE_CASES)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_cuda_pre_rope_decode_matches_float64(r_k, r_v, page, neox, splits, dtype, mscale,
+                                              return_lse):
+    """csrc/latent_decode.cu through latent_decode_attention(backend="cuda"):
+    random latents, ragged lengths (tail tiles, a one-token sequence, a split
+    longer than a sequence), shuffled block tables, NaN-poisoned output."""
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    lens = [1, 17, 300, 1029, 4000, 33]
+    plan, k_up, cache, bt, lens_t, q = _cuda_problem(r_k, r_v, lens, page, dtype,
+                                                     seed=r_k + r_v + page)
+    rope = _rope_table(neox, mscale)
+    scale = 128 ** -0.5
+    out = torch.full((len(lens), plan.out_width), float("nan"), device="cuda")
+    res = latent_decode_attention(plan, k_up, rope, scale, q, cache, bt, lens_t, max(lens),
+                                  num_splits=splits, out=out, return_lse=return_lse,
+                                  backend="cuda")
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference_f64(plan, k_up, rope, scale, q, cache, bt, lens_t)
+    assert torch.isfinite(out).all()
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+    for b in range(len(lens)):  # per sequence: a short one must not hide in the norm
+        rb = ((out[b].double() - ref[b]).norm() / ref[b].norm()).item()
+        assert rb < 1e-2, (b, rb)
+    if return_lse:
+        assert res[0] is out
+        assert (res[1].double() - ref_lse).abs().max().item() < 2e-2
+    else:
+        assert res is out
+
+
+def test_cuda_pre_rope_decode_is_the_default_path(monkeypatch):
+    """backend="auto" takes the CUDA kernel in its scope and Triton outside it
+    (uneven ranks across groups), with the same results."""
+    from vllm_lowrank import cuda_ext
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    calls = []
+    real = cuda_ext.latent_decode_pre_rope
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(cuda_ext, "latent_decode_pre_rope", spy)
+    lens = [700, 2100]
+    plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 4)
+    rope = _rope_table(True)
+    a = latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, max(lens))
+    assert calls == [1]
+    b = latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, max(lens),
+                                backend="triton")
+    assert calls == [1]
+    assert ((a - b).norm() / b.norm()) < 1e-2
+
+
+def test_cuda_pre_rope_decode_refuses_out_of_scope():
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+
+    lens = [100]
+    plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 5)
+    rope = _rope_table(True)
+    with pytest.raises(ValueError, match="post_rope"):
+        latent_decode_attention(plan, None, None, 0.1, q[..., :64], cache, bt, lens_t, 100,
+                                mode="post_rope", backend="cuda")
+    with pytest.raises(ValueError, match="sliding window"):
+        latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, 100, window=10,
+                                backend="cuda")
+    with pytest.raises(ValueError, match="dtype"):
+        latent_decode_attention(plan, k_up, rope, 0.1, q.float(), cache, bt, lens_t, 100,
+                                backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, 100,
+                                backend="cutlass")

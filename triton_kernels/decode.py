@@ -1355,6 +1355,104 @@ def _default_config(plan, prep: _Prepared, mode: str, device, quant: bool) -> di
                 programs_per_sm=2, groups_per_program=1)
 
 
+_CUDA_STATE: dict = {}
+
+
+def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_seq_len, *,
+                      layout=None, schedule=None, mode="pre_rope", config=None, out=None,
+                      transform=None, window=None, sink=0, recent=0) -> str | None:
+    """Why a :func:`latent_decode_attention` call cannot take the CUDA kernel
+    (:func:`vllm_lowrank.cuda_ext.latent_decode_pre_rope`), or ``None`` if it can.
+
+    Its scope: a CUDA device outside the Triton interpreter; ``pre_rope`` mode,
+    default launch (no ``config``, no ``schedule``); an unquantized bf16/fp16 cache
+    with ``block_size`` a power of two >= 16 and queries of the same dtype; one KV
+    head per group, ``head_dim`` 128, full rotary from a rotation table
+    (:func:`rope_is_rotation`); one key rank and one value rank for all groups,
+    both in :data:`vllm_lowrank.cuda_ext.DECODE_RANKS`; at most 8 query heads per
+    group; no key transform, sliding window (shorter than ``max_seq_len``) or
+    token-adaptive span; int32 block table and sequence lengths; ``out``
+    contiguous float32 if given."""
+    sh = plan.shape
+    checks = (
+        (query.device.type == "cuda" and not _interpreting(), "not on a CUDA device"),
+        (mode == "pre_rope", "post_rope mode"),
+        (config is None and schedule is None, "explicit Triton launch config or schedule"),
+        (layout is None, "quantized cache"),
+        (transform is None, "key transform"),
+        (window is None or int(window) >= max_seq_len, "sliding window"),
+        (int(sink) == 0 and int(recent) == 0, "token-adaptive span"),
+        (query.dim() == 3 and query.shape[1] == sh.num_heads
+         and kv_cache.shape[-1] == plan.k_width + plan.v_width,
+         "query heads or cache slot width do not match the plan"),
+        (plan.group_size == 1, "group_size != 1"),
+        (sh.head_dim == 128, "head_dim != 128"),
+        (plan.heads_per_group <= 8, "more than 8 query heads per group"),
+        (kv_cache.dtype in (torch.bfloat16, torch.float16) and query.dtype == kv_cache.dtype,
+         "cache/query dtype not bf16/fp16 or different"),
+        (kv_cache.dim() == 4 and kv_cache.shape[2] >= 16
+         and kv_cache.shape[2] & (kv_cache.shape[2] - 1) == 0,
+         "block_size not a power of two >= 16"),
+        (len(set(plan.k_ranks)) == 1 and len(set(plan.v_ranks)) == 1, "uneven ranks"),
+        (block_table.dtype == torch.int32 and block_table.stride(-1) == 1
+         and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+         "block_table / seq_lens not int32 (contiguous last dim)"),
+        (out is None or (out.is_contiguous() and out.dtype == torch.float32),
+         "out not contiguous float32"),
+    )
+    for ok, why in checks:
+        if not ok:
+            return why
+    from vllm_lowrank.cuda_ext import DECODE_RANKS
+
+    if plan.k_ranks[0] not in DECODE_RANKS or plan.v_ranks[0] not in DECODE_RANKS:
+        return f"ranks ({plan.k_ranks[0]}, {plan.v_ranks[0]}) not in {DECODE_RANKS}"
+    if rope is None or rope.rotary_dim != sh.head_dim:
+        return "partial rotary"
+    cos, sin = rope.cos, rope.sin
+    if cos.device != query.device or cos.dtype != torch.float32 or sin.dtype != torch.float32 \
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0) \
+            or cos.stride(0) % 4 or cos.data_ptr() % 16 or sin.data_ptr() % 16:
+        return "cos/sin tables not float32 on the device with 16-byte aligned rows"
+    if not rope_is_rotation(rope):
+        return "rope table is not a rotation table"
+    return None
+
+
+def _cuda_unavailable() -> str | None:
+    """``None`` once the CUDA extension has loaded; else the build error (kept,
+    and warned about once, so later calls fall back to Triton at no cost)."""
+    if "error" not in _CUDA_STATE:
+        from vllm_lowrank import cuda_ext
+
+        try:
+            cuda_ext.load()
+            _CUDA_STATE["error"] = None
+        except RuntimeError as exc:
+            _CUDA_STATE["error"] = f"CUDA extension unavailable: {exc}"
+            import warnings
+
+            warnings.warn(_CUDA_STATE["error"] + "; using the Triton decode kernel",
+                          RuntimeWarning, stacklevel=3)
+    return _CUDA_STATE["error"]
+
+
+def _cuda_decode(plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens,
+                 max_seq_len, num_splits, out, return_lse):
+    from vllm_lowrank import cuda_ext
+
+    weights = _cached_for(_WEIGHT_CACHE, k_up, ("cuda", plan, rope.neox, kv_cache.dtype),
+                          lambda: cuda_ext.pack_key_weights_t(plan, k_up, rope.neox,
+                                                              kv_cache.dtype))
+    if num_splits is None:
+        warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
+        num_splits = choose_num_splits(query.shape[0], plan.num_groups, max_seq_len,
+                                       32 * warps, _sm_count(query.device), 1)
+    return cuda_ext.latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, weights,
+                                           rope, scale, num_splits=num_splits, out=out,
+                                           return_lse=return_lse)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -1368,7 +1466,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
                             config: KernelConfig | None = None,
                             out: torch.Tensor | None = None,
                             transform=None, window: int | None = None, sink: int = 0,
-                            recent: int = 0, return_lse: bool = False):
+                            recent: int = 0, return_lse: bool = False,
+                            backend: str = "auto"):
     """Decode attention (one new token per sequence) from a paged latent cache.
 
     Same meaning and return value as
@@ -1423,6 +1522,12 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             window inside the recent part) gets a zero output row. ``0, 0``
             runs the plain kernel.
         return_lse: Also return the log-sum-exp of the attended scores.
+        backend: ``"auto"`` (default): the CUDA kernel of
+            :func:`vllm_lowrank.cuda_ext.latent_decode_pre_rope` when the call is
+            in its scope (see :func:`cuda_path_blocker`) and the extension builds,
+            else this module's Triton kernel; ``"triton"``: always Triton;
+            ``"cuda"``: the CUDA kernel, a ``ValueError`` naming the reason if
+            the call is outside its scope.
 
     Returns:
         ``[B, plan.out_width]`` float32; with ``return_lse`` the pair ``(out,
@@ -1434,6 +1539,20 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     """
     if mode not in ("pre_rope", "post_rope"):
         raise ValueError(f"mode must be 'pre_rope' or 'post_rope', got {mode!r}")
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
+    if backend != "triton":
+        why = cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_seq_len,
+                                layout=layout, schedule=schedule, mode=mode, config=config,
+                                out=out, transform=transform, window=window, sink=sink,
+                                recent=recent)
+        if why is None:
+            why = _cuda_unavailable()
+        if why is None:
+            return _cuda_decode(plan, k_up, rope, scale, query, kv_cache, block_table,
+                                seq_lens, max_seq_len, num_splits, out, return_lse)
+        if backend == "cuda":
+            raise ValueError(f"backend='cuda' cannot run this call: {why}")
     cfg = config or KernelConfig()
     device = query.device
     bsz, num_heads, _ = query.shape

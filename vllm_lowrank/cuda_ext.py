@@ -1,4 +1,4 @@
-"""CUDA dequant + latent-matmul kernels (``csrc/latent_dequant.cu``), built lazily.
+"""CUDA kernels (``csrc/latent_dequant.cu``, ``csrc/latent_decode.cu``), built lazily.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, ``-gencode`` for the current GPU's architecture, e.g. ``sm_90`` on Hopper,
@@ -12,7 +12,10 @@ Kernels (quantized cache of :class:`vllm_lowrank.quantization.SlotLayout`):
 - :func:`latent_pv` -- the value path ``sum_t p_t deq(c_v[t])`` (output stays in the
   value latent space, as in the fused Triton kernel);
 - :func:`post_rope_decode` -- the two composed around a float32 softmax (a reference
-  decode path for the post-RoPE mode on a quantized cache).
+  decode path for the post-RoPE mode on a quantized cache);
+- :func:`latent_decode_pre_rope` -- fused pre-RoPE decode attention over a bf16/fp16
+  latent cache on mma.sync tensor cores (key rebuild, RoPE, online softmax, value
+  product; the fast path of ``latent_decode_attention``, which dispatches to it).
 
 Example::
 
@@ -33,7 +36,7 @@ import torch
 
 _EXT = None
 _NAME = "vllm_lowrank_cuda"
-_SOURCES = ("latent_dequant.cu",)
+_SOURCES = ("latent_dequant.cu", "latent_decode.cu")
 
 
 def source_dir() -> Path:
@@ -155,3 +158,129 @@ def post_rope_decode(q, kv_cache, block_table, seq_lens, max_seq_len, plan, layo
     value path. ``[B, out_width]`` float32."""
     s = latent_scores(q, kv_cache, block_table, seq_lens, max_seq_len, plan, layout, scale)
     return latent_pv(torch.softmax(s, dim=-1), kv_cache, block_table, seq_lens, plan, layout)
+
+
+DECODE_HEAD_DIM = 128
+DECODE_RANKS = (16, 32, 48, 64, 96, 128)
+"""Key and value ranks with a compiled :func:`latent_decode_pre_rope` kernel (any
+pair; the list in ``csrc/latent_decode.cu``, ``LATENT_DECODE_RANKS``)."""
+
+_DECODE_CFG: dict = {}
+
+
+def decode_config(r_k: int, r_v: int) -> tuple[int, int, int]:
+    """``(warps per CTA, pipeline stages, shared memory bytes)`` of the pre-RoPE
+    decode kernel for ranks ``(r_k, r_v)``; ``(0, 0, 0)`` if none is compiled.
+    Each CTA runs its warps' 32-token tiles concurrently, so a split-count model
+    should count ``32 * warps`` tokens per CTA step."""
+    key = (int(r_k), int(r_v))
+    if key not in _DECODE_CFG:
+        _DECODE_CFG[key] = tuple(load().latent_decode_config(*key))
+    return _DECODE_CFG[key]
+
+
+def pack_key_weights_t(plan, k_up: torch.Tensor, neox: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``B_k^T`` per head group for :func:`latent_decode_pre_rope`:
+    ``[num_groups, 128, r_k]`` in ``dtype``, contiguous.
+
+    Row ``p`` of group ``g`` is the key up-projection column of head dimension
+    ``p`` (neox), or of ``2p`` for ``p < 64`` and ``2(p - 64) + 1`` above (gptj), so
+    the two members of every rotary pair sit 64 rows apart in both styles.
+
+    Args:
+        plan: LayerPlan with ``group_size == 1``, ``head_dim == 128`` and one key
+            rank ``r_k`` for every group.
+        k_up: ``[Rk, num_kv_heads * 128]`` float key up-projection (block-diagonal).
+        neox: Rotary pair layout (False: gptj, interleaved pairs).
+        dtype: Cache dtype (bfloat16 or float16).
+
+    Raises:
+        ValueError: group size, head dim or uneven key ranks outside this layout.
+    """
+    d = plan.shape.head_dim
+    if plan.group_size != 1 or d != DECODE_HEAD_DIM or len(set(plan.k_ranks)) != 1:
+        raise ValueError("pack_key_weights_t needs group_size 1, head_dim 128 and one key "
+                         f"rank for all groups (got {plan.group_size}, {d}, {plan.k_ranks})")
+    r = plan.k_ranks[0]
+    if tuple(k_up.shape) != (plan.k_width, plan.shape.num_kv_heads * d):
+        raise ValueError(f"k_up is {tuple(k_up.shape)}, expected "
+                         f"{(plan.k_width, plan.shape.num_kv_heads * d)}")
+    pos = torch.arange(d, device=k_up.device)
+    src = pos if neox else torch.where(pos < d // 2, 2 * pos, 2 * (pos - d // 2) + 1)
+    blocks = k_up.reshape(plan.num_groups, r, plan.num_groups, d)
+    diag = blocks[torch.arange(plan.num_groups), :, torch.arange(plan.num_groups)]  # [ng, r, d]
+    return diag[:, :, src].transpose(1, 2).to(dtype).contiguous()
+
+
+def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t, rope, scale,
+                           *, num_splits: int = 1, out: torch.Tensor | None = None,
+                           return_lse: bool = False):
+    """Pre-RoPE decode attention over a paged bf16/fp16 latent cache (one CUDA
+    kernel, plus a merge kernel when ``num_splits > 1``).
+
+    Per sequence ``b``, KV head ``g`` and query head ``h`` of ``g``:
+    ``o[b, h] = sum_t softmax_t(scale * q[b, h] . R_t (c_k[t] @ B_k[g])) c_v[t]``
+    over ``t < seq_lens[b]`` (``R_t``: RoPE at position ``t`` from ``rope``), in
+    the value latent space: the contract of
+    :func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` for
+    ``group_size == 1``, ``head_dim == 128``, full rotary, uniform ranks.
+
+    Args:
+        query: ``[B, H, 128]`` post-RoPE queries, the cache dtype.
+        kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]`` bfloat16 or float16,
+            last dim contiguous; block_size a power of two >= 16. Group ``g``'s key
+            latent is columns ``g*r_k .. (g+1)*r_k``, its value latent
+            ``Rk + g*r_v ..``.
+        block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32, >= 1.
+        key_weights_t: ``[num_groups, 128, r_k]`` from :func:`pack_key_weights_t`.
+        rope: :class:`~vllm_lowrank.attention.rope.RopeTable` on the device,
+            ``rotary_dim == 128``, a rotation table (``rope_is_rotation``).
+        scale: Softmax scale.
+        num_splits: Context splits per (sequence, group), >= 1.
+        out: Optional ``[B, H * r_v]`` float32 contiguous output buffer.
+        return_lse: Also return the natural log-sum-exp of the scaled scores.
+
+    Returns:
+        ``[B, H * r_v]`` float32 (head ``i``'s ``r_v`` columns in order), and with
+        ``return_lse`` the pair ``(out, lse [B, H] float32)``.
+
+    Raises:
+        ValueError: shapes, dtypes, ranks or table outside the scope above.
+        RuntimeError: the extension cannot be built (see :func:`load`).
+
+    Scores use f16 keys and queries (10-bit mantissa): rebuilt keys and
+    ``scale * log2(e) * q`` must stay below 65504 in magnitude.
+    """
+    if query.dim() != 3 or query.shape[-1] != DECODE_HEAD_DIM:
+        raise ValueError(f"query must be [B, H, 128], got {tuple(query.shape)}")
+    if query.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != query.dtype:
+        raise ValueError(f"query and kv_cache must share bf16 or fp16, got {query.dtype} "
+                         f"and {kv_cache.dtype}")
+    if key_weights_t.dim() != 3 or key_weights_t.shape[1] != DECODE_HEAD_DIM:
+        raise ValueError("key_weights_t must be [num_groups, 128, r_k]")
+    ng, r_k = key_weights_t.shape[0], key_weights_t.shape[2]
+    slot = kv_cache.shape[-1]
+    if (slot - ng * r_k) % ng or slot <= ng * r_k:
+        raise ValueError(f"kv_cache slot {slot} is not num_groups * (r_k + r_v)")
+    r_v = (slot - ng * r_k) // ng
+    if r_k not in DECODE_RANKS or r_v not in DECODE_RANKS:
+        raise ValueError(f"no compiled kernel for r_k={r_k}, r_v={r_v} (ranks {DECODE_RANKS})")
+    if rope.rotary_dim != DECODE_HEAD_DIM:
+        raise ValueError(f"rotary_dim must be 128, got {rope.rotary_dim}")
+    page = kv_cache.shape[2]
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if int(num_splits) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    bsz, heads = query.shape[0], query.shape[1]
+    if heads % ng or heads // ng > 8:
+        raise ValueError(f"{heads} query heads over {ng} groups: at most 8 per group")
+    if out is None:
+        out = torch.empty(bsz, heads * r_v, device=query.device, dtype=torch.float32)
+    lse = torch.empty(bsz, heads, device=query.device, dtype=torch.float32) \
+        if return_lse else None
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    load().latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t,
+                                  rope.cos, rope.sin, out, lse, int(num_splits),
+                                  float(scale) * 1.4426950408889634, not rope.neox)
+    return (out, lse) if return_lse else out

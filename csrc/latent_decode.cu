@@ -1,0 +1,708 @@
+// Pre-RoPE decode attention over a bf16/fp16 latent cache, on mma.sync tensor cores.
+//
+// The fast path of triton_kernels/decode.py (`latent_decode_attention`, mode
+// "pre_rope") for: one KV head per head group (G = 1), head_dim 128, full rotary,
+// uniform ranks r_k / r_v (multiples of 16, <= 128), an unquantized cache
+// [num_blocks, 1, block_size, Rk + Rv] with block_size a power of two >= 16, and no
+// key transform / window / token-adaptive span. Same math as the Triton kernel
+// (benchmarks/decode_attention_notes.md); per sequence b, KV head g and token t:
+//
+//   k_t   = c_k[t] @ B_k[g]                  rebuilt key, [128]
+//   s_h,t = scale * q_h . R_t k_t            RoPE by the absolute position t
+//   o_h   = sum_t softmax_t(s_h) c_v[t]      output in the value latent space
+//
+// Work decomposition. Grid (split, group, sequence); a CTA of NW warps owns the
+// split's 32-token tiles, warp w takes tiles w, w + NW, ... with its own online-
+// softmax state (no CTA barrier inside the loop); the NW partial states are merged
+// at the end through shared memory. Split partials (normalised output, base-2 LSE)
+// are merged by `reduce_kernel`.
+//
+// Per warp and 32-token tile (two m16 row tiles), all on mma.sync.m16n8k16:
+//   1. cp.async streams the tile's key and value latent rows into the warp's own
+//      shared-memory stage (STAGES deep, zero-filled past the sequence end).
+//   2. Rebuild K = C_k @ B_k in four column chunks of 32 dims: chunk kc holds the
+//      n8-tiles {2kc, 2kc+1} (dims 16kc..16kc+15) and their RoPE partners {2kc+8,
+//      2kc+9} (dims +64), so each thread holds both members of its rotary pairs
+//      in the same accumulator slots (neox pairing; gptj is mapped onto it by
+//      permuting B_k's columns and the query the same way on load).
+//      A = C_k by ldmatrix; B = B_k^T (smem, [128][r_k], ldmatrix, one .x4 gives
+//      a tile and its partner).
+//   3. RoPE: R_t = R_{p0} R_i (t = p0 + i, p0 the tile start): the accumulator is
+//      rotated by the loop-invariant offset i (cos/sin of i = 0..31, divided by the
+//      table's row 0 = mscale, in an 8 KB shared table as f16 pairs) in packed
+//      f16x2 arithmetic; the query (scaled, f16, in shared memory) is rotated by
+//      R_{p0}^T per chunk from the tile's cos/sin rows (copied with the tile).
+//   4. The rotated accumulator of two n8-tiles is the A operand of the score MMA
+//      (C layout of m16n8 == A layout of m16n8k16): S[32 x 8] = K' Q'^T, f16
+//      operands, the group's query heads padded to n = 8. Queries carry
+//      scale * log2(e), scores are base 2.
+//   5. Online softmax per head column (max across the 8 row-lanes by shuffles),
+//      P -> bf16/f16, transposed by movmatrix into the B operand of
+//      O^T[r_v x 8] += V^T P, V^T by ldmatrix.trans from the value stage.
+//
+// Precision: latents and B_k in the cache dtype (fp32 accumulation); the rebuilt
+// key is rounded to f16 (10-bit mantissa, finer than bf16) and rotated in f16x2;
+// scores accumulate in fp32; P in the cache dtype; softmax state and O in fp32.
+// Keys and scaled queries must stay below 65504 in magnitude (f16 range).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef LATENT_DECODE_STANDALONE
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace latent_decode {
+
+constexpr int kTile = 32;       // tokens per warp tile
+constexpr int kHeadDim = 128;
+constexpr int kSmemBudget = 220 * 1024;
+
+struct Params {
+  const void* query;            // [B, H, 128] cache dtype
+  int64_t s_qb, s_qh;
+  const void* cache;            // [num_blocks, 1, page, Rk + Rv] cache dtype
+  int64_t s_blk, s_tok;         // element strides
+  const int* block_table;       // [B, max_blocks]
+  int64_t s_bt;
+  const int* seq_lens;          // [B]
+  const void* bkt;              // [num_groups, 128, r_k] cache dtype: B_k^T, gptj-permuted
+  const float* cos;             // [max_pos, 64]
+  const float* sin;
+  int64_t s_rope;
+  int max_pos;
+  float* out;                   // no split: [B, out_width]; split: partials [B, S, out_width]
+  float* lse;                   // no split: [B, H] natural log or null; split: [B, S, H] base 2
+  int page_shift;               // log2(block_size)
+  int heads_per_group;          // <= 8
+  int num_heads;
+  int num_splits;
+  int out_width;
+  int k_width;                  // Rk (first value column)
+  float qk_scale;               // scale * log2(e)
+  int gptj;
+};
+
+// Launch shape per (r_k, r_v): the most warps (16, 8 or 4) whose stages fit in
+// shared memory with one stage each, then up to 2 stages. Resident warps beat
+// prefetch depth here (H200, benchmarks/decode_attention_notes.md: 16 x 32k,
+// r = 64: 16 warps x 1 stage 311 us, 12 x 1 314-340, 8 x 2 342, 6 x 3 396, 4 x 4
+// 420; r = 32: 16 x 2 226, 12 x 3 225, 8 x 4 240); 16 warps cap the registers at
+// 128 (a few dozen bytes of spills). NW_ / ST_ > 0 override both (experiments).
+template <int RK, int RV, int NW_ = 0, int ST_ = 0>
+struct Cfg {
+  static constexpr int KP = RK + 8;                          // padded smem rows (elements)
+  static constexpr int VP = RV + 8;
+  static constexpr int ROPE_OFF = kTile * (KP + VP) * 2;     // cos/sin rows of the tile start
+  static constexpr int STAGE = ROPE_OFF + 2 * 64 * 4;        // bytes per warp stage
+  static constexpr int BK_BYTES = kHeadDim * KP * 2;
+  static constexpr int ROT_BYTES = 4 * kTile * 4 * 16;       // [kc][i][c] x uint4
+  static constexpr int Q_BYTES = 4 * 32 * 16;                // [kc][lane] x uint4
+  static constexpr int FIXED = BK_BYTES + ROT_BYTES + Q_BYTES;
+  static constexpr int NW = NW_ > 0 ? NW_
+                           : FIXED + 16 * STAGE <= kSmemBudget ? 16
+                           : FIXED + 8 * STAGE <= kSmemBudget ? 8 : 4;
+  static constexpr int ST_FIT = (kSmemBudget - FIXED) / (NW * STAGE);
+  static constexpr int STAGES = ST_ > 0 ? ST_ : ST_FIT > 2 ? 2 : ST_FIT;
+  static constexpr int PART = NW * 8 * (RV + 2) * 4;         // per-warp (m, l, O) at the end
+  static constexpr int PIPE = NW * STAGES * STAGE;
+  static constexpr int SMEM = FIXED + (PIPE > PART ? PIPE : PART);
+  static_assert(RK % 16 == 0 && RV % 16 == 0 && RK <= 128 && RV <= 128, "ranks");
+  static_assert(STAGES >= 1 && SMEM <= 227 * 1024, "shared memory too small for one stage");
+};
+
+template <typename T> struct Dt;
+template <> struct Dt<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Dt<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ void mma(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes 0 zero-fills without reading.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+__device__ __forceinline__ void mma_f16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  Dt<__half>::mma(d, a, b0, b1);
+}
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+
+// Position in the kernel's column order (neox pairs (p, p + 64)) -> head dimension.
+__device__ __forceinline__ int source_dim(int pos, int gptj) {
+  return gptj ? (pos < 64 ? 2 * pos : 2 * (pos - 64) + 1) : pos;
+}
+
+// Issue the cp.async copies of one section (key or value latents) of a 32-token
+// tile. CH 16-byte chunks per token row; CHP = CH rounded up to a power of two
+// lanes per token, so instruction i covers tokens i * (32 / CHP) + lane / CHP and
+// a token's half (rows 0-15 or 16-31 of the tile, possibly different pages) is
+// known at compile time.
+template <int CH>
+struct Section {
+  static constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : 16;
+  static constexpr int TPI = 32 / CHP;  // tokens per instruction
+};
+
+// half0 / half1: this lane's first source byte in tile rows 0 and 16 (its token
+// row lane / CHP, its chunk, the section's column); dst: its first destination.
+// FULL: every row of the tile is inside the sequence (no zero fill).
+template <int CH, int ROW_BYTES, bool FULL>
+__device__ __forceinline__ void load_section(uint32_t dst, const char* half0, const char* half1,
+                                             int s_tok_b, int lane, int n_valid) {
+  constexpr int CHP = Section<CH>::CHP, TPI = Section<CH>::TPI;
+  if (CH != CHP && lane % CHP >= CH) return;
+  const int lr = lane / CHP;
+#pragma unroll
+  for (int i = 0; i < CHP; ++i) {
+    const char* src = ((i * TPI < 16) ? half0 : half1) + ((i * TPI) % 16) * s_tok_b;
+    const uint32_t d = dst + (uint32_t)(i * TPI * ROW_BYTES);
+    cp_async16(d, src, FULL || i * TPI + lr < n_valid ? 16 : 0);
+  }
+}
+
+template <int RK, int RV, typename T, int NW_ = 0, int ST_ = 0>
+__global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kernel(const Params p) {
+  using C = Cfg<RK, RV, NW_, ST_>;
+  constexpr int NW = C::NW, STAGES = C::STAGES, KP = C::KP, VP = C::VP;
+  constexpr int KS = RK / 16;   // k-steps of the rebuild
+  constexpr int MV = RV / 16;   // m-tiles of O^T
+  extern __shared__ __align__(128) uint8_t smem[];
+  T* s_bk = reinterpret_cast<T*>(smem);                          // [128][KP]
+  uint4* s_rot = reinterpret_cast<uint4*>(smem + C::BK_BYTES);   // [4][32][4]
+  uint4* s_q = reinterpret_cast<uint4*>(smem + C::BK_BYTES + C::ROT_BYTES);  // [4][32]
+  uint8_t* s_pipe = smem + C::FIXED;
+
+  const int split = blockIdx.x, grp = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gr = lane >> 2, cq = lane & 3;   // fragment row group / column quad
+  const int HG = p.heads_per_group;
+  const int seq_len = p.seq_lens[b];
+  const int n_tiles = (seq_len + kTile - 1) / kTile;
+  const int tps = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = min(n_tiles, split * tps);
+  const int tile_end = min(n_tiles, tile_begin + tps);
+
+  // ---- prologue: B_k^T and the offset rotation table into shared memory ----
+  {
+    const T* bk = reinterpret_cast<const T*>(p.bkt) + (int64_t)grp * kHeadDim * RK;
+    constexpr int CH = RK / 8;
+    for (int e = tid; e < kHeadDim * CH; e += NW * 32) {
+      const int row = e / CH, ch = e % CH;
+      cp_async16(smem_u32(s_bk + row * KP + ch * 8), bk + row * RK + ch * 8, 16);
+    }
+    cp_async_commit();
+    // Entry (kc, i, c): cos/sin of offset i for the 4 frequencies a thread with
+    // column quad c touches in chunk kc: 8 * (2kc + s/2) + 2c + (s & 1), s = 0..3,
+    // as f16 pairs {cos s0 s1, sin s0 s1, cos s2 s3, sin s2 s3}; divided by row 0
+    // (the table's magnitude, YaRN mscale) because R_{p0} carries it once.
+    for (int e = tid; e < 4 * kTile * 4; e += NW * 32) {
+      const int c = e & 3, i = (e >> 2) & 31, kc = e >> 7;
+      const int pi = min(i, p.max_pos - 1);
+      float cs[4], sn[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int f = 8 * (2 * kc + (s >> 1)) + 2 * c + (s & 1);
+        const float inv = 1.0f / p.cos[f];
+        cs[s] = p.cos[(int64_t)pi * p.s_rope + f] * inv;
+        sn[s] = p.sin[(int64_t)pi * p.s_rope + f] * inv;
+      }
+      s_rot[e] = make_uint4(h2_bits(__floats2half2_rn(cs[0], cs[1])),
+                            h2_bits(__floats2half2_rn(sn[0], sn[1])),
+                            h2_bits(__floats2half2_rn(cs[2], cs[3])),
+                            h2_bits(__floats2half2_rn(sn[2], sn[3])));
+    }
+  }
+
+  // ---- query, scaled, as f16 pairs in shared memory, per chunk kc and lane (head
+  // gr, positions 16kk + 8hh + 2cq + {0, 1}): {kk = kc: hh 0, 1; kk = kc + 4: hh 0, 1}.
+  if (warp == 0) {
+    const T* qp = reinterpret_cast<const T*>(p.query) + (int64_t)b * p.s_qb +
+                  (int64_t)(grp * HG + min(gr, HG - 1)) * p.s_qh;
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      uint32_t w[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int pos = 16 * (kc + 4 * (x >> 1)) + 8 * (x & 1) + 2 * cq;
+        const float a = Dt<T>::to_float(qp[source_dim(pos, p.gptj)]) * p.qk_scale;
+        const float c = Dt<T>::to_float(qp[source_dim(pos + 1, p.gptj)]) * p.qk_scale;
+        w[x] = h2_bits(gr < HG ? __floats2half2_rn(a, c) : __floats2half2_rn(0.f, 0.f));
+      }
+      s_q[kc * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+
+  // ---- per-warp pipeline over the warp's tiles ----
+  const int n_mine = tile_end - tile_begin > warp ? (tile_end - tile_begin - warp + NW - 1) / NW : 0;
+  const char* cache = reinterpret_cast<const char*>(p.cache);
+  const int* bt_row = p.block_table + (int64_t)b * p.s_bt;
+  const int page_mask = (1 << p.page_shift) - 1;
+  const int64_t s_blk_b = p.s_blk * (int64_t)sizeof(T);
+  const int s_tok_b = (int)(p.s_tok * (int64_t)sizeof(T));
+  uint8_t* my_pipe = s_pipe + warp * STAGES * C::STAGE;
+  const uint32_t pipe_u32 = smem_u32(my_pipe);
+  // This lane's byte offsets inside a 16-token half (source) and a stage (dest).
+  using SK = Section<RK / 8>;
+  using SV = Section<RV / 8>;
+  const int src_k = (lane / SK::CHP) * s_tok_b + (grp * RK + (lane % SK::CHP) * 8) * (int)sizeof(T);
+  const int src_v = (lane / SV::CHP) * s_tok_b +
+                    (p.k_width + grp * RV + (lane % SV::CHP) * 8) * (int)sizeof(T);
+  const uint32_t dst_k = (uint32_t)(((lane / SK::CHP) * KP + (lane % SK::CHP) * 8) * 2);
+  const uint32_t dst_v = (uint32_t)(kTile * KP * 2 + ((lane / SV::CHP) * VP + (lane % SV::CHP) * 8) * 2);
+  // cos/sin rows of the tile start p0: lanes 0-15 copy cos, 16-31 sin, 16 B each.
+  const float* rope_src = (lane < 16 ? p.cos : p.sin) + 4 * (lane & 15);
+  const uint32_t dst_rope = (uint32_t)(C::ROPE_OFF + 16 * lane);
+
+  // Block ids of the two 16-token halves of the next tile to load, fetched one
+  // tile ahead (past the sequence end the second half repeats the first; its rows
+  // are zero-filled, not read).
+  int nb0 = 0, nb1 = 0;
+  auto fetch_blocks = [&](int k) {
+    if (k < n_mine) {
+      const int t0 = (tile_begin + warp + k * NW) * kTile;
+      nb0 = bt_row[t0 >> p.page_shift];
+      nb1 = t0 + 16 < seq_len ? bt_row[(t0 + 16) >> p.page_shift] : nb0;
+    }
+  };
+  auto issue = [&](int k) {
+    if (k < n_mine) {
+      const int t0 = (tile_begin + warp + k * NW) * kTile;
+      const char* h0 = cache + nb0 * s_blk_b + (int64_t)((t0 & page_mask) * s_tok_b);
+      const char* h1 = cache + nb1 * s_blk_b + (int64_t)(((t0 + 16) & page_mask) * s_tok_b);
+      const uint32_t st = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE);
+      const int n_valid = seq_len - t0;
+      if (n_valid >= kTile) {
+        load_section<RK / 8, KP * 2, true>(st + dst_k, h0 + src_k, h1 + src_k, s_tok_b, lane, n_valid);
+        load_section<RV / 8, VP * 2, true>(st + dst_v, h0 + src_v, h1 + src_v, s_tok_b, lane, n_valid);
+      } else {
+        load_section<RK / 8, KP * 2, false>(st + dst_k, h0 + src_k, h1 + src_k, s_tok_b, lane, n_valid);
+        load_section<RV / 8, VP * 2, false>(st + dst_v, h0 + src_v, h1 + src_v, s_tok_b, lane, n_valid);
+      }
+      cp_async16(st + dst_rope, rope_src + (int64_t)min(t0, p.max_pos - 1) * p.s_rope, 16);
+      fetch_blocks(k + 1);
+    }
+    cp_async_commit();
+  };
+  fetch_blocks(0);
+
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) issue(k);
+  cp_async_wait<STAGES - 1>();   // B_k^T landed (the oldest group)
+  __syncthreads();               // B_k^T, rotation table and query visible to all warps
+
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float oacc[MV][4];
+#pragma unroll
+  for (int i = 0; i < MV; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
+
+  // Per-lane ldmatrix offsets (elements) of the four 8x8 matrices.
+  //   B_k^T x4: rows 8 * (tile + 8 * (lane >= 16)) + lane % 8, k half (lane / 8) & 1
+  const uint32_t bk_lane = smem_u32(s_bk) +
+      2u * (uint32_t)(((lane & 7) + 64 * (lane >> 4)) * KP + 8 * ((lane >> 3) & 1));
+  //   C_k x4 (A operand): token (lane % 8) + 8 * ((lane / 8) & 1), k half lane / 16
+  const uint32_t ck_lane = 2u * (uint32_t)(((lane & 7) + 8 * ((lane >> 3) & 1)) * KP + 8 * (lane >> 4));
+  //   V x4.trans (A = V^T): token (lane % 8) + 8 * (lane / 16), dim half (lane / 8) & 1
+  const uint32_t v_lane = 2u * (uint32_t)(kTile * KP + ((lane & 7) + 8 * (lane >> 4)) * VP +
+                                          8 * ((lane >> 3) & 1));
+  const uint32_t rot_lane = smem_u32(s_rot) + 16u * (uint32_t)(gr * 4 + cq);
+
+  for (int k = 0; k < n_mine; ++k) {
+    issue(k + STAGES - 1);
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const uint32_t st = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE);
+    const int t0 = (tile_begin + warp + k * NW) * kTile;
+
+    const float* rope_row = reinterpret_cast<const float*>(my_pipe + (k % STAGES) * C::STAGE +
+                                                           C::ROPE_OFF);
+
+    // Key latent A fragments of both row tiles.
+    uint32_t ck[2][KS][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        ldsm_x4(ck[mt][ks], st + ck_lane + 2u * (uint32_t)(16 * mt * KP + 16 * ks));
+
+    float sacc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) sacc[mt][0] = sacc[mt][1] = sacc[mt][2] = sacc[mt][3] = 0.f;
+
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+      // acc[mt][j]: n8-tiles 2kc, 2kc+1 (j = 0, 1) and partners 2kc+8, 2kc+9 (j = 2, 3).
+      float acc[2][4][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          uint32_t bf[4];   // {tile 2kc+jj: b0, b1; tile 2kc+8+jj: b0, b1}
+          ldsm_x4(bf, bk_lane + 2u * (uint32_t)((16 * kc + 8 * jj) * KP + 16 * ks));
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            Dt<T>::mma(acc[mt][jj], ck[mt][ks], bf[0], bf[1]);
+            Dt<T>::mma(acc[mt][jj + 2], ck[mt][ks], bf[2], bf[3]);
+          }
+        }
+      }
+      // The query's dims of this chunk rotated by R_{p0}^T, p0 = t0 (cos/sin rows
+      // from the stage): f16 B fragments {16kc.. : b0, b1; 64+16kc.. : b0, b1}.
+      uint32_t qb[4];
+      {
+        const uint4 qv = s_q[kc * 32 + lane];
+        const uint32_t q1s[2] = {qv.x, qv.y}, q2s[2] = {qv.z, qv.w};
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int f = 16 * kc + 8 * hh + 2 * cq;
+          const float2 cv = *reinterpret_cast<const float2*>(rope_row + f);
+          const float2 sv = *reinterpret_cast<const float2*>(rope_row + 64 + f);
+          const __half2 cs = __floats2half2_rn(cv.x, cv.y), sn = __floats2half2_rn(sv.x, sv.y);
+          const __half2 q1 = bits_h2(q1s[hh]), q2 = bits_h2(q2s[hh]);
+          qb[hh] = h2_bits(__hfma2(q1, cs, __hmul2(q2, sn)));
+          qb[2 + hh] = h2_bits(__hfma2(q2, cs, __hneg2(__hmul2(q1, sn))));
+        }
+      }
+      // RoPE by the offset of each row, then score MMAs on the rotated tiles.
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t alo[4], ahi[4];   // A fragments: dims 16kc.. (x1) and 64+16kc.. (x2)
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          uint4 rot;
+          const uint32_t ra = rot_lane + 16u * (uint32_t)((kc * kTile + 16 * mt + 8 * rh) * 4);
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                       : "=r"(rot.x), "=r"(rot.y), "=r"(rot.z), "=r"(rot.w) : "r"(ra));
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            const __half2 cs = bits_h2(jj ? rot.z : rot.x), sn = bits_h2(jj ? rot.w : rot.y);
+            const __half2 x1 = __floats2half2_rn(acc[mt][jj][2 * rh], acc[mt][jj][2 * rh + 1]);
+            const __half2 x2 = __floats2half2_rn(acc[mt][jj + 2][2 * rh], acc[mt][jj + 2][2 * rh + 1]);
+            const __half2 y1 = __hfma2(x1, cs, __hneg2(__hmul2(x2, sn)));
+            const __half2 y2 = __hfma2(x1, sn, __hmul2(x2, cs));
+            alo[2 * jj + rh] = h2_bits(y1);
+            ahi[2 * jj + rh] = h2_bits(y2);
+          }
+        }
+        mma_f16(sacc[mt], alo, qb[0], qb[1]);
+        mma_f16(sacc[mt], ahi, qb[2], qb[3]);
+      }
+    }
+
+    // Rows past the sequence end (last tile only).
+    if (t0 + kTile > seq_len) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          if (t0 + 16 * mt + 8 * (x >> 1) + gr >= seq_len) sacc[mt][x] = -INFINITY;
+    }
+
+    // Online softmax per head column e (heads 2cq + e), base 2.
+    float alpha[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float mx = fmaxf(fmaxf(sacc[0][e], sacc[0][e + 2]), fmaxf(sacc[1][e], sacc[1][e + 2]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+      const float m_new = fmaxf(m_run[e], mx);
+      alpha[e] = exp2f(m_run[e] - m_new);
+      m_run[e] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        sacc[mt][e] = exp2f(sacc[mt][e] - m_new);
+        sacc[mt][e + 2] = exp2f(sacc[mt][e + 2] - m_new);
+        sum += sacc[mt][e] + sacc[mt][e + 2];
+      }
+      l_run[e] = l_run[e] * alpha[e] + sum;
+    }
+#pragma unroll
+    for (int mv = 0; mv < MV; ++mv) {
+      oacc[mv][0] *= alpha[0]; oacc[mv][1] *= alpha[1];
+      oacc[mv][2] *= alpha[0]; oacc[mv][3] *= alpha[1];
+    }
+    // P^T as B operand: movmatrix turns [token x head] 8x8 blocks into [head x token].
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const uint32_t pb0 = movmatrix_t(Dt<T>::pack(sacc[mt][0], sacc[mt][1]));
+      const uint32_t pb1 = movmatrix_t(Dt<T>::pack(sacc[mt][2], sacc[mt][3]));
+#pragma unroll
+      for (int mv = 0; mv < MV; ++mv) {
+        uint32_t va[4];
+        ldsm_x4_t(va, st + v_lane + 2u * (uint32_t)(16 * mt * VP + 16 * mv));
+        Dt<T>::mma(oacc[mv], va, pb0, pb1);
+      }
+    }
+    __syncwarp();   // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps' states: l over the 8 row lanes, then across warps ----
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 4);
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 8);
+    l_run[e] += __shfl_xor_sync(0xffffffffu, l_run[e], 16);
+  }
+  __syncthreads();   // all warps left the pipeline: its smem becomes the merge buffer
+  float* part = reinterpret_cast<float*>(s_pipe);   // [NW][8 heads][RV + 2] (m, l, O)
+  {
+    float* mine = part + warp * 8 * (RV + 2);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = 2 * cq + e;
+      if (gr == 0) {
+        mine[h * (RV + 2) + RV] = m_run[e];
+        mine[h * (RV + 2) + RV + 1] = l_run[e];
+      }
+#pragma unroll
+      for (int mv = 0; mv < MV; ++mv) {
+        mine[h * (RV + 2) + 16 * mv + gr] = oacc[mv][e];
+        mine[h * (RV + 2) + 16 * mv + 8 + gr] = oacc[mv][2 + e];
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < HG * RV; e += NW * 32) {
+    const int h = e / RV, j = e % RV;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, part[(w * 8 + h) * (RV + 2) + RV]);
+    float l = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float* pw = part + (w * 8 + h) * (RV + 2);
+        const float sc = exp2f(pw[RV] - mx);
+        l += sc * pw[RV + 1];
+        o += sc * pw[j];
+      }
+    }
+    const float res = l > 0.f ? o / l : 0.f;
+    const int head = grp * HG + h;
+    const int64_t col = (int64_t)head * RV + j;
+    if (p.num_splits > 1) {
+      const int64_t row = (int64_t)b * p.num_splits + split;
+      p.out[row * p.out_width + col] = res;
+      if (j == 0) p.lse[row * p.num_heads + head] = l > 0.f ? mx + __log2f(l) : -INFINITY;
+    } else {
+      p.out[(int64_t)b * p.out_width + col] = res;
+      if (j == 0 && p.lse != nullptr)
+        p.lse[(int64_t)b * p.num_heads + head] =
+            l > 0.f ? (mx + __log2f(l)) * 0.6931471805599453f : -INFINITY;
+    }
+  }
+}
+
+// Merge split partials: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) per head;
+// grid (B, H), one thread per value column of the head (r_v columns).
+__global__ void reduce_kernel(const float* __restrict__ po, const float* __restrict__ plse,
+                              float* __restrict__ out, float* __restrict__ lse, int num_splits,
+                              int num_heads, int out_width, int rv) {
+  const int b = blockIdx.x, head = blockIdx.y;
+  const int64_t base = (int64_t)b * num_splits;
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, plse[(base + s) * num_heads + head]);
+  for (int j = threadIdx.x; j < rv; j += blockDim.x) {
+    float den = 0.f, num = 0.f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < num_splits; ++s) {
+        const float w = exp2f(plse[(base + s) * num_heads + head] - mx);
+        den += w;
+        if (w > 0.f) num += w * po[(base + s) * out_width + (int64_t)head * rv + j];
+      }
+    }
+    out[(int64_t)b * out_width + (int64_t)head * rv + j] = den > 0.f ? num / den : 0.f;
+    if (j == 0 && lse != nullptr)
+      lse[(int64_t)b * num_heads + head] =
+          den > 0.f ? (mx + __log2f(den)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+}  // namespace latent_decode
+
+#ifndef LATENT_DECODE_STANDALONE
+namespace latent_decode {
+
+// Ranks with a compiled kernel (each a multiple of 16, <= 128); others take the
+// Triton path (see vllm_lowrank/cuda_ext.py: decode_ranks()).
+#define LATENT_DECODE_RANKS(X, RK) X(RK, 16) X(RK, 32) X(RK, 48) X(RK, 64) X(RK, 96) X(RK, 128)
+#define LATENT_DECODE_ALL(X)                                                        \
+  LATENT_DECODE_RANKS(X, 16) LATENT_DECODE_RANKS(X, 32) LATENT_DECODE_RANKS(X, 48) \
+  LATENT_DECODE_RANKS(X, 64) LATENT_DECODE_RANKS(X, 96) LATENT_DECODE_RANKS(X, 128)
+
+template <int RK, int RV, typename T>
+void launch(const Params& p, dim3 grid, cudaStream_t stream, int device) {
+  using C = Cfg<RK, RV>;
+  // The >48 KB dynamic shared memory opt-in, once per device and kernel.
+  static uint64_t attr_done = 0;
+  if (!(attr_done >> device & 1)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<RK, RV, T>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+    attr_done |= uint64_t(1) << device;
+  }
+  decode_kernel<RK, RV, T><<<grid, C::NW * 32, C::SMEM, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+bool dispatch(int rk, int rv, const Params& p, dim3 grid, cudaStream_t stream, int device) {
+#define LATENT_DECODE_CASE(RK, RV) \
+  if (rk == RK && rv == RV) { launch<RK, RV, T>(p, grid, stream, device); return true; }
+  LATENT_DECODE_ALL(LATENT_DECODE_CASE)
+#undef LATENT_DECODE_CASE
+  return false;
+}
+
+}  // namespace latent_decode
+
+// (warps per CTA, pipeline stages, dynamic shared memory bytes) of the (r_k, r_v)
+// kernel, or (0, 0, 0) when no kernel is compiled for these ranks.
+std::vector<int64_t> latent_decode_config(int64_t rk, int64_t rv) {
+  using namespace latent_decode;
+#define LATENT_DECODE_CFG(RK, RV) \
+  if (rk == RK && rv == RV) return {Cfg<RK, RV>::NW, Cfg<RK, RV>::STAGES, Cfg<RK, RV>::SMEM};
+  LATENT_DECODE_ALL(LATENT_DECODE_CFG)
+#undef LATENT_DECODE_CFG
+  return {0, 0, 0};
+}
+
+// See vllm_lowrank/cuda_ext.py: latent_decode_pre_rope (checks, shapes, dtypes).
+void latent_decode_pre_rope(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
+                            torch::Tensor seq_lens, torch::Tensor bkt, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor out, c10::optional<torch::Tensor> lse,
+                            int64_t num_splits, double qk_scale, bool gptj) {
+  using namespace latent_decode;
+  TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.size(2) == kHeadDim &&
+              query.stride(2) == 1, "query must be CUDA [B, H, 128], last dim contiguous");
+  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 1 && cache.stride(3) == 1 &&
+              cache.scalar_type() == query.scalar_type(),
+              "cache must be [num_blocks, 1, block_size, Rk + Rv] in the query dtype, "
+              "last dim contiguous");
+  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kHalf,
+              "query / cache must be bfloat16 or float16");
+  TORCH_CHECK(bkt.dim() == 3 && bkt.size(1) == kHeadDim && bkt.is_contiguous() &&
+              bkt.scalar_type() == query.scalar_type(),
+              "key weights must be contiguous [num_groups, 128, r_k] in the cache dtype");
+  const int64_t B = query.size(0), H = query.size(1), ng = bkt.size(0), rk = bkt.size(2);
+  const int64_t page = cache.size(2);
+  TORCH_CHECK(ng > 0 && H % ng == 0 && H / ng <= 8, "num_heads must be num_groups x (<= 8)");
+  TORCH_CHECK((cache.size(3) - ng * rk) % ng == 0, "cache slot width is not Rk + num_groups * r_v");
+  const int64_t rv = (cache.size(3) - ng * rk) / ng;
+  TORCH_CHECK(page >= 16 && (page & (page - 1)) == 0, "block_size must be a power of two >= 16");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
+              seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
+              seq_lens.numel() == B, "block_table [B, max_blocks] / seq_lens [B] must be int32");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.dim() == 2 && cos.size(1) == kHeadDim / 2 && cos.sizes() == sin.sizes() &&
+              cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0) &&
+              cos.stride(0) % 4 == 0 && (uintptr_t)cos.data_ptr() % 16 == 0 &&
+              (uintptr_t)sin.data_ptr() % 16 == 0,
+              "cos/sin must be float32 [max_pos, 64] with 16-byte aligned rows");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == B &&
+              out.size(1) == H * rv, "out must be contiguous float32 [B, H * r_v]");
+  TORCH_CHECK(!lse.has_value() || (lse->scalar_type() == torch::kFloat32 && lse->is_contiguous() &&
+              lse->numel() == B * H), "lse must be contiguous float32 [B, H]");
+  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1");
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (B == 0) return;
+  Params p{};
+  p.query = query.data_ptr(); p.s_qb = query.stride(0); p.s_qh = query.stride(1);
+  p.cache = cache.data_ptr(); p.s_blk = cache.stride(0); p.s_tok = cache.stride(2);
+  p.block_table = block_table.data_ptr<int>(); p.s_bt = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.bkt = bkt.data_ptr();
+  p.cos = cos.data_ptr<float>(); p.sin = sin.data_ptr<float>();
+  p.s_rope = cos.stride(0); p.max_pos = (int)cos.size(0);
+  int shift = 0;
+  while ((int64_t(1) << shift) < page) ++shift;
+  p.page_shift = shift;
+  p.heads_per_group = (int)(H / ng); p.num_heads = (int)H; p.num_splits = (int)num_splits;
+  p.out_width = (int)(H * rv); p.k_width = (int)(ng * rk);
+  p.qk_scale = (float)qk_scale; p.gptj = gptj ? 1 : 0;
+  torch::Tensor po, plse;
+  if (num_splits > 1) {
+    po = torch::empty({B, num_splits, H * rv}, out.options());
+    plse = torch::empty({B, num_splits, H}, out.options());
+    p.out = po.data_ptr<float>(); p.lse = plse.data_ptr<float>();
+  } else {
+    p.out = out.data_ptr<float>(); p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  }
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int device = query.get_device();
+  const dim3 grid((unsigned)num_splits, (unsigned)ng, (unsigned)B);
+  const bool ok = query.scalar_type() == torch::kBFloat16
+                      ? dispatch<__nv_bfloat16>((int)rk, (int)rv, p, grid, stream, device)
+                      : dispatch<__half>((int)rk, (int)rv, p, grid, stream, device);
+  TORCH_CHECK(ok, "no compiled decode kernel for r_k = ", rk, ", r_v = ", rv);
+  if (num_splits > 1) {
+    reduce_kernel<<<dim3((unsigned)B, (unsigned)H), (unsigned)((rv + 31) / 32 * 32), 0, stream>>>(
+        po.data_ptr<float>(), plse.data_ptr<float>(), out.data_ptr<float>(),
+        lse.has_value() ? lse->data_ptr<float>() : nullptr, (int)num_splits, (int)H,
+        (int)(H * rv), (int)rv);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+#endif
+
+#ifdef LATENT_DECODE_STANDALONE
+// SASS / resource inspection without torch:
+//   nvcc -DLATENT_DECODE_STANDALONE -gencode=arch=compute_90a,code=sm_90a -O3 \
+//        --use_fast_math -cubin -Xptxas -v csrc/latent_decode.cu
+template __global__ void latent_decode::decode_kernel<64, 64, __nv_bfloat16>(const latent_decode::Params);
+template __global__ void latent_decode::decode_kernel<32, 32, __nv_bfloat16>(const latent_decode::Params);
+template __global__ void latent_decode::decode_kernel<128, 128, __nv_bfloat16>(const latent_decode::Params);
+#endif
