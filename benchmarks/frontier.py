@@ -61,7 +61,42 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
         "ours", {**TALE, "ratio": 0.5, "k_bits": 2, "v_bits": 2}),
     "latent 0.25, K4 per channel, V4, sink 32 + recent 128": (
         "ours", {**TALE, "ratio": 0.25, "k_bits": 4, "v_bits": 4}),
+    # byte-budget allocation (ranks and bits per layer), sink 32 + recent 128
+    "allocated 8x, sink 32 + recent 128": ("ours", {"allocate": 8.0, **TALE}),
+    "allocated 8x, sink 32 + recent 64": ("ours", {"allocate": 8.0, **TALE, "recent_tokens": 64}),
+    "allocated 6x, sink 32 + recent 128": ("ours", {"allocate": 6.0, **TALE}),
 }
+
+
+def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
+    """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
+    (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
+    model's default fisher artifact, cached under the plugin's cache root)."""
+    from vllm_lowrank.calibration.allocate import budget_artifact
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models.compression import cache_root, load_or_calibrate
+
+    serving = {k: v for k, v in cfg.items() if k != "allocate"}
+    name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
+        f"{k}{v}" for k, v in sorted(serving.items()))
+    path = os.path.join(cache_root(), "artifacts", name)
+    if not os.path.isdir(path):
+        settings = LowRankConfig.from_dict({"mode": "lowrank", **serving,
+                                            "k_bits": 8, "v_bits": 8})
+        artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
+        out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
+                                 context=context, block_size=block, choose_knobs=False)
+        out.save(path)
+    return path
+
+
+def compression_of(model: str, cfg: dict | None, context: int, block: int) -> dict | None:
+    """The ``kv_compression`` settings a setting is served with."""
+    if cfg is None:
+        return None
+    if "allocate" in cfg:
+        return {"mode": "lowrank", "artifact": allocation_artifact(model, cfg, context, block)}
+    return {"mode": "lowrank", **cfg}
 
 
 def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[int, float]:
@@ -82,9 +117,16 @@ def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import exact_tokens, slot_layouts
 
-    settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})
+    if "allocate" in cfg:  # serving settings as given, bits per layer as built
+        settings = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 8, "v_bits": 8,
+                                            **{k: v for k, v in cfg.items() if k != "allocate"}})
+        bits = [tuple(la["bits"]) for la in layers.values()]
+    else:
+        settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})
+        bits = None
     ranks = [(la["k_ranks"], la["v_ranks"]) for la in layers.values()]
-    layouts = slot_layouts(settings, ranks) or [None] * len(ranks)
+    layouts = (slot_layouts(settings, ranks, bits, one_page=settings.token_adaptive)
+               or [None] * len(ranks))
     exact = exact_tokens(settings, block)
     original, allocated = 0, 0.0
     for layer, layout in zip(layers.values(), layouts):
@@ -104,6 +146,8 @@ def _label(name: str) -> str:
     kind, cfg = SETTINGS[name]
     if kind == "peer":
         return name.split(" (")[0].replace("-style int", "-").replace(" per token", "")
+    if "allocate" in cfg:
+        return name.split(",")[0]
     k = f"K{cfg['k_bits']}" + ("c" if cfg.get("k_quant") == "channel" else "")
     return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
 
@@ -163,7 +207,8 @@ def main() -> None:
         if name in results:
             continue
         kind, cfg = SETTINGS[name]
-        spec = {"model": model, "compression": None if cfg is None else {"mode": "lowrank", **cfg},
+        spec = {"model": model,
+                "compression": compression_of(model, cfg, args.context, args.block_size),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
                 "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
         results[name] = run_setting(spec)

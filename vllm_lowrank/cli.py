@@ -4,6 +4,9 @@ Subcommands:
 
 - ``prepare-model [NAME]``: convert an embedded model once, print its folder.
 - ``calibrate MODEL --output DIR``: write a calibration artifact.
+- ``allocate MODEL --output DIR (--ratio X | --bytes-per-token N | --ppl-increase P)``:
+  byte-budget allocation of ranks and bits, written as an artifact
+  (:mod:`vllm_lowrank.calibration.allocate`).
 - ``perplexity MODEL --config JSON [--config JSON ...]``: baseline and compressed
   perplexity through vLLM on held-out real text, as a table.
 
@@ -80,6 +83,35 @@ def _calibrate(args) -> None:
           f"{artifact.group_size}, {cal['tokens']} calibration tokens, {cal['seconds']} s")
 
 
+def _allocate(args) -> None:
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.calibration.allocate import budget_artifact
+    from vllm_lowrank.models.compression import load_or_calibrate
+
+    raw = parse_config_text(args.config) if args.config else {}
+    raw.setdefault("mode", "lowrank")
+    if {"k_bits", "v_bits"} & set(raw):
+        raise LowRankConfigError("allocate chooses k_bits and v_bits per layer; drop them "
+                                 "from --config")
+    # validation of k_quant "channel" wants quantized keys; the bits are chosen below
+    cfg = LowRankConfig.from_dict({**raw, "k_bits": 8, "v_bits": 8})
+    path = resolve_model(args.model)
+    if args.artifact == "auto":
+        artifact, _ = load_or_calibrate(path, cfg)
+    else:
+        artifact = art.load_artifact(args.artifact)
+    out, report = budget_artifact(
+        path, artifact, cfg, ratio=args.ratio, bytes_per_token=args.bytes_per_token,
+        ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
+        context=args.context, block_size=args.block_size, num_windows=args.windows,
+        choose_knobs=not args.fixed_knobs)
+    out.save(args.output)
+    serving = out.manifest["ranks"]["serving"]
+    print(f"wrote {args.output}: {report['bytes_per_token']:.1f} B per token "
+          f"({report['compression_ratio']:.2f}x at {args.context} tokens), estimated loss "
+          f"+{report['objective_nats']:.4f} nats; serving settings {json.dumps(serving)}")
+
+
 def _perplexity(args) -> None:
     from vllm_lowrank.evaluation import run_setting
 
@@ -150,6 +182,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text: .txt, or .jsonl with a \"text\" field "
                         "(default: Wikipedia (gensim excerpt), calibration split)")
     s.set_defaults(func=_calibrate)
+
+    s = sub.add_parser("allocate", help="byte-budget allocation of ranks and bits -> artifact")
+    s.add_argument("model", help="Hugging Face folder or embedded alias")
+    s.add_argument("--output", required=True, help="artifact directory to write")
+    s.add_argument("--artifact", default="auto",
+                   help="fisher artifact to start from (default: the cached default)")
+    target = s.add_mutually_exclusive_group(required=True)
+    target.add_argument("--ratio", type=float, help="compression ratio (16-bit K+V / bytes)")
+    target.add_argument("--bytes-per-token", type=float, help="bytes per token, all layers")
+    target.add_argument("--ppl-increase", type=float,
+                        help="estimated perplexity increase in percent (objective budget)")
+    s.add_argument("--config", default=None,
+                   help="serving settings the allocation assumes (JSON or path): "
+                        "token_adaptive, sink_tokens, recent_tokens, k_quant, "
+                        "k_channel_tokens, quant_group_size, hadamard")
+    s.add_argument("--context", type=int, default=4096,
+                   help="tokens per sequence that amortise the exact tokens")
+    s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
+    s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
+    s.add_argument("--fixed-knobs", action="store_true",
+                   help="keep hadamard and k_quant as given (default: also try the other)")
+    s.set_defaults(func=_allocate)
 
     s = sub.add_parser("perplexity", help="baseline vs compressed perplexity through vLLM")
     s.add_argument("model", help="Hugging Face folder or embedded alias")

@@ -156,22 +156,21 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return out.reshape(codes.shape)
 
 
-def page_padding(widths, natural_bytes) -> int | None:
+def page_padding(natural_bytes, one_page: bool) -> int | None:
     """Slot size that gives every layer of a model one page size, or ``None``.
 
-    Layers with equal latent widths (the token-adaptive mode and hybrid
-    models, where vLLM needs one page size) but different K/V splits get
-    different natural slot sizes once K and V are stored differently (bits,
-    per-channel key shares); they are padded to the largest, rounded up to 4
-    bytes. Layers of different widths (one cache group of per-layer sizes) are
-    left alone.
+    Where vLLM needs one page size for all layers (the token-adaptive mode and
+    hybrid models), layers whose natural slot sizes differ (different K/V
+    splits once K and V are stored differently, per-channel key shares, or
+    bits per layer) are padded to the largest, rounded up to 4 bytes. Layers
+    in one cache group of per-layer sizes (``one_page`` false) are left alone.
 
     Args:
-        widths: Latent width ``Rk + Rv`` of each layer.
         natural_bytes: Unpadded :attr:`SlotLayout.slot_bytes` of each layer.
+        one_page: vLLM needs one page size.
     """
     sizes = set(natural_bytes)
-    if len(set(widths)) == 1 and len(sizes) > 1:
+    if one_page and len(sizes) > 1:
         return -(-max(sizes) // 4) * 4
     return None
 

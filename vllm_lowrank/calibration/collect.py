@@ -141,3 +141,156 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
         for p in params:
             p.requires_grad_(True)
     return stats
+
+
+def collect_projected(model, windows: list[list[int]],
+                      projections: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Project every layer's k/v projection input onto given columns.
+
+    Used to measure how the cache's quantizer treats real latents
+    (:mod:`vllm_lowrank.factorization.budget`).
+
+    Args:
+        model: Hugging Face causal LM (as for :func:`collect_stats`).
+        windows: Token id lists; their positions are concatenated in order.
+        projections: ``{layer: [hidden, m]}`` float columns (e.g. the full
+            key and value down-projections ``A`` of every head group).
+
+    Returns:
+        ``{layer: [sum(len(w)), m]}`` float32, ``x @ projections[layer]`` for
+        every position of every window.
+    """
+    out: dict[int, list[torch.Tensor]] = {i: [] for i in projections}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        if i not in projections:
+            continue
+
+        def on_kv_input(_mod, args, i=i):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            out[i].append(x @ projections[i].float())
+
+        handles.append(layer.self_attn.k_proj.register_forward_pre_hook(on_kv_input))
+    try:
+        with torch.no_grad():
+            for ids in windows:
+                model(torch.tensor([ids]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: torch.cat(parts) for i, parts in out.items()}
+
+
+def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent: int,
+                          inv_freq, neox: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Second moments of the loss gradient with respect to the keys and values
+    that a token-adaptive cache reads from latents.
+
+    In the token-adaptive mode a query at position ``s`` reads key/value ``t``
+    exactly when ``t < sink`` or ``s - t < recent``, and from the latent cache
+    otherwise. Each layer's attention adds a zero perturbation to the keys and
+    values that only the latent-read entries see, so the gradient with respect
+    to it is the sensitivity of the loss to the latents' errors (the K-FAC output factor ``G`` of
+    :func:`collect_stats`, restricted to what the cache approximates). Key
+    gradients are rotated back to pre-RoPE coordinates (``R_t^T g``; the
+    rotation is orthogonal), where the latents live.
+
+    Args:
+        model: Hugging Face Llama-style causal LM (keys go straight from
+            ``k_proj`` to RoPE: no QK-norm), float32.
+        windows: Token id lists (same length).
+        sink, recent: Exact positions of the cache (tokens).
+        inv_freq: ``inv_freq(layer) -> [rot/2]`` RoPE inverse frequencies.
+        neox: RoPE pair layout.
+
+    Returns:
+        Per layer ``(gk, gv)``, ``[kv_width, kv_width]`` float64 per-position means.
+
+    Raises:
+        LowRankConfigError: the model has QK-norm (not supported here).
+    """
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    from vllm_lowrank.config import LowRankConfigError
+
+    layers = model.model.layers
+    if any(hasattr(la.self_attn, "k_norm") for la in layers):
+        raise LowRankConfigError("byte-budget allocation with exact tokens supports "
+                                 "Llama-style attention without QK-norm")
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def far_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                      **kwargs):
+        # zero perturbations seen by the latent-read entries only: their
+        # gradients are the sensitivities, and every other path stays intact
+        dk = torch.zeros_like(key, requires_grad=True)
+        dv = torch.zeros_like(value, requires_grad=True)
+        leaves[module.layer_idx] = (dk, dv)
+        kf, vf = key + dk, value + dv
+        n = module.num_key_value_groups
+        length = key.shape[2]
+        pos = torch.arange(length)
+        far = ((pos[:, None] - pos[None, :]) >= recent) & (pos[None, :] >= sink)
+        s_near = query @ repeat_kv(key, n).transpose(2, 3)
+        s_far = query @ repeat_kv(kf, n).transpose(2, 3)
+        # one unpadded window per call: causal by construction (the mask format
+        # HF passes to a custom attention function is not relied on)
+        s = torch.where(far, s_far, s_near) * scaling
+        s = s.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+        out = (torch.where(far, p, 0) @ repeat_kv(vf, n)
+               + torch.where(far, 0, p) @ repeat_kv(value, n))
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("lowrank_far", far_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("lowrank_far")
+    num_kv = layers[0].self_attn.config.num_key_value_heads
+    head_dim = layers[0].self_attn.head_dim
+    sums = [(torch.zeros(num_kv * head_dim, num_kv * head_dim, dtype=torch.float64),
+             torch.zeros(num_kv * head_dim, num_kv * head_dim, dtype=torch.float64))
+            for _ in layers]
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    tokens = 0
+    try:
+        for ids in windows:
+            ids_t = torch.tensor([ids])
+            leaves.clear()
+            logits = model(ids_t, use_cache=False).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.float(), ids_t[0, 1:],
+                                                     reduction="sum")
+            grads = torch.autograd.grad(loss, [t for i in sorted(leaves) for t in leaves[i]])
+            for i in sorted(leaves):
+                gk, gv = grads[2 * i][0], grads[2 * i + 1][0]  # [kv, T, d]
+                gk = _unrotate(gk, inv_freq(i), neox)
+                for buf, g in zip(sums[i], (gk, gv)):
+                    flat = g.transpose(0, 1).reshape(g.shape[1], -1).double()
+                    buf += flat.T @ flat
+            tokens += len(ids)
+    finally:
+        model.set_attn_implementation(previous)
+        for p in params:
+            p.requires_grad_(True)
+    return [(gk / tokens, gv / tokens) for gk, gv in sums]
+
+
+def _unrotate(g: torch.Tensor, inv_freq: torch.Tensor, neox: bool) -> torch.Tensor:
+    """``R_t^T g_t`` for ``g [..., T, d]``: the inverse RoPE rotation of each
+    position (dimensions past ``2 * len(inv_freq)`` are not rotated)."""
+    from vllm_lowrank.factorization.bases import rotate_half_matrix
+
+    length, d = g.shape[-2], g.shape[-1]
+    rot = 2 * inv_freq.numel()
+    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
+    ang = torch.cat([ang, ang], 1) if neox else ang.repeat_interleave(2, 1)
+    cos = torch.ones(length, d, dtype=torch.float64)
+    sin = torch.zeros(length, d, dtype=torch.float64)
+    cos[:, :rot], sin[:, :rot] = ang.cos(), ang.sin()
+    p = rotate_half_matrix(d, neox) if rot == d else torch.block_diag(
+        rotate_half_matrix(rot, neox), torch.zeros(d - rot, d - rot, dtype=torch.float64))
+    x = g.double()
+    # forward y = R x with R = diag(cos) + diag(sin) P; R^T g = g cos + P^T (g sin)
+    return x * cos - (x * sin) @ p.T

@@ -65,6 +65,11 @@ class ModelCompression:
         artifact_path: Where the artifact came from (for messages).
         exact_tokens: ``(sink, recent)`` of the token-adaptive mode in tokens,
             rounded up to whole KV blocks, or ``None`` when it is off.
+        bits: ``{layer: (k_bits, v_bits)}`` fixed by a byte-budget allocation
+            (:mod:`vllm_lowrank.calibration.allocate`), or ``None``: the
+            config's bits everywhere.
+        one_page: vLLM needs one page size (token-adaptive mode, hybrid
+            models): slots are padded to one size; ``None``: inferred.
     """
 
     cfg: LowRankConfig
@@ -72,6 +77,8 @@ class ModelCompression:
     artifact: art.Artifact | None
     artifact_path: str | None
     exact_tokens: tuple[int, int] | None = None
+    bits: dict[int, tuple[int, int]] | None = None
+    one_page: bool | None = None
 
     @property
     def post_rope(self) -> bool:
@@ -88,7 +95,9 @@ class ModelCompression:
     @functools.cached_property
     def _layouts(self):
         """``{layer: SlotLayout}`` (:func:`slot_layouts`), or ``None``."""
-        layouts = slot_layouts(self.cfg, [(p.k_ranks, p.v_ranks) for p in self.plans.values()])
+        layouts = slot_layouts(self.cfg, [(p.k_ranks, p.v_ranks) for p in self.plans.values()],
+                               None if self.bits is None else [self.bits[i] for i in self.plans],
+                               self.one_page)
         return None if layouts is None else dict(zip(self.plans, layouts))
 
     def layout(self, layer: int):
@@ -96,6 +105,10 @@ class ModelCompression:
         slot (padded as :func:`slot_layouts` says), or ``None`` when latents are
         stored unquantized."""
         return None if self._layouts is None else self._layouts[layer]
+
+    def layer_bits(self, layer: int) -> tuple[int, int]:
+        """``(k_bits, v_bits)`` of ``layer`` (16: stored in the model dtype)."""
+        return self.bits[layer] if self.bits is not None else (self.cfg.k_bits, self.cfg.v_bits)
 
     def bytes_per_token(self, dtype_bytes: int) -> tuple[int, int]:
         """(original, stored) KV bytes per token over this worker's layers, for
@@ -128,7 +141,7 @@ class ModelCompression:
             "method": self.artifact.manifest["method"] if self.artifact else "svd",
             "artifact": self.artifact_path or "none",
             "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks),
-                           "kv_width": p.shape.kv_width}
+                           "kv_width": p.shape.kv_width, "bits": list(self.layer_bits(i))}
                        for i, p in self.plans.items()},
             "original_bytes_per_token": original,
             "stored_bytes_per_token": stored,
@@ -145,8 +158,12 @@ class ModelCompression:
         source = self.artifact_path or (
             "none needed (full rank: identity bases)" if self.cfg.ratio == 1.0 and not self.cfg.ranks
             else "weight SVD (no calibration)")
-        bits = (f", K/V latents at {self.cfg.k_bits}/{self.cfg.v_bits} bits"
-                if self.cfg.quantized else "")
+        if self.bits is not None:
+            mean = [sum(b[s] for b in self.bits.values()) / len(self.bits) for s in (0, 1)]
+            bits = f", K/V bits per layer (mean {mean[0]:.1f}/{mean[1]:.1f})"
+        else:
+            bits = (f", K/V latents at {self.cfg.k_bits}/{self.cfg.v_bits} bits"
+                    if self.cfg.quantized else "")
         return (f"{len(plans)} layers, mean latent width K {k:.1f} / V {v:.1f}{bits}, "
                 f"compression ratio {original / stored:.2f}x (vs 16-bit K/V), "
                 f"bases from {source}")
@@ -271,47 +288,87 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
                 f"{artifact.group_size} ({path}); drop group_size or recalibrate"
             )
         cfg = dataclasses.replace(cfg, group_size=artifact.group_size)
+        cfg, bits = allocation_settings(cfg, artifact, path)
+        exact = exact_tokens(cfg, vllm_config.cache_config.block_size)
     else:
         logger.warning("vllm-lowrank: no calibration artifact; using plain weight SVD "
                        "with uniform ranks (artifact=%r, method=%r). Expect a large "
                        "accuracy loss; calibrate for real use.", cfg.artifact, cfg.method)
+        bits = None
     per_layer = mixes_attention_kinds(hf_config) or cfg.token_adaptive
     plans = _plans(cfg, shapes, artifact, per_layer=per_layer)
     return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path,
-                            exact_tokens=exact)
+                            exact_tokens=exact, bits=bits, one_page=per_layer)
 
 
-def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequence[int]]]):
+def allocation_settings(cfg: LowRankConfig, artifact: art.Artifact, path: str):
+    """The settings and per-layer bits of an artifact's byte-budget allocation
+    (:mod:`vllm_lowrank.calibration.allocate`), or ``(cfg, None)`` without one.
+
+    The allocation was solved for particular serving settings (exact tokens,
+    per-channel keys, Hadamard, quantization groups); they are taken from the
+    artifact. A setting given explicitly with another value is refused, as are
+    ``k_bits`` / ``v_bits`` (the artifact fixes bits per layer).
+
+    Raises:
+        LowRankConfigError: a conflicting setting.
+    """
+    stored = artifact.manifest.get("ranks") or {}
+    if "bits" not in stored:
+        return cfg, None
+    defaults = LowRankConfig()
+    if (cfg.k_bits, cfg.v_bits) != (defaults.k_bits, defaults.v_bits):
+        raise LowRankConfigError(
+            f"{path} fixes K/V bits per layer (a byte-budget allocation); drop "
+            f"k_bits/v_bits (got {cfg.k_bits}/{cfg.v_bits}) or use another artifact")
+    serving = stored["serving"]
+    for key, value in serving.items():
+        given = getattr(cfg, key)
+        if given != getattr(defaults, key) and given != value:
+            raise LowRankConfigError(
+                f"{path} was allocated for {key}={value!r}; drop {key} (got {given!r}) "
+                "or allocate again with it")
+    bits = {int(i): (int(b[0]), int(b[1])) for i, b in stored["bits"].items()}
+    return dataclasses.replace(cfg, **serving), bits
+
+
+def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequence[int]]],
+                 bits: Sequence[tuple[int, int]] | None = None, one_page: bool | None = None):
     """Packed slot layout of every layer, or ``None`` when ``cfg`` stores
-    latents unquantized.
+    latents unquantized and no per-layer ``bits`` are given.
 
-    When every layer has the same latent width but the slots' natural sizes
-    differ (a K/V split that differs by layer, with K and V stored at
-    different bits or per-channel keys), every slot is padded to the largest
-    (:func:`~vllm_lowrank.quantization.page_padding`), so that vLLM sees one
-    page size (it needs one across cache groups).
+    When vLLM needs one page size (``one_page``; ``None``: inferred as "every
+    layer has the same latent width", the token-adaptive mode and hybrid
+    models) but the slots' natural sizes differ (a K/V split or bits that
+    differ by layer, per-channel key shares), every slot is padded to the
+    largest (:func:`~vllm_lowrank.quantization.page_padding`).
 
     Args:
         cfg: The settings (bits, quantization groups, per-channel keys).
         ranks: ``(k_ranks, v_ranks)`` per head group, one pair per layer.
+        bits: ``(k_bits, v_bits)`` per layer (a byte-budget allocation), or
+            ``None``: ``cfg.k_bits`` / ``cfg.v_bits`` everywhere. Per-channel
+            keys (``cfg.k_quant``) apply to the layers whose keys are quantized.
+        one_page: Pad every slot to one size (see above).
 
     Returns:
         ``[SlotLayout]`` in the order of ``ranks``, or ``None``.
     """
-    if not cfg.quantized:
+    if not cfg.quantized and bits is None:
         return None
     from vllm_lowrank.quantization import SlotLayout, page_padding
 
     q = cfg.quant_group_size
-    channel = cfg.k_channel_tokens if cfg.k_quant == "channel" else None
+    bits = list(bits) if bits is not None else [(cfg.k_bits, cfg.v_bits)] * len(ranks)
 
-    def make(k, v, pad_to=None):
-        return SlotLayout(k, v, cfg.k_bits, cfg.v_bits, q, q, k_channel_tokens=channel,
-                          pad_to=pad_to)
+    def make(k, v, b, pad_to=None):
+        channel = cfg.k_channel_tokens if cfg.k_quant == "channel" and b[0] < 16 else None
+        return SlotLayout(k, v, b[0], b[1], q, q, k_channel_tokens=channel, pad_to=pad_to)
 
-    pad = page_padding([sum(k) + sum(v) for k, v in ranks],
-                       [make(k, v).slot_bytes for k, v in ranks])
-    return [make(k, v, pad) for k, v in ranks]
+    if one_page is None:
+        one_page = len({sum(k) + sum(v) for k, v in ranks}) == 1
+    pad = page_padding([make(k, v, b).slot_bytes for (k, v), b in zip(ranks, bits)], one_page)
+    return [make(k, v, b, pad) for (k, v), b in zip(ranks, bits)]
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
