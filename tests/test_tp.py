@@ -172,7 +172,8 @@ def test_half_ratio_tp2_equals_tp1(half_tp1, half_tp2):
         assert state["parallel"]["tp"] == rank
         assert state["layers"] == {i: {"k_ranks": [r["k_ranks"][rank]],
                                        "v_ranks": [r["v_ranks"][rank]],
-                                       "kv_width": r["kv_width"] // 2}
+                                       "kv_width": r["kv_width"] // 2,
+                                       "bits": r["bits"]}
                                    for i, r in tp1_ranks.items()}
 
 
