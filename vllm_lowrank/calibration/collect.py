@@ -280,17 +280,9 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
 def _unrotate(g: torch.Tensor, inv_freq: torch.Tensor, neox: bool) -> torch.Tensor:
     """``R_t^T g_t`` for ``g [..., T, d]``: the inverse RoPE rotation of each
     position (dimensions past ``2 * len(inv_freq)`` are not rotated)."""
-    from vllm_lowrank.factorization.bases import rotate_half_matrix
+    from vllm_lowrank.factorization.bases import rope_tables
 
-    length, d = g.shape[-2], g.shape[-1]
-    rot = 2 * inv_freq.numel()
-    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]
-    ang = torch.cat([ang, ang], 1) if neox else ang.repeat_interleave(2, 1)
-    cos = torch.ones(length, d, dtype=torch.float64)
-    sin = torch.zeros(length, d, dtype=torch.float64)
-    cos[:, :rot], sin[:, :rot] = ang.cos(), ang.sin()
-    p = rotate_half_matrix(d, neox) if rot == d else torch.block_diag(
-        rotate_half_matrix(rot, neox), torch.zeros(d - rot, d - rot, dtype=torch.float64))
+    cos, sin, p = rope_tables(g.shape[-2], inv_freq, g.shape[-1], neox)
     x = g.double()
     # forward y = R x with R = diag(cos) + diag(sin) P; R^T g = g cos + P^T (g sin)
     return x * cos - (x * sin) @ p.T

@@ -193,6 +193,33 @@ def rotate_half_matrix(dim: int, neox: bool) -> torch.Tensor:
     return p
 
 
+def rope_tables(length: int, inv_freq: torch.Tensor, dim: int, neox: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE as ``R_t = diag(c_t) + diag(s_t) P`` for positions ``t = 0..length-1``.
+
+    Args:
+        length: Positions.
+        inv_freq: ``[rot/2]`` inverse frequencies (radians per position).
+        dim: Head width ``d >= rot``; dimensions past ``rot`` are not rotated.
+        neox: neox (half split) or gptj (interleaved) pair layout.
+
+    Returns:
+        ``(c [length, d], s [length, d], P [d, d])`` float64: cosines (1 past
+        ``rot``), sines (0 past ``rot``) and the rotate-half matrix
+        (:func:`rotate_half_matrix` on the first ``rot`` dimensions).
+    """
+    rot = 2 * inv_freq.numel()
+    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    ang = torch.cat([ang, ang], dim=1) if neox else ang.repeat_interleave(2, dim=1)
+    c = torch.ones(length, dim, dtype=torch.float64)
+    s = torch.zeros(length, dim, dtype=torch.float64)
+    c[:, :rot] = ang.cos()
+    s[:, :rot] = ang.sin()
+    p = torch.zeros(dim, dim, dtype=torch.float64)
+    p[:rot, :rot] = rotate_half_matrix(rot, neox)
+    return c, s, p
+
+
 def rope_query_metric(
     sigma_q: torch.Tensor,
     inv_freq: torch.Tensor,
@@ -219,22 +246,9 @@ def rope_query_metric(
     Returns:
         ``[d, d]`` float64 PSD metric.
     """
-    d = sigma_q.shape[0]
-    rot = 2 * inv_freq.numel()
     w = distance_weights.to(torch.float64)
     w = w / w.sum().clamp_min(1e-30)
-    delta = torch.arange(w.numel(), dtype=torch.float64)
-    ang = delta[:, None] * inv_freq.to(torch.float64)[None, :]  # [L, rot/2]
-    if neox:
-        ang = torch.cat([ang, ang], dim=1)
-    else:
-        ang = ang.repeat_interleave(2, dim=1)
-    c = torch.ones(w.numel(), d, dtype=torch.float64)
-    s = torch.zeros(w.numel(), d, dtype=torch.float64)
-    c[:, :rot] = ang.cos()
-    s[:, :rot] = ang.sin()
-    p = torch.zeros(d, d, dtype=torch.float64)
-    p[:rot, :rot] = rotate_half_matrix(rot, neox)
+    c, s, p = rope_tables(w.numel(), inv_freq, sigma_q.shape[0], neox)  # delta = 0..L-1
     sq = sigma_q.to(torch.float64)
     cw, sw = c * w[:, None], s * w[:, None]
     ecc, ecs, ess = cw.T @ c, cw.T @ s, sw.T @ s
