@@ -160,16 +160,14 @@ def side_loss(latents: torch.Tensor, metric: torch.Tensor, basis_b: torch.Tensor
 
 def side_bytes(ranks: Sequence[int], bits: int, storage: Storage, per_channel: bool) -> int:
     """Slot bytes of one side (codes, scales and zeros or the per-channel
-    share): the side's part of :attr:`SlotLayout.natural_bytes`."""
-    from vllm_lowrank.quantization import packed_bytes
+    share): the side's part of :attr:`SlotLayout.natural_bytes`, which adds
+    over the two sides (computed by a layout holding this side alone)."""
+    from vllm_lowrank.quantization import SlotLayout
 
-    width = sum(ranks)
-    codes = sum(packed_bytes(r, bits) for r in ranks)
-    if bits == 16:
-        return codes
-    if per_channel:
-        return codes + -(-4 * width // storage.k_channel_tokens)
-    return codes + 4 * sum(r // (storage.quant_group or r) for r in ranks)
+    q = storage.quant_group
+    return SlotLayout(ranks, (), bits, 16, q, q,
+                      k_channel_tokens=storage.k_channel_tokens if per_channel else None
+                      ).natural_bytes
 
 
 @dataclasses.dataclass(frozen=True)
