@@ -72,7 +72,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
     """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
     (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
     model's default fisher artifact, cached under the plugin's cache root)."""
-    from vllm_lowrank.calibration.allocate import budget_artifact
+    from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import cache_root, load_or_calibrate
 
@@ -81,8 +81,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
         f"{k}{v}" for k, v in sorted(serving.items()))
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
-        settings = LowRankConfig.from_dict({"mode": "lowrank", **serving,
-                                            "k_bits": 8, "v_bits": 8})
+        settings = serving_config(serving)
         artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block, choose_knobs=False)
@@ -114,12 +113,12 @@ def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[
     import torch
 
     from vllm_lowrank.attention.exact_cache import exact_slot_bytes
+    from vllm_lowrank.calibration.allocate import serving_config
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import exact_tokens, slot_layouts
 
     if "allocate" in cfg:  # serving settings as given, bits per layer as built
-        settings = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 8, "v_bits": 8,
-                                            **{k: v for k, v in cfg.items() if k != "allocate"}})
+        settings = serving_config({k: v for k, v in cfg.items() if k != "allocate"})
         bits = [tuple(la["bits"]) for la in layers.values()]
     else:
         settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})

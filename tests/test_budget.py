@@ -290,3 +290,12 @@ def test_loss_target_gives_the_cheapest_allocation_within_it(one_page):
     with pytest.raises(LowRankConfigError, match="raise the perplexity budget"):
         solve(fronts, cfg, widths, context=4096, block_size=32, one_page=one_page,
               max_loss=top.objective / 2)
+
+
+def test_serving_config_refuses_bits_and_allows_channel_keys():
+    from vllm_lowrank.calibration.allocate import serving_config
+
+    cfg = serving_config({"token_adaptive": True, "k_quant": "channel"})
+    assert cfg.token_adaptive and cfg.k_quant == "channel"
+    with pytest.raises(LowRankConfigError, match="chooses k_bits and v_bits"):
+        serving_config({"k_bits": 4})

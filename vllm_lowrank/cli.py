@@ -85,16 +85,10 @@ def _calibrate(args) -> None:
 
 def _allocate(args) -> None:
     from vllm_lowrank.calibration import artifact as art
-    from vllm_lowrank.calibration.allocate import budget_artifact
+    from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.models.compression import load_or_calibrate
 
-    raw = parse_config_text(args.config) if args.config else {}
-    raw.setdefault("mode", "lowrank")
-    if {"k_bits", "v_bits"} & set(raw):
-        raise LowRankConfigError("allocate chooses k_bits and v_bits per layer; drop them "
-                                 "from --config")
-    # validation of k_quant "channel" wants quantized keys; the bits are chosen below
-    cfg = LowRankConfig.from_dict({**raw, "k_bits": 8, "v_bits": 8})
+    cfg = serving_config(parse_config_text(args.config) if args.config else {})
     path = resolve_model(args.model)
     if args.artifact == "auto":
         artifact, _ = load_or_calibrate(path, cfg)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -33,6 +35,20 @@ logger = logging.getLogger("vllm.lowrank")
 SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "k_quant",
                 "k_channel_tokens", "quant_group_size", "hadamard")
 """Settings an allocation assumes and records; serving takes them from the artifact."""
+
+
+def serving_config(raw: Mapping[str, Any]) -> LowRankConfig:
+    """The settings an allocation assumes, from a ``--kv-compression-config``
+    mapping without bits (the allocation chooses them per layer).
+
+    Raises:
+        LowRankConfigError: ``k_bits``/``v_bits`` given, or a bad setting.
+    """
+    if {"k_bits", "v_bits"} & set(raw):
+        raise LowRankConfigError("the allocation chooses k_bits and v_bits per layer; "
+                                 "drop them from the settings")
+    # validation of k_quant "channel" wants quantized keys: placeholder bits
+    return LowRankConfig.from_dict({"mode": "lowrank", **raw, "k_bits": 8, "v_bits": 8})
 
 
 def _windows(tokenizer, num_windows: int):
