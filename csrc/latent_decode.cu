@@ -19,7 +19,10 @@
 //
 // Per warp and 32-token tile (two m16 row tiles), all on mma.sync.m16n8k16:
 //   1. cp.async streams the tile's key and value latent rows into the warp's own
-//      shared-memory stage (STAGES deep, zero-filled past the sequence end).
+//      shared-memory stage (zero-filled past the sequence end), as two groups: the
+//      key rows (with the tile start's cos/sin rows) are issued while the previous
+//      tile is rebuilt, right after its key fragments were loaded into registers,
+//      the value rows after the previous tile's value product (see Cfg).
 //   2. Rebuild K = C_k @ B_k in four column chunks of 32 dims: chunk kc holds the
 //      n8-tiles {2kc, 2kc+1} (dims 16kc..16kc+15) and their RoPE partners {2kc+8,
 //      2kc+9} (dims +64), so each thread holds both members of its rotary pairs
@@ -47,6 +50,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <type_traits>
 
 #ifndef LATENT_DECODE_STANDALONE
 #include <torch/extension.h>
@@ -85,32 +89,40 @@ struct Params {
   int gptj;
 };
 
-// Launch shape per (r_k, r_v): the most warps (16, 8 or 4) whose stages fit in
-// shared memory with one stage each, then up to 2 stages. Resident warps beat
-// prefetch depth here (H200, benchmarks/decode_attention_notes.md: 16 x 32k,
-// r = 64: 16 warps x 1 stage 311 us, 12 x 1 314-340, 8 x 2 342, 6 x 3 396, 4 x 4
-// 420; r = 32: 16 x 2 226, 12 x 3 225, 8 x 4 240); 16 warps cap the registers at
-// 128 (a few dozen bytes of spills). NW_ / ST_ > 0 override both (experiments).
+// Launch shape per (r_k, r_v): the most warps (16, 8 or 4) whose pipelines fit in
+// shared memory, one stage each. A warp's pipeline holds STAGES stages of key +
+// value rows and STAGES + 1 slots of cos/sin rows: tile k + STAGES's key rows (and
+// its rope rows, one slot ahead of those being read) are issued as soon as tile k's
+// key fragments sit in registers, its value rows right after tile k's value product,
+// so one stage already gives every copy about a tile of compute to land. Resident
+// warps beat prefetch depth (H200, benchmarks/decode_attention_notes.md, 16 x 32k:
+// r = 64, 16 warps x 1 stage 296 us, 8 x 2 335; r = 32, 16 x 1 215, 16 x 2 222);
+// 16 warps cap the registers at 128 (a few dozen bytes of spills at r = 32).
+// NW_ / ST_ > 0 override both (experiments).
 template <int RK, int RV, int NW_ = 0, int ST_ = 0>
 struct Cfg {
   static constexpr int KP = RK + 8;                          // padded smem rows (elements)
   static constexpr int VP = RV + 8;
-  static constexpr int ROPE_OFF = kTile * (KP + VP) * 2;     // cos/sin rows of the tile start
-  static constexpr int STAGE = ROPE_OFF + 2 * 64 * 4;        // bytes per warp stage
+  static constexpr int V_OFF = kTile * KP * 2;               // value rows inside a stage
+  static constexpr int STAGE = kTile * (KP + VP) * 2;        // key + value rows of a tile
+  static constexpr int ROPE = 2 * 64 * 4;                    // cos/sin rows of a tile start
   static constexpr int BK_BYTES = kHeadDim * KP * 2;
   static constexpr int ROT_BYTES = 4 * kTile * 4 * 16;       // [kc][i][c] x uint4
   static constexpr int Q_BYTES = 4 * 32 * 16;                // [kc][lane] x uint4
   static constexpr int FIXED = BK_BYTES + ROT_BYTES + Q_BYTES;
+  static constexpr int warp_bytes(int stages) { return stages * STAGE + (stages + 1) * ROPE; }
   static constexpr int NW = NW_ > 0 ? NW_
-                           : FIXED + 16 * STAGE <= kSmemBudget ? 16
-                           : FIXED + 8 * STAGE <= kSmemBudget ? 8 : 4;
-  static constexpr int ST_FIT = (kSmemBudget - FIXED) / (NW * STAGE);
-  static constexpr int STAGES = ST_ > 0 ? ST_ : ST_FIT > 2 ? 2 : ST_FIT;
+                           : FIXED + 16 * warp_bytes(1) <= kSmemBudget ? 16
+                           : FIXED + 8 * warp_bytes(1) <= kSmemBudget ? 8 : 4;
+  static constexpr int STAGES = ST_ > 0 ? ST_ : 1;
+  static constexpr int WARP = warp_bytes(STAGES);            // one warp's pipeline
+  static constexpr int ROPE_OFF = STAGES * STAGE;            // its rope slots
   static constexpr int PART = NW * 8 * (RV + 2) * 4;         // per-warp (m, l, O) at the end
-  static constexpr int PIPE = NW * STAGES * STAGE;
+  static constexpr int PIPE = NW * WARP;
   static constexpr int SMEM = FIXED + (PIPE > PART ? PIPE : PART);
   static_assert(RK % 16 == 0 && RV % 16 == 0 && RK <= 128 && RV <= 128, "ranks");
-  static_assert(STAGES >= 1 && SMEM <= 227 * 1024, "shared memory too small for one stage");
+  static_assert(FIXED + NW * warp_bytes(1) <= kSmemBudget, "shared memory too small for one stage");
+  static_assert(SMEM <= 227 * 1024, "shared memory");
 };
 
 template <typename T> struct Dt;
@@ -287,7 +299,7 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const int page_mask = (1 << p.page_shift) - 1;
   const int64_t s_blk_b = p.s_blk * (int64_t)sizeof(T);
   const int s_tok_b = (int)(p.s_tok * (int64_t)sizeof(T));
-  uint8_t* my_pipe = s_pipe + warp * STAGES * C::STAGE;
+  uint8_t* my_pipe = s_pipe + warp * C::WARP;
   const uint32_t pipe_u32 = smem_u32(my_pipe);
   // This lane's byte offsets inside a 16-token half (source) and a stage (dest).
   using SK = Section<RK / 8>;
@@ -296,14 +308,19 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const int src_v = (lane / SV::CHP) * s_tok_b +
                     (p.k_width + grp * RV + (lane % SV::CHP) * 8) * (int)sizeof(T);
   const uint32_t dst_k = (uint32_t)(((lane / SK::CHP) * KP + (lane % SK::CHP) * 8) * 2);
-  const uint32_t dst_v = (uint32_t)(kTile * KP * 2 + ((lane / SV::CHP) * VP + (lane % SV::CHP) * 8) * 2);
+  const uint32_t dst_v = (uint32_t)(C::V_OFF + ((lane / SV::CHP) * VP + (lane % SV::CHP) * 8) * 2);
   // cos/sin rows of the tile start p0: lanes 0-15 copy cos, 16-31 sin, 16 B each.
   const float* rope_src = (lane < 16 ? p.cos : p.sin) + 4 * (lane & 15);
   const uint32_t dst_rope = (uint32_t)(C::ROPE_OFF + 16 * lane);
 
-  // Block ids of the two 16-token halves of the next tile to load, fetched one
-  // tile ahead (past the sequence end the second half repeats the first; its rows
-  // are zero-filled, not read).
+  // Two cp.async groups per tile k, committed in this order: K_k (key rows into
+  // stage k % STAGES, cos/sin rows into rope slot k % (STAGES + 1)) and V_k (value
+  // rows). Tile k + STAGES's K group is issued as soon as tile k's key fragments are
+  // in registers, its V group after tile k's value product, so every group has about
+  // STAGES tiles of compute to land and `cp.async.wait_group 2 * STAGES - 1` before
+  // either use waits for exactly the group needed. Block ids of the two 16-token
+  // halves of the next tile to issue are fetched one group ahead (past the sequence
+  // end the second half repeats the first; its rows are zero-filled, not read).
   int nb0 = 0, nb1 = 0;
   auto fetch_blocks = [&](int k) {
     if (k < n_mine) {
@@ -312,30 +329,38 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
       nb1 = t0 + 16 < seq_len ? bt_row[(t0 + 16) >> p.page_shift] : nb0;
     }
   };
-  auto issue = [&](int k) {
+  // One section (KEY: key rows + cos/sin rows, else value rows) of tile k.
+  auto issue = [&](int k, auto key) {
+    constexpr bool KEY = decltype(key)::value;
+    constexpr int R = KEY ? RK : RV, RP = KEY ? KP : VP;
     if (k < n_mine) {
       const int t0 = (tile_begin + warp + k * NW) * kTile;
-      const char* h0 = cache + nb0 * s_blk_b + (int64_t)((t0 & page_mask) * s_tok_b);
-      const char* h1 = cache + nb1 * s_blk_b + (int64_t)(((t0 + 16) & page_mask) * s_tok_b);
-      const uint32_t st = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE);
+      const int src = KEY ? src_k : src_v;
+      const char* h0 = cache + nb0 * s_blk_b + (int64_t)((t0 & page_mask) * s_tok_b) + src;
+      const char* h1 = cache + nb1 * s_blk_b + (int64_t)(((t0 + 16) & page_mask) * s_tok_b) + src;
+      const uint32_t dst = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE) + (KEY ? dst_k : dst_v);
       const int n_valid = seq_len - t0;
-      if (n_valid >= kTile) {
-        load_section<RK / 8, KP * 2, true>(st + dst_k, h0 + src_k, h1 + src_k, s_tok_b, lane, n_valid);
-        load_section<RV / 8, VP * 2, true>(st + dst_v, h0 + src_v, h1 + src_v, s_tok_b, lane, n_valid);
-      } else {
-        load_section<RK / 8, KP * 2, false>(st + dst_k, h0 + src_k, h1 + src_k, s_tok_b, lane, n_valid);
-        load_section<RV / 8, VP * 2, false>(st + dst_v, h0 + src_v, h1 + src_v, s_tok_b, lane, n_valid);
-      }
-      cp_async16(st + dst_rope, rope_src + (int64_t)min(t0, p.max_pos - 1) * p.s_rope, 16);
-      fetch_blocks(k + 1);
+      if (n_valid >= kTile)
+        load_section<R / 8, RP * 2, true>(dst, h0, h1, s_tok_b, lane, n_valid);
+      else
+        load_section<R / 8, RP * 2, false>(dst, h0, h1, s_tok_b, lane, n_valid);
+      if (KEY)
+        cp_async16(pipe_u32 + (uint32_t)((k % (STAGES + 1)) * C::ROPE) + dst_rope,
+                   rope_src + (int64_t)min(t0, p.max_pos - 1) * p.s_rope, 16);
     }
     cp_async_commit();
   };
-  fetch_blocks(0);
+  using KeyTag = std::true_type;
+  using ValueTag = std::false_type;
 
 #pragma unroll
-  for (int k = 0; k < STAGES - 1; ++k) issue(k);
-  cp_async_wait<STAGES - 1>();   // B_k^T landed (the oldest group)
+  for (int k = 0; k < STAGES; ++k) {
+    fetch_blocks(k);
+    issue(k, KeyTag{});
+    issue(k, ValueTag{});
+  }
+  fetch_blocks(STAGES);
+  cp_async_wait<2 * STAGES>();   // B_k^T landed (the oldest group)
   __syncthreads();               // B_k^T, rotation table and query visible to all warps
 
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -355,14 +380,13 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const uint32_t rot_lane = smem_u32(s_rot) + 16u * (uint32_t)(gr * 4 + cq);
 
   for (int k = 0; k < n_mine; ++k) {
-    issue(k + STAGES - 1);
-    cp_async_wait<STAGES - 1>();
+    cp_async_wait<2 * STAGES - 1>();   // K_k landed
     __syncwarp();
     const uint32_t st = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE);
     const int t0 = (tile_begin + warp + k * NW) * kTile;
 
-    const float* rope_row = reinterpret_cast<const float*>(my_pipe + (k % STAGES) * C::STAGE +
-                                                           C::ROPE_OFF);
+    const float* rope_row = reinterpret_cast<const float*>(my_pipe + C::ROPE_OFF +
+                                                           (k % (STAGES + 1)) * C::ROPE);
 
     // Key latent A fragments of both row tiles.
     uint32_t ck[2][KS][4];
@@ -396,6 +420,12 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
             Dt<T>::mma(acc[mt][jj + 2], ck[mt][ks], bf[2], bf[3]);
           }
         }
+      }
+      if (kc == 0) {
+        // Every key fragment has fed an MMA, so its ldmatrix is complete: the key
+        // rows of this stage are free for tile k + STAGES.
+        __syncwarp();
+        issue(k + STAGES, KeyTag{});
       }
       // The query's dims of this chunk rotated by R_{p0}^T, p0 = t0 (cos/sin rows
       // from the stage): f16 B fragments {16kc.. : b0, b1; 64+16kc.. : b0, b1}.
@@ -474,6 +504,8 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
       oacc[mv][0] *= alpha[0]; oacc[mv][1] *= alpha[1];
       oacc[mv][2] *= alpha[0]; oacc[mv][3] *= alpha[1];
     }
+    cp_async_wait<2 * STAGES - 1>();   // V_k landed
+    __syncwarp();
     // P^T as B operand: movmatrix turns [token x head] 8x8 blocks into [head x token].
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -486,7 +518,9 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
         Dt<T>::mma(oacc[mv], va, pb0, pb1);
       }
     }
-    __syncwarp();   // every lane is done with this stage before it is refilled
+    __syncwarp();   // every lane is done with the value rows before they are refilled
+    issue(k + STAGES, ValueTag{});
+    fetch_blocks(k + STAGES + 1);
   }
   cp_async_wait<0>();
 
