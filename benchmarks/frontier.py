@@ -65,6 +65,12 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "allocated 8x, sink 32 + recent 128": ("ours", {"allocate": 8.0, **TALE}),
     "allocated 8x, sink 32 + recent 64": ("ours", {"allocate": 8.0, **TALE, "recent_tokens": 64}),
     "allocated 6x, sink 32 + recent 128": ("ours", {"allocate": 6.0, **TALE}),
+    # the exact tokens stored as int8 per token and head (half their bytes)
+    "allocated 8x, sink 32 + recent 128 int8": ("ours", {"allocate": 8.0, **TALE,
+                                                          "exact_bits": 8}),
+    "allocated 8x, sink 32 + recent 256 int8": ("ours", {"allocate": 8.0, **TALE,
+                                                          "recent_tokens": 256,
+                                                          "exact_bits": 8}),
 }
 
 
@@ -98,7 +104,8 @@ def compression_of(model: str, cfg: dict | None, context: int, block: int) -> di
     return {"mode": "lowrank", **cfg}
 
 
-def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[int, float]:
+def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
+                    block: int) -> tuple[int, float]:
     """(16-bit K+V bytes, allocated bytes) per token over all layers.
 
     Args:
@@ -107,12 +114,13 @@ def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[
             (and padded to one size) as the plugin lays them out
             (:func:`vllm_lowrank.models.compression.slot_layouts`).
         cfg: The ``kv_compression`` settings.
+        head_dim: The model's head dimension (the int8 exact slot's scale group).
         context: Tokens per sequence (amortises the exact tokens).
         block: KV block size (sinks and window round up to whole blocks).
     """
     import torch
 
-    from vllm_lowrank.attention.exact_cache import exact_slot_bytes
+    from vllm_lowrank.attention.exact_cache import ExactSlot
     from vllm_lowrank.calibration.allocate import serving_config
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import exact_tokens, slot_layouts
@@ -135,8 +143,8 @@ def allocated_bytes(layers: dict, cfg: dict, context: int, block: int) -> tuple[
         allocated += slot
         if exact is not None:
             staged = rk if layout is not None and layout.k_per_channel else 0
-            allocated += (sum(exact) / context
-                          * exact_slot_bytes(kvw, torch.float16, slot, staged))
+            allocated += (exact.count / context * ExactSlot(
+                kvw, head_dim, torch.float16, exact.bits, staged, slot).slot_bytes)
     return original, allocated
 
 
@@ -196,6 +204,10 @@ def main() -> None:
     from vllm_lowrank.evaluation import run_setting
 
     model = resolve_model(args.model)
+    import transformers
+
+    hf = transformers.AutoConfig.from_pretrained(model)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     names = [n for n in SETTINGS if n == "uncompressed" or args.only is None
              or any(o in n for o in args.only)]
     results = {}
@@ -223,7 +235,7 @@ def main() -> None:
         if cfg is None:
             ratio = 1.0
         else:
-            original, allocated = allocated_bytes(r["layers"], cfg, args.context,
+            original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
                                                   args.block_size)
             ratio = original / allocated
         deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]

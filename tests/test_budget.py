@@ -282,13 +282,13 @@ def test_loss_target_gives_the_cheapest_allocation_within_it(one_page):
     top = bud.allocate_bytes(fronts, 10_000, one_page=one_page)
     low = bud.allocate_bytes(fronts, 60 if not one_page else 64, one_page=one_page)
     target = (top.objective + low.objective) / 2
-    a = solve(fronts, cfg, widths, context=4096, block_size=32, one_page=one_page,
+    a = solve(fronts, cfg, widths, head_dim=16, context=4096, block_size=32, one_page=one_page,
               max_loss=target)
     assert a.objective <= target
     cheaper = bud.allocate_bytes(fronts, a.total_bytes - 1, one_page=one_page)
     assert cheaper.objective > target
     with pytest.raises(LowRankConfigError, match="raise the perplexity budget"):
-        solve(fronts, cfg, widths, context=4096, block_size=32, one_page=one_page,
+        solve(fronts, cfg, widths, head_dim=16, context=4096, block_size=32, one_page=one_page,
               max_loss=top.objective / 2)
 
 
@@ -299,3 +299,25 @@ def test_serving_config_refuses_bits_and_allows_channel_keys():
     assert cfg.token_adaptive and cfg.k_quant == "channel"
     with pytest.raises(LowRankConfigError, match="chooses k_bits and v_bits"):
         serving_config({"k_bits": 4})
+
+
+@pytest.mark.parametrize("exact_bits,kv_bytes", [(16, 2 * 192 * 2), (8, 2 * (192 + 3 * 4))])
+def test_exact_tokens_are_charged_at_their_stored_bytes(exact_bits, kv_bytes):
+    """Exact tokens cost ``(sink + recent) / context`` of their slot: ``[k | v]``
+    (float16, or int8 codes plus a float16 scale/zero per head and side),
+    the staged key latents of per-channel keys (float16), padded up to a
+    multiple of the latent slot. SmolLM2's geometry: 3 KV heads of 64."""
+    from vllm_lowrank.calibration.allocate import exact_costs
+
+    cfg = LowRankConfig(mode="lowrank", token_adaptive=True, sink_tokens=32, recent_tokens=128,
+                        k_bits=4, k_quant="channel", exact_bits=exact_bits)
+    cost = exact_costs(cfg, {0: 192}, 64, context=4096, block_size=32)[0]
+    k = bud.SideOption(bits=3, ranks=(48,), nbytes=30, loss=0.0)
+    v = bud.SideOption(bits=4, ranks=(56,), nbytes=30, loss=0.0)
+    staged = 2 * 48
+    slot = 60
+    padded = -(-(kv_bytes + staged) // slot) * slot
+    assert cost(bud.LayerChoice(k, v), slot) == pytest.approx(160 / 4096 * padded)
+    k16 = bud.SideOption(bits=16, ranks=(48,), nbytes=96, loss=0.0)  # nothing staged
+    assert cost(bud.LayerChoice(k16, v), 1) == pytest.approx(160 / 4096 * kv_bytes)
+    assert exact_costs(LowRankConfig(mode="lowrank"), {0: 192}, 64, 4096, 32) is None

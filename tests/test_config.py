@@ -99,4 +99,16 @@ def test_channel_group_must_divide_the_block():
                                    "k_quant": "channel", "k_channel_tokens": 48})
     with pytest.raises(LowRankConfigError, match="k_channel_tokens=48 must divide the KV block"):
         exact_tokens(cfg, 32)
-    assert exact_tokens(cfg, 96) == (96, 192)
+    exact = exact_tokens(cfg, 96)
+    assert (exact.sink, exact.recent, exact.bits) == (96, 192, 16)
+
+
+def test_exact_bits_are_checked():
+    def cfg(**kw):
+        return LowRankConfig.from_dict({"mode": "lowrank", **kw})
+
+    assert cfg(token_adaptive=True, exact_bits=8).exact_bits == 8
+    with pytest.raises(LowRankConfigError, match=r"exact_bits=4 is not supported; .*\[16, 8\]"):
+        cfg(token_adaptive=True, exact_bits=4)
+    with pytest.raises(LowRankConfigError, match="add \"token_adaptive\": true"):
+        cfg(exact_bits=8)

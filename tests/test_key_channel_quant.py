@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from test_latent_attention import make_rope
-from test_token_adaptive import SCALE, make_v_up, reference
+from test_token_adaptive import SCALE, as_stored, make_v_up, reference
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
+from vllm_lowrank.attention.exact_cache import ExactSlot
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
 from vllm_lowrank.quantization import SlotLayout, quantize, quantize_channels
 
@@ -105,16 +106,18 @@ class PagedSequence:
     latent cache (blocks of 32) and an exact cache (blocks of 16, slots
     ``[k | v | c_k]``), both on shuffled non-contiguous blocks."""
 
-    def __init__(self, plan, layout, n_max):
+    def __init__(self, plan, layout, n_max, exact_bits=16):
         torch.manual_seed(0)
         kvw = plan.shape.kv_width
         self.plan, self.layout = plan, layout
+        self.slot = ExactSlot(kvw, plan.shape.head_dim, torch.float32, exact_bits,
+                              plan.k_width, layout.slot_bytes)
         self.lat = torch.randn(n_max, plan.k_width + plan.v_width)
         self.lat[:, 3] *= 25  # outlier key channel
         self.k_ex, self.v_ex = torch.randn(n_max, kvw), torch.randn(n_max, kvw)
         self.cache = torch.full((12, 1, LATENT_BLOCK, layout.slot_bytes), 0, dtype=torch.uint8)
-        exact_bytes = (2 * kvw + plan.k_width) * 4 + 8
-        self.exact = torch.full((20, 1, EXACT_BLOCK, exact_bytes), 0xFF, dtype=torch.uint8)
+        self.exact = torch.full((20, 1, EXACT_BLOCK, self.slot.slot_bytes), 0xFF,
+                                dtype=torch.uint8)
         self.table = torch.randperm(12)[: -(-n_max // LATENT_BLOCK)].to(torch.int32)
         self.exact_table = torch.randperm(20)[: -(-n_max // EXACT_BLOCK)].to(torch.int32)
         self.n = 0
@@ -134,9 +137,9 @@ class PagedSequence:
         v_ex = torch.cat((self.v_ex[pos], torch.randn(padding, self.v_ex.shape[1])))
         # the backend's order (LatentAttentionImpl.do_kv_cache_update)
         ops.write_latents(self.cache, lat[:, :rk], lat[:, rk:], lat_slots, self.layout)
-        tale.write_exact(self.exact, k_ex, v_ex, ex_slots, staged=lat[:, :rk])
-        tale.write_key_groups(self.cache, self.exact, lat_slots, ex_slots, self.layout,
-                              self.plan.shape.kv_width, torch.float32)
+        tale.write_exact(self.exact, self.slot, k_ex, v_ex, ex_slots, staged=lat[:, :rk])
+        tale.write_key_groups(self.cache, self.exact, self.slot, lat_slots, ex_slots,
+                              self.layout)
         self.n += count
 
     def reference_latents(self, n):
@@ -179,18 +182,20 @@ def test_groups_are_quantized_once_complete_and_read_back(pad):
             row = seq.cache[int(seq.table[t // LATENT_BLOCK]), 0, t % LATENT_BLOCK]
             assert not row[:layout.k_codes_bytes].any()
             ex = seq.exact[int(seq.exact_table[t // EXACT_BLOCK]), 0, t % EXACT_BLOCK]
-            start = 2 * plan.shape.kv_width * 4
-            assert torch.equal(ex[start:start + rk * 4].view(torch.float32), seq.lat[t, :rk])
+            assert torch.equal(seq.slot.staged(ex), seq.lat[t, :rk])
 
 
-@pytest.mark.parametrize("n,sink,recent,pad", [(90, 16, 16, 0), (61, 0, 32, 0),
-                                                (40, 16, 16, 0), (90, 16, 16, 6)])
-def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad):
+@pytest.mark.parametrize("n,sink,recent,pad,exact_bits", [
+    (90, 16, 16, 0, 16), (61, 0, 32, 0, 16), (40, 16, 16, 0, 16), (90, 16, 16, 6, 16),
+    (90, 16, 16, 0, 8)])
+def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad, exact_bits):
     """TALE decode at the last position of a sequence written step by step:
     the latent span reads only complete groups and matches the float64 loop
-    over the stored (dequantized) latents and the exact tokens."""
+    over the stored (dequantized) latents and the exact tokens (int8 exact
+    tokens: their float64 reference dequantization; the staged key latents
+    stay float32 either way)."""
     plan, layout = make_layer(pad)
-    seq = PagedSequence(plan, layout, n)
+    seq = PagedSequence(plan, layout, n, exact_bits)
     for count in [7, 9, 1, 16, 3] + [1] * n:
         if seq.n + count > n:
             count = n - seq.n
@@ -203,12 +208,13 @@ def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad)
     q = torch.randn(1, 8, 16)
     out = tale.decode(plan, k_up, v_up, rope, SCALE, q, seq.cache, seq.table[None],
                       seq.exact, seq.exact_table[None], torch.tensor([n]), n, sink=sink,
-                      recent=recent, kv_width=plan.shape.kv_width, dtype=torch.float32,
-                      layout=layout, min_seq_len=n)
+                      recent=recent, exact=seq.slot, layout=layout, min_seq_len=n)
     complete = n // G * G
     lat = torch.full((n, seq.lat.shape[1]), float("nan"), dtype=torch.float64)
     lat[:complete] = seq.reference_latents(complete)
     is_exact = lambda t: t < sink or t >= max(sink, n - 1 - recent)  # noqa: E731
     assert all(is_exact(t) for t in range(complete, n))  # partial group: never latent
-    ref = reference(plan, k_up, v_up, rope, q, lat, seq.k_ex, seq.v_ex, [n - 1], is_exact)
+    d = plan.shape.head_dim
+    ref = reference(plan, k_up, v_up, rope, q, lat, as_stored(seq.k_ex, exact_bits, d),
+                    as_stored(seq.v_ex, exact_bits, d), [n - 1], is_exact)
     assert torch.allclose(out.view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-4)

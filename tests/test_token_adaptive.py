@@ -13,6 +13,7 @@ import torch
 
 from test_latent_attention import BLOCK, fill, rotate64, setup_case
 from vllm_lowrank.attention import token_adaptive as tale
+from vllm_lowrank.attention.exact_cache import ExactSlot
 from vllm_lowrank.attention.rope import RopeTable
 
 SCALE = 0.3
@@ -58,14 +59,34 @@ def reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, q_pos, is_exact, windo
     return out
 
 
-def exact_cache_for(num_blocks, kv_width, pad=12):
-    return torch.full((num_blocks, 1, BLOCK, 2 * kv_width * 4 + pad), 0xFF, dtype=torch.uint8)
+def exact_slot(plan, bits=16):
+    """float32 exact slots, padded to a multiple of a 100-byte latent slot."""
+    return ExactSlot(plan.shape.kv_width, plan.shape.head_dim, torch.float32, bits, 0, 100)
 
 
-def write_rows(exact_cache, table, k_ex, v_ex, positions):
+def exact_cache_for(num_blocks, slot):
+    return torch.full((num_blocks, 1, BLOCK, slot.slot_bytes), 0xFF, dtype=torch.uint8)
+
+
+def as_stored(x, bits, head_dim):
+    """float64 reference of what an exact slot gives back: ``x`` itself at 16
+    bits (float32 here), else per token and head ``q = round((x - zero) /
+    scale)`` with float16 ``scale = (max - min) / 255`` and ``zero = min``."""
+    x = x.double()
+    if bits == 16:
+        return x
+    h = x.reshape(*x.shape[:-1], -1, head_dim)
+    lo, hi = h.amin(-1, keepdim=True), h.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 255).to(torch.float16).double()
+    zero = lo.to(torch.float16).double()
+    q = torch.round((h - zero) / scale).clamp(0, 255)
+    return (q * scale + zero).reshape(x.shape)
+
+
+def write_rows(exact_cache, slot, table, k_ex, v_ex, positions):
     pos = torch.tensor(positions, dtype=torch.long)
     slots = table[pos // BLOCK].long() * BLOCK + pos % BLOCK
-    tale.write_exact(exact_cache, k_ex[pos], v_ex[pos], slots)
+    tale.write_exact(exact_cache, slot, k_ex[pos], v_ex[pos], slots)
 
 
 def poison_latents(cache, table, positions):
@@ -73,20 +94,21 @@ def poison_latents(cache, table, positions):
         cache[int(table[t // BLOCK]), 0, t % BLOCK] = float("nan")
 
 
-def sequence(plan, cache, exact_cache, table, exact_table, n, s, sink, recent):
+def sequence(plan, cache, exact_cache, slot, table, exact_table, n, s, sink, recent):
     """Random latents and exact K/V for positions ``< n``, written in the form
-    each position must be read in at a step starting at ``s``."""
-    kvw = plan.shape.kv_width
+    each position must be read in at a step starting at ``s``; the exact K/V
+    returned are the float64 reference of their stored form."""
+    kvw, d = plan.shape.kv_width, plan.shape.head_dim
     lat = torch.randn(n, plan.k_width + plan.v_width)
     k_ex, v_ex = torch.randn(n, kvw), torch.randn(n, kvw)
     is_exact = exact_set(s, sink, recent)
     fill(cache, table, lat)
     poison_latents(cache, table, [t for t in range(n) if is_exact(t)])
-    write_rows(exact_cache, exact_table, k_ex, v_ex, [t for t in range(n) if is_exact(t)])
-    return lat, k_ex, v_ex, is_exact
+    write_rows(exact_cache, slot, exact_table, k_ex, v_ex, [t for t in range(n) if is_exact(t)])
+    return lat, as_stored(k_ex, slot.bits, d), as_stored(v_ex, slot.bits, d), is_exact
 
 
-def decode_batch(plan, cache, exact_cache, lens, sink, recent):
+def decode_batch(plan, cache, exact_cache, slot, lens, sink, recent):
     """Three sequences on disjoint, shuffled blocks; exact blocks only where
     exact positions are (the rest of the exact table is the NaN null block 0)."""
     perm, exact_perm = torch.randperm(24), torch.randperm(39) + 1
@@ -103,23 +125,24 @@ def decode_batch(plan, cache, exact_cache, lens, sink, recent):
             if any(is_exact(t) for t in range(blk * BLOCK, min(n, (blk + 1) * BLOCK))):
                 exact_tables[b, blk] = int(exact_perm[used_exact])
                 used_exact += 1
-        cases.append(sequence(plan, cache, exact_cache, tables[b], exact_tables[b], n, n - 1,
-                              sink, recent))
+        cases.append(sequence(plan, cache, exact_cache, slot, tables[b], exact_tables[b], n,
+                              n - 1, sink, recent))
     return tables, exact_tables, cases
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_decode_batch_matches_reference(window):
+@pytest.mark.parametrize("window,bits", [(None, 16), (12, 16), (None, 8), (12, 8)])
+def test_decode_batch_matches_reference(window, bits):
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)
-    exact_cache = exact_cache_for(40, plan.shape.kv_width)
+    slot = exact_slot(plan, bits)
+    exact_cache = exact_cache_for(40, slot)
     sink, recent, lens = 4, 8, [5, 30, 19]
-    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, lens, sink, recent)
+    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, slot, lens, sink, recent)
     q = torch.randn(3, 8, 16)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, tables, exact_cache, exact_tables,
-                      lens_t, max(lens), sink=sink, recent=recent, kv_width=plan.shape.kv_width,
-                      dtype=torch.float32, window=window, min_seq_len=min(lens))
+                      lens_t, max(lens), sink=sink, recent=recent, exact=slot,
+                      window=window, min_seq_len=min(lens))
     assert torch.isfinite(out).all()
     for b, n in enumerate(lens):
         lat, k_ex, v_ex, is_exact = cases[b]
@@ -137,21 +160,22 @@ def test_tokens_change_form_exactly_once_as_they_age():
     sink, recent, n_max = 4, 8, 26
     table = torch.randperm(24)[:7].to(torch.int32)
     exact_table = torch.randperm(7).to(torch.int32) + 1
-    kvw = plan.shape.kv_width
+    kvw, slot = plan.shape.kv_width, exact_slot(plan)
     lat = torch.randn(n_max, plan.k_width + plan.v_width)
     k_ex, v_ex = torch.randn(n_max, kvw), torch.randn(n_max, kvw)
     became_latent = {}
     for n in range(1, n_max + 1):
         is_exact = exact_set(n - 1, sink, recent)
         cache.fill_(float("nan"))
-        exact_cache = exact_cache_for(8, kvw)
+        exact_cache = exact_cache_for(8, slot)
         fill(cache, table, lat[:n])
         poison_latents(cache, table, [t for t in range(n) if is_exact(t)])
-        write_rows(exact_cache, exact_table, k_ex, v_ex, [t for t in range(n) if is_exact(t)])
+        write_rows(exact_cache, slot, exact_table, k_ex, v_ex,
+                   [t for t in range(n) if is_exact(t)])
         q = torch.randn(1, 8, 16)
         out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, table[None], exact_cache,
                           exact_table[None], torch.tensor([n]), n, sink=sink, recent=recent,
-                          kv_width=kvw, dtype=torch.float32)
+                          exact=slot)
         ref = reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, [n - 1], is_exact)
         assert torch.allclose(out.view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-5), n
         for t in range(n):
@@ -162,25 +186,25 @@ def test_tokens_change_form_exactly_once_as_they_age():
     assert became_latent == {t: t + recent + 2 for t in range(sink, n_max - recent - 1)}
 
 
-@pytest.mark.parametrize("window", [None, 9])
-def test_prefill_chunk_sees_its_own_tokens_exactly(window, monkeypatch):
+@pytest.mark.parametrize("window,bits", [(None, 16), (9, 16), (9, 8)])
+def test_prefill_chunk_sees_its_own_tokens_exactly(window, bits, monkeypatch):
     """A 9-token chunk after 20 cached tokens: its queries see sinks, the last
     ``recent`` history tokens and the whole chunk exactly, older history as
     latents (query chunking exercised)."""
     monkeypatch.setattr(tale, "QUERY_CHUNK", 4)
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)
-    exact_cache = exact_cache_for(12, plan.shape.kv_width)
+    slot = exact_slot(plan, bits)
+    exact_cache = exact_cache_for(12, slot)
     sink, recent, n, s = 4, 8, 29, 20
     table = torch.tensor([7, 2, 19, 11, 3, 5, 21, 0], dtype=torch.int32)
     exact_table = torch.tensor([5, 0, 0, 3, 9, 1, 10, 11], dtype=torch.int32)  # 1, 2: freed
     exact_cache[0] = 0xFF  # null block: NaN bytes
-    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, table, exact_table, n, s,
-                                         sink, recent)
+    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, slot, table, exact_table,
+                                         n, s, sink, recent)
     q = torch.randn(n - s, 8, 16)
     out = tale.prefill(plan, k_up, v_up, rope, SCALE, q, cache, table, exact_cache, exact_table,
-                       n, sink=sink, recent=recent, kv_width=plan.shape.kv_width,
-                       dtype=torch.float32, window=window)
+                       n, sink=sink, recent=recent, exact=slot, window=window)
     ref = reference(plan, k_up, v_up, rope, q, lat, k_ex, v_ex, list(range(s, n)), is_exact,
                     window)
     assert torch.allclose(out.view(-1, 8, 16).double(), ref, rtol=1e-4, atol=1e-5)
@@ -191,15 +215,16 @@ def test_all_exact_when_recent_covers_the_context():
     result is plain attention over the exact keys and values."""
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)
-    exact_cache = exact_cache_for(8, plan.shape.kv_width)
+    slot = exact_slot(plan)
+    exact_cache = exact_cache_for(8, slot)
     table = torch.tensor([3, 1, 4, 6], dtype=torch.int32)
     n = 15
-    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, table, table, n, n - 1, 4, 64)
+    lat, k_ex, v_ex, is_exact = sequence(plan, cache, exact_cache, slot, table, table, n, n - 1,
+                                         4, 64)
     assert all(is_exact(t) for t in range(n))
     q = torch.randn(1, 8, 16)
     out = tale.decode(plan, k_up, v_up, rope, SCALE, q, cache, table[None], exact_cache,
-                      table[None], torch.tensor([n]), n, sink=4, recent=64,
-                      kv_width=plan.shape.kv_width, dtype=torch.float32)
+                      table[None], torch.tensor([n]), n, sink=4, recent=64, exact=slot)
     k = k_ex.view(n, 4, 16).repeat_interleave(2, dim=1).transpose(0, 1).double()
     v = v_ex.view(n, 4, 16).repeat_interleave(2, dim=1).transpose(0, 1).double()
     w = torch.softmax((q[0].double()[:, None, :] @ k.transpose(1, 2)) * SCALE, dim=-1)
@@ -227,19 +252,48 @@ def test_decode_with_the_fused_kernel_matches_reference():
 
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)
-    exact_cache = exact_cache_for(40, plan.shape.kv_width)
+    slot = exact_slot(plan)
+    exact_cache = exact_cache_for(40, slot)
     sink, recent, lens = 4, 8, [5, 30, 19]
-    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, lens, sink, recent)
+    tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, slot, lens, sink, recent)
     q = torch.randn(3, 8, 16)
     cuda, cpu_rope = torch.device("cuda"), rope
     rope = RopeTable(rope.cos.to(cuda), rope.sin.to(cuda), rope.rotary_dim, rope.neox)
     out = tale.decode(plan, k_up.to(cuda), v_up.to(cuda), rope, SCALE, q.to(cuda),
                       cache.to(cuda), tables.to(cuda), exact_cache.to(cuda), exact_tables.to(cuda),
                       torch.tensor(lens, dtype=torch.int32, device=cuda), max(lens), sink=sink,
-                      recent=recent, kv_width=plan.shape.kv_width, dtype=torch.float32,
-                      latent_decode=latent_decode_attention)
+                      recent=recent, exact=slot, latent_decode=latent_decode_attention)
     for b, n in enumerate(lens):
         lat, k_ex, v_ex, is_exact = cases[b]
         ref = reference(plan, k_up, v_up, cpu_rope, q[b:b + 1], lat, k_ex, v_ex, [n - 1], is_exact)
         # the kernel's float32 dots run on tensor cores (TF32, ~1e-3 relative)
         assert torch.allclose(out[b].cpu().view(8, 16).double(), ref[0], rtol=1e-2, atol=1e-2)
+
+
+def test_int8_exact_slot_round_trips_per_head():
+    """An 8-bit exact slot gives back the float64 per-head reference
+    quantization of keys and values (error at most half a step), the staged
+    key latents bit for bit, and is padded to a multiple of the latent slot."""
+    torch.manual_seed(3)
+    kvw, d, rk = 64, 16, 24
+    k, v = torch.randn(5, kvw) * 3, torch.randn(5, kvw)
+    k[:, 5] += 40  # an outlier channel in one head only
+    staged = torch.randn(5, rk).to(torch.bfloat16)
+    slot = ExactSlot(kvw, d, torch.bfloat16, 8, rk, 60)
+    # [k | v]: 2 x (64 codes + 4 heads x (scale, zero) float16) + 24 bfloat16
+    assert slot.kv_bytes == 2 * (64 + 4 * 4) and slot.slot_bytes == 240
+    rows = slot.encode(k, v, staged)
+    assert rows.shape == (5, 240) and rows.dtype == torch.uint8
+    got_k, got_v = slot.decode(rows)
+    for got, x in ((got_k, k), (got_v, v)):
+        ref = as_stored(x, 8, d)
+        step = (x.view(5, 4, d).amax(-1) - x.view(5, 4, d).amin(-1)) / 255
+        assert torch.allclose(got.double(), ref, atol=1e-5)
+        assert ((got - x).abs().view(5, 4, d) <= step[..., None] / 2 + 1e-3).all()
+    assert torch.equal(slot.staged(rows), staged.float())
+    wide = ExactSlot(kvw, d, torch.bfloat16, 16, rk, 60)
+    assert wide.slot_bytes == 360  # 4 * 64 + 48 = 304 -> 6 latent slots
+    assert torch.equal(torch.cat(wide.decode(wide.encode(k, v)), -1),
+                       torch.cat((k, v), -1).to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="exact_bits=4"):
+        ExactSlot(kvw, d, torch.bfloat16, 4)

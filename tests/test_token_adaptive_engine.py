@@ -75,6 +75,27 @@ def test_half_ratio_window_covering_the_context_equals_uncompressed(model_path, 
     assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
 
 
+def test_int8_exact_tokens_follow_the_uncompressed_engine(model_path, stock):
+    """``exact_bits: 8`` at full rank: the workers store the exact window as
+    int8 (their published settings say so), and the greedy tokens, prefix hits
+    and chunked prefill included, follow the uncompressed engine's up to its
+    first top-2 gap below 0.05 nats (int8 rounding of the keys and values
+    moves the logits by about 1e-2)."""
+    from conftest import clear_worker_states, worker_states
+
+    clear_worker_states()
+    got = _run(model_path, {**FULL_RANK_SMALL_WINDOW, "exact_bits": 8})
+    exact = worker_states()[0]["exact_tokens"]
+    assert exact["bits"] == 8 and exact["sink"] >= 4 and exact["recent"] >= 32
+    assert got["hits"] > 0
+    compared = 0
+    for g, r, gaps in zip(got["tokens"], stock["tokens"], stock["gaps"]):
+        n = next((i + 1 for i, gap in enumerate(gaps) if gap < 0.05), len(r))
+        assert g[:n] == r[:n]
+        compared += n
+    assert compared >= 100
+
+
 def test_channel_keys_prefix_hits_equal_a_cold_run(model_path):
     """The repeat reads per-channel key groups written by the first request
     (whole blocks only are shared) and gives the tokens of an engine without

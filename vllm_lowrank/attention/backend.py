@@ -217,11 +217,11 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         ops.write_latents(kv_cache, key[:, :rk], value[:, :rv], slot_mapping, layer.layout)
         _, exact, exact_cache, exact_slots = get_attention_context(layer.exact.layer_name)
         per_channel = layer.layout is not None and layer.layout.k_per_channel
-        tale.write_exact(exact_cache, key[:, rk:], value[:, rv:], exact_slots,
+        tale.write_exact(exact_cache, exact.slot, key[:, rk:], value[:, rv:], exact_slots,
                          staged=key[:, :rk] if per_channel else None)
         if per_channel:  # key groups completed by this step's tokens
-            tale.write_key_groups(kv_cache, exact_cache, slot_mapping, exact_slots,
-                                  layer.layout, exact.kv_width, exact.dtype)
+            tale.write_key_groups(kv_cache, exact_cache, exact.slot, slot_mapping, exact_slots,
+                                  layer.layout)
 
     def forward(
         self,
@@ -276,8 +276,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         ``[T, num_heads * head_dim]``."""
         exact = layer.exact
         exact_meta, _, exact_cache, _ = get_attention_context(exact.layer_name)
-        common = dict(sink=exact.sink, recent=exact.recent, kv_width=exact.kv_width,
-                      dtype=exact.dtype, layout=layer.layout, transform=layer.key_transform(),
+        common = dict(sink=exact.sink, recent=exact.recent, exact=exact.slot,
+                      layout=layer.layout, transform=layer.key_transform(),
                       window=self.sliding_window)
         weights = (layer.plan, layer.k_up, layer.v_up, layer.rope_table(query.device),
                    self.scale)

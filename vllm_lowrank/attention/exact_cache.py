@@ -7,7 +7,8 @@ being computed always see their own exact keys and values (lazy
 approximation). Each latent attention layer in this mode owns one
 :class:`ExactTokenCache`, a second vLLM cache layer whose paged blocks hold
 post-RoPE keys and values, ``[k | v]`` (``2 * num_kv_heads * head_dim``
-elements of the model dtype per token, padded, see below).
+elements of the model dtype per token, or per-head int8 with
+``exact_bits: 8``; padded, see below; :class:`ExactSlot`).
 
 Why a vLLM cache group rather than a buffer of our own: vLLM then allocates,
 frees, prefix-caches and preempts these blocks like any other, and its capacity
@@ -33,7 +34,7 @@ Page sizes: vLLM's hybrid allocator needs one page size for all groups and
 enlarges the block size of groups with smaller pages when the larger page is a
 multiple of theirs (otherwise it pads the smaller page, which would waste the
 latent cache's savings). The exact slot is therefore padded up to a multiple
-of the latent slot (:func:`exact_slot_bytes`): the latent group gets an integer
+of the latent slot (:attr:`ExactSlot.slot_bytes`): the latent group gets an integer
 multiple of the block size and loses nothing; the padding costs at most one
 latent slot per exact token.
 """
@@ -41,6 +42,7 @@ latent slot per exact token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -49,6 +51,8 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
+
+from vllm_lowrank.config import EXACT_BITS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -197,13 +201,126 @@ def register_spec() -> None:
     _REGISTERED = True
 
 
-def exact_slot_bytes(kv_width: int, dtype: torch.dtype, latent_slot_bytes: int,
-                     staged_width: int = 0) -> int:
-    """Bytes of one exact slot: ``2 * kv_width + staged_width`` elements of
-    ``dtype`` rounded up to a multiple of ``latent_slot_bytes`` (see the module
-    docstring)."""
-    raw = (2 * kv_width + staged_width) * torch.empty(0, dtype=dtype).element_size()
-    return cdiv(raw, latent_slot_bytes) * latent_slot_bytes
+@dataclasses.dataclass(frozen=True)
+class ExactTokens:
+    """What the token-adaptive mode keeps at full rank, per sequence.
+
+    Attributes:
+        sink: Leading tokens, a whole number of KV blocks.
+        recent: Most recent tokens, a whole number of KV blocks.
+        bits: Storage of their keys and values (:data:`EXACT_BITS`; 16 = the
+            model dtype).
+    """
+
+    sink: int
+    recent: int
+    bits: int = 16
+
+    @property
+    def count(self) -> int:
+        """Tokens held per sequence, in-flight tokens aside (``sink + recent``)."""
+        return self.sink + self.recent
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactSlot:
+    """Byte layout of one exact-cache slot::
+
+        [ k | v | c_k (staged) | padding ]
+
+    - ``bits=16``: ``k`` and ``v`` are ``kv_width`` elements of ``dtype`` each
+      (post-RoPE keys), bit for bit what the model computed.
+    - ``bits=8``: ``k`` and ``v`` are per-token, per-head asymmetric int8
+      codes with one float16 scale/zero pair per head and side (the packed
+      format of :class:`~vllm_lowrank.quantization.SlotLayout`, ``head_dim``
+      channels per group). On the embedded model this storage costs +0.0 %
+      perplexity when applied to the whole cache (``../shared/notes/baselines.md``,
+      row q2) and halves the bytes of the exact tokens.
+    - ``c_k``: ``staged_width`` elements of ``dtype`` (per-channel key
+      quantization, :func:`vllm_lowrank.attention.token_adaptive.write_key_groups`),
+      kept in the model dtype at both settings: they are quantized again, per
+      channel, once their group is complete.
+    - The slot is padded up to a multiple of ``latent_slot_bytes`` (see the
+      module docstring).
+
+    Args:
+        kv_width: ``num_kv_heads * head_dim``.
+        head_dim: Channels per head (the int8 scale group).
+        dtype: Model dtype.
+        bits: :data:`~vllm_lowrank.config.EXACT_BITS`.
+        staged_width: ``Rk`` staged key-latent elements, or 0.
+        latent_slot_bytes: Bytes of the owning layer's latent slot.
+
+    Raises:
+        ValueError: ``bits`` not in ``EXACT_BITS``, or ``head_dim`` not
+            dividing ``kv_width``.
+    """
+
+    kv_width: int
+    head_dim: int
+    dtype: torch.dtype
+    bits: int = 16
+    staged_width: int = 0
+    latent_slot_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bits not in EXACT_BITS:
+            raise ValueError(f"exact_bits={self.bits} not in {EXACT_BITS}")
+        if self.kv_width % self.head_dim:
+            raise ValueError(f"head_dim {self.head_dim} does not divide kv_width {self.kv_width}")
+
+    @functools.cached_property
+    def _layout(self):
+        """Per-head int8 layout of ``[k | v]`` (``bits=8``), else ``None``."""
+        if self.bits == 16:
+            return None
+        from vllm_lowrank.quantization import SlotLayout
+
+        heads = (self.head_dim,) * (self.kv_width // self.head_dim)
+        return SlotLayout(heads, heads, self.bits, self.bits)
+
+    @property
+    def _itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of ``[k | v]`` (with their scales and zeros)."""
+        if self._layout is not None:
+            return self._layout.natural_bytes
+        return 2 * self.kv_width * self._itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the whole slot, padding included."""
+        raw = self.kv_bytes + self.staged_width * self._itemsize
+        return cdiv(raw, self.latent_slot_bytes) * self.latent_slot_bytes
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor,
+               staged: torch.Tensor | None = None) -> torch.Tensor:
+        """``key``/``value`` ``[T, kv_width]`` and ``staged`` ``[T,
+        staged_width]`` (or ``None``) -> ``[T, slot_bytes]`` uint8 rows."""
+        if self._layout is not None:
+            parts = [self._layout.encode(key, value)]
+        else:
+            parts = [torch.cat((key, value), -1).to(self.dtype).contiguous().view(torch.uint8)]
+        if staged is not None:
+            parts.append(staged.to(self.dtype).contiguous().view(torch.uint8))
+        rows = torch.cat(parts, dim=-1)
+        return torch.nn.functional.pad(rows, (0, self.slot_bytes - rows.shape[-1]))
+
+    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., slot_bytes]`` uint8 -> ``(k, v)``, each ``[..., kv_width]`` float32."""
+        if self._layout is not None:
+            return self._layout.decode(rows[..., :self.kv_bytes])
+        kv = rows[..., :self.kv_bytes].clone().view(self.dtype).float()  # clone: aligned
+        return kv[..., :self.kv_width], kv[..., self.kv_width:]
+
+    def staged(self, rows: torch.Tensor) -> torch.Tensor:
+        """The staged key latents of ``[..., slot_bytes]`` rows:
+        ``[..., staged_width]`` float32."""
+        stop = self.kv_bytes + self.staged_width * self._itemsize
+        return rows[..., self.kv_bytes:stop].clone().view(self.dtype).float()
 
 
 class ExactTokenCache(nn.Module, AttentionLayerBase):
@@ -214,28 +331,20 @@ class ExactTokenCache(nn.Module, AttentionLayerBase):
     forward. The latent attention backend writes and reads it.
 
     Args:
-        kv_width: ``num_kv_heads * head_dim`` of this rank.
-        dtype: Model dtype of the stored keys and values.
-        latent_slot_bytes: Bytes of the owning layer's latent slot.
+        slot: Layout of one slot (:class:`ExactSlot`).
         sink: Sink tokens (rounded up to whole blocks by the caller).
         recent: Recent tokens kept exact.
         prefix: Layer name (``...self_attn.attn.exact``).
-        staged_width: Key latent width staged per token for per-channel key
-            quantization (``Rk``), or 0.
 
     Attributes:
-        kv_cache: ``[num_blocks, 1, block_size, slot_bytes]`` uint8, bound by vLLM.
+        kv_cache: ``[num_blocks, 1, block_size, slot.slot_bytes]`` uint8, bound by vLLM.
     """
 
-    def __init__(self, kv_width: int, dtype: torch.dtype, latent_slot_bytes: int,
-                 sink: int, recent: int, prefix: str, staged_width: int = 0) -> None:
+    def __init__(self, slot: ExactSlot, sink: int, recent: int, prefix: str) -> None:
         super().__init__()
-        self.kv_width = kv_width
-        self.dtype = dtype
+        self.slot = slot
         self.sink = sink
         self.recent = recent
-        self.staged_width = staged_width
-        self.slot_bytes = exact_slot_bytes(kv_width, dtype, latent_slot_bytes, staged_width)
         self.layer_name = prefix
         self.kv_cache = torch.tensor([])
         context = get_current_vllm_config().compilation_config.static_forward_context
@@ -248,10 +357,10 @@ class ExactTokenCache(nn.Module, AttentionLayerBase):
         return ExactTokensSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
-            head_size=self.kv_width,
-            head_size_v=self.kv_width,
+            head_size=self.slot.kv_width,
+            head_size_v=self.slot.kv_width,
             dtype=torch.uint8,
-            state_content_bytes=self.slot_bytes,
+            state_content_bytes=self.slot.slot_bytes,
             sliding_window=self.recent + 1,
             sink=self.sink,
         )

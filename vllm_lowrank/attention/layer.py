@@ -44,8 +44,8 @@ class LatentAttention(Attention):
             (``1.0`` for Gemma's ``x * (1 + w)``, ``0.0`` for ``x * w``).
         key_bias: Rebuilt keys get the k_proj bias (buffer ``k_bias``).
         sliding_window: Tokens each query sees (itself included), or ``None``.
-        exact_tokens: ``(sink, recent)`` for the token-adaptive mode (TALE;
-            whole blocks), or ``None``. The layer then owns an
+        exact_tokens: :class:`~vllm_lowrank.attention.exact_cache.ExactTokens`
+            of the token-adaptive mode (TALE), or ``None``. The layer then owns an
             :class:`~vllm_lowrank.attention.exact_cache.ExactTokenCache`
             (``exact``), :meth:`forward` also takes the exact post-RoPE keys and
             values, and the output is per-head values ``[T, num_heads *
@@ -66,7 +66,7 @@ class LatentAttention(Attention):
                  layout=None, key_norm=None, key_norm_offset: float = 0.0,
                  key_bias: bool = False,
                  sliding_window: int | None = None,
-                 exact_tokens: tuple[int, int] | None = None, cache_config=None,
+                 exact_tokens=None, cache_config=None,
                  quant_config=None, prefix: str = "") -> None:
         shape = plan.shape
         # Post-RoPE queries arrive projected into the key latent basis, padded
@@ -101,20 +101,21 @@ class LatentAttention(Attention):
         self._key_norm_offset = key_norm_offset
         self._key_transform: KeyTransform | None = None
         self.register_buffer(
-            "v_up", torch.zeros(plan.v_width if exact_tokens else 0, shape.kv_width,
+            "v_up", torch.zeros(plan.v_width if exact_tokens is not None else 0, shape.kv_width,
                                 dtype=torch.float32), persistent=False)
         self.exact = None
         if exact_tokens is not None:
-            from vllm_lowrank.attention.exact_cache import ExactTokenCache
+            from vllm_lowrank.attention.exact_cache import ExactSlot, ExactTokenCache
 
             dtype = self.kv_cache_torch_dtype
             latent_bytes = (layout.slot_bytes if layout is not None else
                             (plan.k_width + plan.v_width) * dtype.itemsize)
-            # a plain attribute: vLLM finds the cache layer by its name
             staged = plan.k_width if layout is not None and layout.k_per_channel else 0
+            slot = ExactSlot(shape.kv_width, shape.head_dim, dtype, exact_tokens.bits,
+                             staged, latent_bytes)
+            # a plain attribute: vLLM finds the cache layer by its name
             self.__dict__["exact"] = ExactTokenCache(
-                shape.kv_width, dtype, latent_bytes, *exact_tokens, prefix=f"{prefix}.exact",
-                staged_width=staged)
+                slot, exact_tokens.sink, exact_tokens.recent, prefix=f"{prefix}.exact")
 
     @property
     def out_width(self) -> int:

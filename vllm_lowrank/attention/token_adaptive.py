@@ -22,10 +22,9 @@ value latent space (``[.., sum_i r_v]``); :func:`values_up` lifts it with
 model's own (not folded with ``B_v``).
 
 Shapes: the exact cache is ``[num_blocks, 1, block_size, slot_bytes]`` uint8;
-each slot starts with ``[k | v]`` (``2 * kv_width`` elements of the model
-dtype, post-RoPE keys), then, with per-channel key quantization, the staged key
-latent ``c_k`` (``Rk`` elements), then padding
-(:mod:`vllm_lowrank.attention.exact_cache`).
+each slot starts with ``[k | v]`` (post-RoPE keys; model dtype or int8), then,
+with per-channel key quantization, the staged key latent ``c_k`` (``Rk``
+elements), then padding (:class:`vllm_lowrank.attention.exact_cache.ExactSlot`).
 """
 
 from __future__ import annotations
@@ -33,32 +32,29 @@ from __future__ import annotations
 import torch
 
 from vllm_lowrank.attention import latent_attention as latent
+from vllm_lowrank.attention.exact_cache import ExactSlot
 from vllm_lowrank.factorization.plan import LayerPlan
 
 QUERY_CHUNK = latent.PREFILL_QUERY_CHUNK
 
 
-def write_exact(exact_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, staged: torch.Tensor | None = None) -> None:
-    """Scatter exact ``key``/``value`` ``[T, kv_width]`` (model dtype, keys
-    post-RoPE) into their slots; negative slots (padding) are skipped.
+def write_exact(exact_cache: torch.Tensor, slot: ExactSlot, key: torch.Tensor,
+                value: torch.Tensor, slot_mapping: torch.Tensor,
+                staged: torch.Tensor | None = None) -> None:
+    """Scatter ``key``/``value`` ``[T, kv_width]`` (keys post-RoPE) into their
+    slots, stored as ``slot`` says; negative slots (padding) are skipped.
 
     Args:
-        staged: ``[T, Rk]`` key latents staged behind them (model dtype; for
-            per-channel key quantization, :func:`write_key_groups`), or ``None``.
+        staged: ``[T, Rk]`` key latents staged behind them (for per-channel
+            key quantization, :func:`write_key_groups`), or ``None``.
     """
     n = slot_mapping.shape[0]
-    parts = (key[:n], value[:n]) + (() if staged is None else (staged[:n],))
-    rows = torch.cat(parts, dim=-1).contiguous().view(torch.uint8)
-    pad = exact_cache.shape[-1] - rows.shape[-1]
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
+    rows = slot.encode(key[:n], value[:n], None if staged is None else staged[:n])
     latent.scatter_rows(exact_cache, rows, slot_mapping)
 
 
-def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout,
-                     kv_width: int, dtype: torch.dtype) -> None:
+def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: ExactSlot,
+                     slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout) -> None:
     """Quantize per channel every key group completed in this step and write
     its codes and scales into the latent cache (KIVI's per-channel keys over
     groups of ``G = layout.k_channel_tokens`` tokens).
@@ -73,10 +69,10 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor,
     Args:
         kv_cache: Latent cache ``[num_blocks, 1, block_size, slot_bytes]`` uint8.
         exact_cache: Exact cache (slots ``[k | v | c_k]``).
+        slot: Its slot layout.
         slot_mapping, exact_slots: ``[T]`` int64 slots of this step's tokens in
             the latent and the exact cache (negative: padding).
         layout: :class:`~vllm_lowrank.quantization.SlotLayout` with per-channel keys.
-        kv_width, dtype: Width and dtype of the exact keys/values.
     """
     g = layout.k_channel_tokens
     n = min(slot_mapping.shape[0], exact_slots.shape[0])
@@ -89,18 +85,15 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor,
     ex_slots = ex[last][:, None] - back
     eb, lb = exact_cache.shape[2], kv_cache.shape[2]
     rows = exact_cache[ex_slots // eb, 0, ex_slots % eb]  # [N, G, exact slot bytes]
-    size = torch.empty(0, dtype=dtype).element_size()
-    start = 2 * kv_width * size
-    rk = sum(layout.k_ranks)
-    c_k = rows[..., start:start + rk * size].contiguous().view(dtype).float()
+    c_k = slot.staged(rows)
     codes, share = layout.encode_key_groups(c_k)
     blocks, offsets = lat_slots // lb, lat_slots % lb
     kv_cache[blocks, 0, offsets, :layout.k_codes_bytes] = codes
     kv_cache[blocks, 0, offsets, layout.k_share_offset:layout.natural_bytes] = share
 
 
-def read_exact(exact_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-               kv_width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def read_exact(exact_cache: torch.Tensor, slot: ExactSlot, block_table: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values at ``positions [B, L]`` (valid entries only; the caller
     masks the rest, which are read from block 0 of the row).
 
@@ -110,10 +103,7 @@ def read_exact(exact_cache: torch.Tensor, block_table: torch.Tensor, positions: 
     block_size = exact_cache.shape[2]
     pos = positions.clamp(0, block_table.shape[1] * block_size - 1)
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
-    rows = exact_cache[blocks, 0, pos % block_size]  # [B, L, slot_bytes]
-    width = 2 * kv_width * torch.empty(0, dtype=dtype).element_size()
-    kv = rows[..., :width].contiguous().view(dtype).float()
-    return kv[..., :kv_width], kv[..., kv_width:]
+    return slot.decode(exact_cache[blocks, 0, pos % block_size])
 
 
 def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -179,16 +169,16 @@ def _exact_positions(seq_lens: torch.Tensor, first_new: torch.Tensor, length: in
     return pos, real
 
 
-def exact_attention(query: torch.Tensor, exact_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, q_lens: int, sink: int, recent: int,
-                    kv_width: int, dtype: torch.dtype, scale: float,
-                    window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_attention(query: torch.Tensor, exact_cache: torch.Tensor, slot: ExactSlot,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, q_lens: int,
+                    sink: int, recent: int, scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact part for ``B`` requests with ``q_lens`` new tokens each.
 
     Args:
         query: ``[B, Q, H, d]`` post-RoPE queries at positions
             ``seq_len - Q .. seq_len - 1``.
         exact_cache: The exact cache (the new tokens already written).
+        slot: Its slot layout.
         block_table: ``[B, max_blocks]`` of the exact cache group.
         seq_lens: ``[B]`` int (after this step).
         sink, recent: ``S`` and ``W`` (module docstring).
@@ -197,11 +187,11 @@ def exact_attention(query: torch.Tensor, exact_cache: torch.Tensor, block_table:
         ``(out [B, Q, H, d], lse [B, Q, H])`` float32.
     """
     b, q_len, h, d = query.shape
-    hkv = kv_width // d
+    hkv = slot.kv_width // d
     lens = seq_lens.long()
     first_new = lens - q_len
     pos, real = _exact_positions(lens, first_new, q_len, sink, recent)
-    k, v = read_exact(exact_cache, block_table, pos, kv_width, dtype)
+    k, v = read_exact(exact_cache, slot, block_table, pos)
     k = torch.where(real[..., None], k, 0.0).view(b, -1, hkv, d).permute(0, 2, 1, 3)[:, :, None]
     v = torch.where(real[..., None], v, 0.0).view(b, -1, hkv, d).permute(0, 2, 1, 3)[:, :, None]
     q = query.float().view(b, q_len, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)
@@ -269,7 +259,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
            query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
            exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int, *, sink: int, recent: int,
-           kv_width: int, dtype: torch.dtype, layout=None, transform=None,
+           exact: ExactSlot, layout=None, transform=None,
            window: int | None = None, latent_decode=None, min_seq_len: int = 0) -> torch.Tensor:
     """One new token per request: latent span ``sink <= t < seq_len - 1 -
     recent`` plus the exact set, merged.
@@ -278,7 +268,8 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
         kv_cache, block_table: The latent cache and the requests' rows of its
             block table; exact_cache, exact_block_table: the same for the
-            exact cache (this token already written to both).
+            exact cache (this token already written to both), whose slots
+            ``exact`` lays out.
         seq_lens: ``[B]`` (this token included); max_seq_len, min_seq_len:
             their max / min as host ints.
         latent_decode: The latent-span kernel (``None``: the torch path
@@ -295,8 +286,8 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
     else:
         lat, lat_lse = latent_decode(*args, mode="pre_rope", **span)
-    ex, ex_lse = exact_attention(query[:, None], exact_cache, exact_block_table, seq_lens, 1,
-                                 sink, recent, kv_width, dtype, scale, window)
+    ex, ex_lse = exact_attention(query[:, None], exact_cache, exact, exact_block_table,
+                                 seq_lens, 1, sink, recent, scale, window)
     out = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
     return out.reshape(query.shape[0], -1)
 
@@ -304,7 +295,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
 def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale: float,
             query: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor,
             exact_cache: torch.Tensor, exact_block_table_row: torch.Tensor, seq_len: int, *,
-            sink: int, recent: int, kv_width: int, dtype: torch.dtype, layout=None,
+            sink: int, recent: int, exact: ExactSlot, layout=None,
             transform=None, window: int | None = None) -> torch.Tensor:
     """A chunk of ``Q`` new tokens of one request (positions ``seq_len - Q ..``):
     latent history plus the exact set (its own tokens included), merged.
@@ -312,6 +303,7 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
     Args:
         query: ``[Q, H, d]`` post-RoPE.
         block_table_row, exact_block_table_row: ``[max_blocks]`` each.
+        exact: Layout of the exact cache's slots.
 
     Returns:
         ``[Q, H * d]`` float32.
@@ -321,6 +313,6 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
                                             block_table_row, seq_len - q_len, sink, recent,
                                             layout, transform, window)
     lens = torch.tensor([seq_len], device=query.device)
-    ex, ex_lse = exact_attention(query[None], exact_cache, exact_block_table_row[None], lens,
-                                 q_len, sink, recent, kv_width, dtype, scale, window)
+    ex, ex_lse = exact_attention(query[None], exact_cache, exact, exact_block_table_row[None],
+                                 lens, q_len, sink, recent, scale, window)
     return merge(values_up(plan, v_up, lat), lat_lse, ex[0], ex_lse[0]).reshape(q_len, -1)

@@ -32,7 +32,7 @@ from vllm_lowrank.factorization import budget as bud
 
 logger = logging.getLogger("vllm.lowrank")
 
-SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "k_quant",
+SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "exact_bits", "k_quant",
                 "k_channel_tokens", "quant_group_size", "hadamard")
 """Settings an allocation assumes and records; serving takes them from the artifact."""
 
@@ -78,13 +78,13 @@ def calibration_latents(model, tokenizer, artifact: art.Artifact, num_windows: i
     return out
 
 
-def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int,
-                 exact: tuple[int, int] | None):
+def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int, exact):
     """Objective metrics ``M`` (:func:`~vllm_lowrank.factorization.budget.side_loss`)
     per layer, side and head group.
 
-    Without exact tokens: ``diag(energy)`` of the fisher bases (eq. 1). With
-    exact tokens ``(sink, recent)``: ``B G B^T`` with ``G`` the gradient
+    Without exact tokens (``exact`` ``None``): ``diag(energy)`` of the fisher
+    bases (eq. 1). With exact tokens (an
+    :class:`~vllm_lowrank.attention.exact_cache.ExactTokens`): ``B G B^T`` with ``G`` the gradient
     second moment of the keys and values read from latents only
     (:func:`~vllm_lowrank.calibration.collect.collect_far_gradients`): the
     calibration Fisher is dominated by what the exact tokens already cover
@@ -96,8 +96,8 @@ def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int,
     from vllm_lowrank.calibration.calibrate import _inv_freq
     from vllm_lowrank.calibration.collect import collect_far_gradients
 
-    grads = collect_far_gradients(model, _windows(tokenizer, num_windows), sink=exact[0],
-                                  recent=exact[1], inv_freq=lambda i: _inv_freq(model, i))
+    grads = collect_far_gradients(model, _windows(tokenizer, num_windows), sink=exact.sink,
+                                  recent=exact.recent, inv_freq=lambda i: _inv_freq(model, i))
     out = {}
     for i, bases in artifact.bases.items():
         sides = []
@@ -127,29 +127,33 @@ def layer_fronts(artifact: art.Artifact, latents, metrics, storage: bud.Storage,
     return fronts
 
 
-def exact_costs(cfg: LowRankConfig, kv_widths: dict[int, int], context: int, block_size: int):
+def exact_costs(cfg: LowRankConfig, kv_widths: dict[int, int], head_dim: int, context: int,
+                block_size: int):
     """``{layer: f(choice, slot)}``: amortised bytes per token of the exact
-    tokens in a 16-bit deployment (``None`` without ``token_adaptive``)."""
-    from vllm_lowrank.attention.exact_cache import exact_slot_bytes
+    tokens in a 16-bit deployment (``None`` without ``token_adaptive``): their
+    slots (:class:`~vllm_lowrank.attention.exact_cache.ExactSlot`, stored at
+    ``cfg.exact_bits``) times their share of a ``context``-token sequence."""
+    from vllm_lowrank.attention.exact_cache import ExactSlot
     from vllm_lowrank.models.compression import exact_tokens
 
     exact = exact_tokens(cfg, block_size)
     if exact is None:
         return None
-    share = sum(exact) / context
+    share = exact.count / context
 
     def cost(kvw):
         def f(choice, slot):
             staged = sum(choice.k.ranks) if (cfg.k_quant == "channel"
                                               and choice.k.bits < 16) else 0
-            return share * exact_slot_bytes(kvw, torch.float16, slot, staged)
+            return share * ExactSlot(kvw, head_dim, torch.float16, exact.bits, staged,
+                                     slot).slot_bytes
         return f
 
     return {i: cost(w) for i, w in kv_widths.items()}
 
 
-def solve(fronts, cfg: LowRankConfig, kv_widths: dict[int, int], *, context: int,
-          block_size: int, one_page: bool, bytes_per_token: float | None = None,
+def solve(fronts, cfg: LowRankConfig, kv_widths: dict[int, int], *, head_dim: int,
+          context: int, block_size: int, one_page: bool, bytes_per_token: float | None = None,
           max_loss: float | None = None) -> bud.Allocation:
     """The allocation for a byte target, or the cheapest one whose objective is
     at most ``max_loss`` nats (exactly one of the two).
@@ -157,7 +161,7 @@ def solve(fronts, cfg: LowRankConfig, kv_widths: dict[int, int], *, context: int
     Raises:
         LowRankConfigError: no allocation meets the target.
     """
-    costs = exact_costs(cfg, kv_widths, context, block_size)
+    costs = exact_costs(cfg, kv_widths, head_dim, context, block_size)
     if (bytes_per_token is None) == (max_loss is None):
         raise ValueError("give exactly one of bytes_per_token and max_loss")
     try:
@@ -257,8 +261,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
                               multiple=v.rank_multiple)
         fronts = layer_fronts(artifact, latents, metrics, storage)
         try:
-            a = solve(fronts, v, kv_widths, context=context, block_size=block_size,
-                      one_page=one_page, bytes_per_token=bytes_per_token,
+            a = solve(fronts, v, kv_widths, head_dim=m["head_dim"], context=context,
+                      block_size=block_size, one_page=one_page, bytes_per_token=bytes_per_token,
                       max_loss=None if ppl_increase is None else math.log1p(ppl_increase))
         except LowRankConfigError as e:
             logger.info("vllm-lowrank: %s: %s", {k: getattr(v, k) for k in SERVING_KEYS}, e)

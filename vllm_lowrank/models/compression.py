@@ -31,6 +31,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
 from vllm_lowrank.factorization.ranks import energy_plans
+
+if TYPE_CHECKING:
+    from vllm_lowrank.attention.exact_cache import ExactTokens
 
 logger = logging.getLogger("vllm.lowrank")
 
@@ -63,8 +67,8 @@ class ModelCompression:
         plans: ``{layer: LayerPlan}``.
         artifact: Calibrated bases, or ``None`` for weight SVD.
         artifact_path: Where the artifact came from (for messages).
-        exact_tokens: ``(sink, recent)`` of the token-adaptive mode in tokens,
-            rounded up to whole KV blocks, or ``None`` when it is off.
+        exact_tokens: What the token-adaptive mode keeps at full rank
+            (:func:`exact_tokens`), or ``None`` when it is off.
         bits: ``{layer: (k_bits, v_bits)}`` fixed by a byte-budget allocation
             (:mod:`vllm_lowrank.calibration.allocate`), or ``None``: the
             config's bits everywhere.
@@ -76,7 +80,7 @@ class ModelCompression:
     plans: dict[int, LayerPlan]
     artifact: art.Artifact | None
     artifact_path: str | None
-    exact_tokens: tuple[int, int] | None = None
+    exact_tokens: ExactTokens | None = None
     bits: dict[int, tuple[int, int]] | None = None
     one_page: bool | None = None
 
@@ -132,7 +136,9 @@ class ModelCompression:
             ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...],
             "kv_width": int}}``),
             ``original_bytes_per_token``, ``stored_bytes_per_token`` and
-            ``compression_ratio`` (original / stored), over this worker's layers.
+            ``compression_ratio`` (original / stored), over this worker's
+            layers (latent slots only), and ``exact_tokens`` (``{"sink",
+            "recent", "bits"}`` of the token-adaptive mode, or ``None``).
         """
         original, stored = self.bytes_per_token(dtype_bytes)
         return {
@@ -148,6 +154,8 @@ class ModelCompression:
             "compression_ratio": original / stored,
             "k_bits": self.cfg.k_bits,
             "v_bits": self.cfg.v_bits,
+            "exact_tokens": (None if self.exact_tokens is None
+                             else dataclasses.asdict(self.exact_tokens)),
         }
 
     def describe(self) -> str:
@@ -371,10 +379,11 @@ def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequen
     return [make(k, v, b, pad) for (k, v), b in zip(ranks, bits)]
 
 
-def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
-    """``(sink, recent)`` of the token-adaptive mode rounded up to whole
-    blocks of ``block_size`` tokens (their blocks are stored whole anyway), or
-    ``None`` when ``cfg.token_adaptive`` is off.
+def exact_tokens(cfg: LowRankConfig, block_size: int):
+    """:class:`~vllm_lowrank.attention.exact_cache.ExactTokens` of the
+    token-adaptive mode: sink and recent tokens rounded up to whole blocks of
+    ``block_size`` tokens (their blocks are stored whole anyway) and
+    ``cfg.exact_bits``; ``None`` when ``cfg.token_adaptive`` is off.
 
     Token-adaptive layers own a second (exact) KV cache group, so vLLM's
     hybrid allocator needs one page size across layers: the plans then get
@@ -391,8 +400,10 @@ def exact_tokens(cfg: LowRankConfig, block_size: int) -> tuple[int, int] | None:
             f"k_channel_tokens={cfg.k_channel_tokens} must divide the KV block size "
             f"{block_size} (a per-channel key group lies inside one block); use a "
             f"divisor of {block_size} or change --block-size")
-    return (-(-cfg.sink_tokens // block_size) * block_size,
-            -(-cfg.recent_tokens // block_size) * block_size)
+    from vllm_lowrank.attention.exact_cache import ExactTokens
+
+    return ExactTokens(-(-cfg.sink_tokens // block_size) * block_size,
+                       -(-cfg.recent_tokens // block_size) * block_size, cfg.exact_bits)
 
 
 def mixes_attention_kinds(hf_config) -> bool:

@@ -72,7 +72,8 @@ class LatentSelfAttention(nn.Module):
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
             sides, or ``None`` for no rotation.
-        exact_tokens: ``(sink, recent)`` of the token-adaptive mode, or ``None``.
+        exact_tokens: :class:`~vllm_lowrank.attention.exact_cache.ExactTokens` of the
+            token-adaptive mode, or ``None``.
         cache_config, quant_config: vLLM configs.
         prefix: Module prefix (``model.layers.N.self_attn``).
 
@@ -87,7 +88,7 @@ class LatentSelfAttention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float = 1e-6, sliding_window: int | None = None,
                  post_rope: bool = False, layout=None, hadamard_seed: int | None = None,
-                 exact_tokens: tuple[int, int] | None = None,
+                 exact_tokens=None,
                  cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
