@@ -160,9 +160,21 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 // 16-byte global -> shared copy; src_bytes 0 zero-fills without reading.
+// L2_LINE: ask L2 to fetch the whole aligned 128-byte line around src (the
+// `.L2::128B` prefetch-size hint), for sections narrower than a line, whose
+// neighbours (the adjacent KV heads' latents of the same token) the CTAs of those
+// heads read at about the same time: DRAM then serves whole lines instead of
+// 32/64-byte pieces (H200, 16 x 32k, r = 32: 223 -> 209 us). Off for sections of
+// a line or more (r >= 64): there it gained nothing (307 -> 305-306 us at 16 x 32k,
+// r = 64; benchmarks/decode_attention_notes.md).
+template <bool L2_LINE = false>
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
+  if (L2_LINE)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst),
+                 "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -193,10 +205,10 @@ __device__ __forceinline__ int source_dim(int pos, int gptj) {
 }
 
 // Issue the cp.async copies of one section (key or value latents) of a 32-token
-// tile. CH 16-byte chunks per token row; CHP = CH rounded up to a power of two
-// lanes per token, so instruction i covers tokens i * (32 / CHP) + lane / CHP and
-// a token's half (rows 0-15 or 16-31 of the tile, possibly different pages) is
-// known at compile time.
+// tile. CH 16-byte chunks per token row (rows under 128 bytes take the L2 line
+// hint of cp_async16); CHP = CH rounded up to a power of two lanes per token, so
+// instruction i covers tokens i * (32 / CHP) + lane / CHP and a token's half (rows
+// 0-15 or 16-31 of the tile, possibly different pages) is known at compile time.
 template <int CH>
 struct Section {
   static constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : 16;
@@ -216,7 +228,7 @@ __device__ __forceinline__ void load_section(uint32_t dst, const char* half0, co
   for (int i = 0; i < CHP; ++i) {
     const char* src = ((i * TPI < 16) ? half0 : half1) + ((i * TPI) % 16) * s_tok_b;
     const uint32_t d = dst + (uint32_t)(i * TPI * ROW_BYTES);
-    cp_async16(d, src, FULL || i * TPI + lr < n_valid ? 16 : 0);
+    cp_async16<(CH * 16 < 128)>(d, src, FULL || i * TPI + lr < n_valid ? 16 : 0);
   }
 }
 
