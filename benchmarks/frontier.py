@@ -149,12 +149,15 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
 
 
 def _label(name: str) -> str:
-    """Short plot label: ``int8``, ``KIVI-4``, ``r0.5 K4c/V4``."""
+    """Short plot label: ``int8``, ``KIVI-4``, ``r0.5 K4c/V4``, ``alloc 8x W256 int8``
+    (recent window if not 128, int8 exact tokens)."""
     kind, cfg = SETTINGS[name]
     if kind == "peer":
         return name.split(" (")[0].replace("-style int", "-").replace(" per token", "")
     if "allocate" in cfg:
-        return name.split(",")[0]
+        window = cfg.get("recent_tokens", 128)
+        return (f"alloc {cfg['allocate']:g}x" + (f" W{window}" if window != 128 else "")
+                + (" int8" if cfg.get("exact_bits") == 8 else ""))
     k = f"K{cfg['k_bits']}" + ("c" if cfg.get("k_quant") == "channel" else "")
     return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
 
