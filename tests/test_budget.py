@@ -321,3 +321,23 @@ def test_exact_tokens_are_charged_at_their_stored_bytes(exact_bits, kv_bytes):
     k16 = bud.SideOption(bits=16, ranks=(48,), nbytes=96, loss=0.0)  # nothing staged
     assert cost(bud.LayerChoice(k16, v), 1) == pytest.approx(160 / 4096 * kv_bytes)
     assert exact_costs(LowRankConfig(mode="lowrank"), {0: 192}, 64, 4096, 32) is None
+
+
+def test_knob_choices_cover_every_combination():
+    """With knob choice the allocator solves for the given recent window and
+    twice it (token-adaptive mode only), each with Hadamard on/off and, where
+    per-channel keys are allowed, per-token keys too; without it, once."""
+    from vllm_lowrank.calibration.allocate import _exact_windows, _knob_variants, serving_config
+
+    cfg = serving_config({"token_adaptive": True, "recent_tokens": 128, "k_quant": "channel",
+                          "exact_bits": 8})
+    windows = _exact_windows(cfg, True)
+    assert [w.recent_tokens for w in windows] == [128, 256]
+    assert all(w.exact_bits == 8 and w.sink_tokens == cfg.sink_tokens for w in windows)
+    assert _exact_windows(cfg, False) == [cfg]
+    plain = serving_config({})
+    assert _exact_windows(plain, True) == [plain]
+    combos = {(v.hadamard, v.k_quant) for v in _knob_variants(cfg, True)}
+    assert combos == {(True, "channel"), (False, "channel"), (True, "token"), (False, "token")}
+    assert _knob_variants(cfg, False) == [cfg]
+    assert {v.hadamard for v in _knob_variants(plain, True)} == {True, False}

@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
     s.add_argument("--fixed-knobs", action="store_true",
-                   help="keep hadamard and k_quant as given (default: also try the other)")
+                   help="keep hadamard, k_quant and recent_tokens as given (default: also "
+                        "try the other hadamard/k_quant and twice the recent window)")
     s.set_defaults(func=_allocate)
 
     s = sub.add_parser("perplexity", help="baseline vs compressed perplexity through vLLM")

@@ -10,10 +10,13 @@ allocation assumed (exact tokens, per-channel keys, Hadamard, quantization
 groups). ``vllm serve MODEL --kv-compression lowrank --kv-compression-config
 '{"artifact": DIR}'`` then serves exactly that (:func:`vllm_lowrank.models.compression.resolve`).
 
-Global knobs (Hadamard on or off, per-channel or per-token keys) are chosen by
-solving once per combination and keeping the smallest objective. The exact
-sink and recent tokens are an input: their bytes are charged to the budget at
-the stated context length, but objective (2) does not see their benefit.
+Global knobs (Hadamard on or off, per-channel or per-token keys, and in the
+token-adaptive mode the given recent window or twice it) are chosen by solving
+once per combination and keeping the smallest objective. The exact tokens'
+bytes are charged to the budget at the stated context length (at
+``exact_bits``); their benefit enters through the TALE-aware metric, which
+counts only the attention entries read from latents. The sink count and
+``exact_bits`` are an input.
 """
 
 from __future__ import annotations
@@ -216,7 +219,9 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
         num_windows: Calibration windows (of 1024 tokens) to measure on.
         one_page: One slot size for every layer (default: with
             ``token_adaptive``, where vLLM needs one page size).
-        choose_knobs: Also try Hadamard off and per-token keys.
+        choose_knobs: Also try Hadamard flipped, per-token keys and (token-adaptive
+            mode) twice the recent window, and keep the best objective
+            (:func:`_exact_windows`, :func:`_knob_variants`).
 
     Returns:
         ``(artifact with manifest["ranks"] fixed, report dict)``.
@@ -247,29 +252,28 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     latents = calibration_latents(model, tok, artifact, num_windows)
     from vllm_lowrank.models.compression import exact_tokens
 
-    metrics = loss_metrics(model, tok, artifact, num_windows, exact_tokens(cfg, block_size))
-    variants = [cfg]
-    if choose_knobs:
-        variants += [dataclasses.replace(cfg, hadamard=not cfg.hadamard)]
-        if cfg.k_quant == "channel":
-            variants += [dataclasses.replace(v, k_quant="token") for v in list(variants)]
     results = []
-    for v in variants:
-        storage = bud.Storage(quant_group=v.quant_group_size, hadamard=v.hadamard,
-                              k_channel_tokens=(v.k_channel_tokens if v.k_quant == "channel"
-                                                else None),
-                              multiple=v.rank_multiple)
-        fronts = layer_fronts(artifact, latents, metrics, storage)
-        try:
-            a = solve(fronts, v, kv_widths, head_dim=m["head_dim"], context=context,
-                      block_size=block_size, one_page=one_page, bytes_per_token=bytes_per_token,
-                      max_loss=None if ppl_increase is None else math.log1p(ppl_increase))
-        except LowRankConfigError as e:
-            logger.info("vllm-lowrank: %s: %s", {k: getattr(v, k) for k in SERVING_KEYS}, e)
-            continue
-        results.append((a.objective if ppl_increase is None else a.total_bytes, a, v))
-        logger.info("vllm-lowrank: hadamard=%s k_quant=%s: objective %.4f nats at %.1f B",
-                    v.hadamard, v.k_quant, a.objective, a.total_bytes)
+    for window in _exact_windows(cfg, choose_knobs):
+        metrics = loss_metrics(model, tok, artifact, num_windows,
+                               exact_tokens(window, block_size))
+        for v in _knob_variants(window, choose_knobs):
+            storage = bud.Storage(quant_group=v.quant_group_size, hadamard=v.hadamard,
+                                  k_channel_tokens=(v.k_channel_tokens if v.k_quant == "channel"
+                                                    else None),
+                                  multiple=v.rank_multiple)
+            fronts = layer_fronts(artifact, latents, metrics, storage)
+            knobs = {k: getattr(v, k) for k in SERVING_KEYS}
+            try:
+                a = solve(fronts, v, kv_widths, head_dim=m["head_dim"], context=context,
+                          block_size=block_size, one_page=one_page,
+                          bytes_per_token=bytes_per_token,
+                          max_loss=None if ppl_increase is None else math.log1p(ppl_increase))
+            except LowRankConfigError as e:
+                logger.info("vllm-lowrank: %s: %s", knobs, e)
+                continue
+            results.append((a.objective if ppl_increase is None else a.total_bytes, a, v))
+            logger.info("vllm-lowrank: %s: objective %.4f nats at %.1f B", knobs, a.objective,
+                        a.total_bytes)
     if not results:
         raise LowRankConfigError("no allocation meets the target with these settings; "
                                  "raise the budget")
@@ -287,6 +291,29 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     }
     record_allocation(out, alloc, chosen, report)
     return out, report
+
+
+def _exact_windows(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
+    """The exact recent windows an allocation tries: ``cfg``'s, and with
+    ``choose`` (token-adaptive mode) twice as many recent tokens. Each needs
+    its own TALE-aware metric (the latent-read entries differ), and the
+    objective compares them: a longer window moves the most sensitive latent
+    reads (the nearest tokens) to exact storage, at its bytes."""
+    out = [cfg]
+    if choose and cfg.token_adaptive:
+        out.append(dataclasses.replace(cfg, recent_tokens=2 * cfg.recent_tokens))
+    return out
+
+
+def _knob_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
+    """``cfg`` and, with ``choose``, Hadamard flipped and (where per-channel
+    keys are allowed) per-token keys: every combination."""
+    variants = [cfg]
+    if choose:
+        variants += [dataclasses.replace(cfg, hadamard=not cfg.hadamard)]
+        if cfg.k_quant == "channel":
+            variants += [dataclasses.replace(v, k_quant="token") for v in list(variants)]
+    return variants
 
 
 def record_allocation(artifact: art.Artifact, alloc: bud.Allocation, cfg: LowRankConfig,
