@@ -71,6 +71,9 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "allocated 8x, sink 32 + recent 256 int8": ("ours", {"allocate": 8.0, **TALE,
                                                           "recent_tokens": 256,
                                                           "exact_bits": 8}),
+    # the allocator also choosing Hadamard, per-channel/per-token keys and the window
+    "allocated 8x, int8 exact, knobs chosen": ("ours", {"allocate": 8.0, **TALE, "exact_bits": 8,
+                                                        "choose_knobs": True}),
 }
 
 
@@ -82,15 +85,17 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import cache_root, load_or_calibrate
 
-    serving = {k: v for k, v in cfg.items() if k != "allocate"}
+    serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs")}
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
-        f"{k}{v}" for k, v in sorted(serving.items()))
+        f"{k}{v}" for k, v in sorted(serving.items())) + ("-chosen" if cfg.get("choose_knobs")
+                                                         else "")
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
         artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
-                                 context=context, block_size=block, choose_knobs=False)
+                                 context=context, block_size=block,
+                                 choose_knobs=cfg.get("choose_knobs", False))
         out.save(path)
     return path
 
@@ -105,7 +110,7 @@ def compression_of(model: str, cfg: dict | None, context: int, block: int) -> di
 
 
 def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
-                    block: int) -> tuple[int, float]:
+                    block: int, serving: dict | None = None) -> tuple[int, float]:
     """(16-bit K+V bytes, allocated bytes) per token over all layers.
 
     Args:
@@ -114,6 +119,9 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
             (and padded to one size) as the plugin lays them out
             (:func:`vllm_lowrank.models.compression.slot_layouts`).
         cfg: The ``kv_compression`` settings.
+        serving: For an allocated setting, the serving settings its artifact
+            records (``manifest["ranks"]["serving"]``: the allocator may have
+            chosen some of them).
         head_dim: The model's head dimension (the int8 exact slot's scale group).
         context: Tokens per sequence (amortises the exact tokens).
         block: KV block size (sinks and window round up to whole blocks).
@@ -125,8 +133,8 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.models.compression import exact_tokens, slot_layouts
 
-    if "allocate" in cfg:  # serving settings as given, bits per layer as built
-        settings = serving_config({k: v for k, v in cfg.items() if k != "allocate"})
+    if "allocate" in cfg:  # serving settings as recorded, bits per layer as built
+        settings = serving_config(serving)
         bits = [tuple(la["bits"]) for la in layers.values()]
     else:
         settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})
@@ -157,7 +165,8 @@ def _label(name: str) -> str:
     if "allocate" in cfg:
         window = cfg.get("recent_tokens", 128)
         return (f"alloc {cfg['allocate']:g}x" + (f" W{window}" if window != 128 else "")
-                + (" int8" if cfg.get("exact_bits") == 8 else ""))
+                + (" int8" if cfg.get("exact_bits") == 8 else "")
+                + (" chosen" if cfg.get("choose_knobs") else ""))
     k = f"K{cfg['k_bits']}" + ("c" if cfg.get("k_quant") == "channel" else "")
     return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
 
@@ -238,8 +247,13 @@ def main() -> None:
         if cfg is None:
             ratio = 1.0
         else:
+            serving = None
+            if "allocate" in cfg:
+                path = allocation_artifact(model, cfg, args.context, args.block_size)
+                with open(os.path.join(path, "manifest.json")) as f:
+                    serving = json.load(f)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
-                                                  args.block_size)
+                                                  args.block_size, serving)
             ratio = original / allocated
         deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]
         rows.append({"name": name, "kind": kind, "ratio": ratio, "r": r, "deltas": deltas,

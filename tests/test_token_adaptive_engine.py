@@ -75,25 +75,34 @@ def test_half_ratio_window_covering_the_context_equals_uncompressed(model_path, 
     assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
 
 
-def test_int8_exact_tokens_follow_the_uncompressed_engine(model_path, stock):
-    """``exact_bits: 8`` at full rank: the workers store the exact window as
-    int8 (their published settings say so), and the greedy tokens, prefix hits
-    and chunked prefill included, follow the uncompressed engine's up to its
-    first top-2 gap below 0.05 nats (int8 rounding of the keys and values
-    moves the logits by about 1e-2)."""
+def test_int8_exact_tokens_cost_little_perplexity(model_path):
+    """``exact_bits: 8`` at full rank (latents exact, so only the int8 exact
+    window differs from the model): the workers store the window as int8
+    (their published settings say so), the perplexity of a 600-token held-out
+    window prefilled in 128-token chunks moves (the int8 path is taken: the
+    16-bit exact window gives the uncompressed figure) but by under 1 %."""
     from conftest import clear_worker_states, worker_states
 
+    from vllm_lowrank.evaluation import eval_windows, perplexity
+
+    def ppl(compression):
+        llm = make_llm(model_path, compression, enable_chunked_prefill=True,
+                       max_num_batched_tokens=CHUNK)
+        windows = eval_windows(llm.get_tokenizer(), "wikipedia", 1, 600)
+        out = perplexity(llm, windows)["ppl"]
+        del llm
+        gc.collect()
+        return out
+
+    stock = ppl(None)
+    exact16 = ppl(FULL_RANK_SMALL_WINDOW)
     clear_worker_states()
-    got = _run(model_path, {**FULL_RANK_SMALL_WINDOW, "exact_bits": 8})
-    exact = worker_states()[0]["exact_tokens"]
-    assert exact["bits"] == 8 and exact["sink"] >= 4 and exact["recent"] >= 32
-    assert got["hits"] > 0
-    compared = 0
-    for g, r, gaps in zip(got["tokens"], stock["tokens"], stock["gaps"]):
-        n = next((i + 1 for i, gap in enumerate(gaps) if gap < 0.05), len(r))
-        assert g[:n] == r[:n]
-        compared += n
-    assert compared >= 100
+    exact8 = ppl({**FULL_RANK_SMALL_WINDOW, "exact_bits": 8})
+    published = worker_states()[0]["exact_tokens"]
+    assert published["bits"] == 8 and published["recent"] >= 32
+    assert exact16 == pytest.approx(stock, rel=1e-4)
+    assert exact8 != pytest.approx(exact16, rel=1e-6)
+    assert abs(exact8 / stock - 1) < 0.01
 
 
 def test_channel_keys_prefix_hits_equal_a_cold_run(model_path):
