@@ -218,8 +218,10 @@ def main() -> None:
     model = resolve_model(args.model)
     import transformers
 
-    hf = transformers.AutoConfig.from_pretrained(model)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    from vllm_lowrank.calibration.artifact import read_manifest
+    from vllm_lowrank.models.compression import model_shapes
+
+    head_dim = model_shapes(transformers.AutoConfig.from_pretrained(model))[0].head_dim
     names = [n for n in SETTINGS if n == "uncompressed" or args.only is None
              or any(o in n for o in args.only)]
     results = {}
@@ -250,8 +252,7 @@ def main() -> None:
             serving = None
             if "allocate" in cfg:
                 path = allocation_artifact(model, cfg, args.context, args.block_size)
-                with open(os.path.join(path, "manifest.json")) as f:
-                    serving = json.load(f)["ranks"]["serving"]
+                serving = read_manifest(path)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
                                                   args.block_size, serving)
             ratio = original / allocated

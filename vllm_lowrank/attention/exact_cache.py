@@ -280,20 +280,16 @@ class ExactSlot:
         return SlotLayout(heads, heads, self.bits, self.bits)
 
     @property
-    def _itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
-    @property
     def kv_bytes(self) -> int:
         """Bytes of ``[k | v]`` (with their scales and zeros)."""
         if self._layout is not None:
             return self._layout.natural_bytes
-        return 2 * self.kv_width * self._itemsize
+        return 2 * self.kv_width * self.dtype.itemsize
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of the whole slot, padding included."""
-        raw = self.kv_bytes + self.staged_width * self._itemsize
+        raw = self.kv_bytes + self.staged_width * self.dtype.itemsize
         return cdiv(raw, self.latent_slot_bytes) * self.latent_slot_bytes
 
     def encode(self, key: torch.Tensor, value: torch.Tensor,
@@ -319,7 +315,7 @@ class ExactSlot:
     def staged(self, rows: torch.Tensor) -> torch.Tensor:
         """The staged key latents of ``[..., slot_bytes]`` rows:
         ``[..., staged_width]`` float32."""
-        stop = self.kv_bytes + self.staged_width * self._itemsize
+        stop = self.kv_bytes + self.staged_width * self.dtype.itemsize
         return rows[..., self.kv_bytes:stop].clone().view(self.dtype).float()
 
 
