@@ -19,7 +19,8 @@
 //
 // Per warp and 32-token tile (two m16 row tiles), all on mma.sync.m16n8k16:
 //   1. cp.async streams the tile's key and value latent rows into the warp's own
-//      shared-memory stage (zero-filled past the sequence end), as two groups: the
+//      shared-memory stage (rows laid out by RowLayout: unpadded and XOR-swizzled
+//      for r = 16/32/64/128; zero-filled past the sequence end), as two groups: the
 //      key rows (with the tile start's cos/sin rows) are issued while the previous
 //      tile is rebuilt, right after its key fragments were loaded into registers,
 //      the value rows after the previous tile's value product (see Cfg).
@@ -89,6 +90,30 @@ struct Params {
   int gptj;
 };
 
+// Shared-memory rows of one latent section (key or value) of a tile: token row t,
+// 16-byte chunk c (8 latent values). Where a row has a power-of-two number of chunks
+// (r = 16, 32, 64, 128) the rows are unpadded and chunk c is stored at c ^ swz(t),
+// swz(t) = (t >> SHIFT) & MASK, so the 8 rows an ldmatrix 8x8 matrix reads at one
+// logical chunk fall in 8 different 16-byte bank groups (row pitches of 32, 64, 128,
+// 256 bytes). Other ranks (48, 96) keep a 16-byte pad per row. Unpadded rows keep
+// each row's cp.async destination inside its own 128-byte lines: padded 16-byte
+// pitches cost about 10 % of the copy rate (H200, 16 x 32k: loads alone 280 -> 254
+// us at r = 64, 151 -> 140 us at r = 32; benchmarks/decode_attention_notes.md).
+template <int R>
+struct RowLayout {
+  static constexpr int CH = R / 8;                           // 16-byte chunks per row
+  static constexpr bool SWIZZLE = (CH & (CH - 1)) == 0;
+  static constexpr int PITCH = SWIZZLE ? R * 2 : (R + 8) * 2;   // bytes per token row
+  static constexpr int SHIFT = CH >= 8 ? 0 : CH == 4 ? 1 : 2;   // rows per 128 B: 1, 2, 4
+  static constexpr int MASK = CH >= 8 ? 7 : CH - 1;
+  static __device__ __forceinline__ int swz(int row) { return SWIZZLE ? (row >> SHIFT) & MASK : 0; }
+  // Byte offset of (row, chunk). swz(row + 16 m) == swz(row) (SHIFT <= 2, MASK <= 7), so
+  // the second m16 row tile reuses the first one's chunk order.
+  static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
+    return (uint32_t)(row * PITCH + 16 * (chunk ^ swz(row)));
+  }
+};
+
 // Launch shape per (r_k, r_v): the most warps (16, 8 or 4) whose pipelines fit in
 // shared memory, one stage each. A warp's pipeline holds STAGES stages of key +
 // value rows and STAGES + 1 slots of cos/sin rows: tile k + STAGES's key rows (and
@@ -96,15 +121,15 @@ struct Params {
 // key fragments sit in registers, its value rows right after tile k's value product,
 // so one stage already gives every copy about a tile of compute to land. Resident
 // warps beat prefetch depth (H200, benchmarks/decode_attention_notes.md, 16 x 32k:
-// r = 64, 16 warps x 1 stage 296 us, 8 x 2 335; r = 32, 16 x 1 215, 16 x 2 222);
-// 16 warps cap the registers at 128 (a few dozen bytes of spills at r = 32).
+// r = 64, 16 warps x 1 stage 296 us, 8 x 2 335; r = 32, 16 x 1 215, 16 x 2 222; with
+// the unpadded rows, where 16 x 2 fits at r <= 32: r = 32 194.5 vs 203.7, r = 16 150.3
+// vs 158.6); 16 warps cap the registers at 128 (no spills).
 // NW_ / ST_ > 0 override both (experiments).
 template <int RK, int RV, int NW_ = 0, int ST_ = 0>
 struct Cfg {
-  static constexpr int KP = RK + 8;                          // padded smem rows (elements)
-  static constexpr int VP = RV + 8;
-  static constexpr int V_OFF = kTile * KP * 2;               // value rows inside a stage
-  static constexpr int STAGE = kTile * (KP + VP) * 2;        // key + value rows of a tile
+  static constexpr int KP = RK + 8;                          // padded B_k^T rows (elements)
+  static constexpr int V_OFF = kTile * RowLayout<RK>::PITCH; // value rows inside a stage
+  static constexpr int STAGE = V_OFF + kTile * RowLayout<RV>::PITCH;   // key + value rows of a tile
   static constexpr int ROPE = 2 * 64 * 4;                    // cos/sin rows of a tile start
   static constexpr int BK_BYTES = kHeadDim * KP * 2;
   static constexpr int ROT_BYTES = 4 * kTile * 4 * 16;       // [kc][i][c] x uint4
@@ -216,18 +241,20 @@ struct Section {
 };
 
 // half0 / half1: this lane's first source byte in tile rows 0 and 16 (its token
-// row lane / CHP, its chunk, the section's column); dst: its first destination.
-// FULL: every row of the tile is inside the sequence (no zero fill).
-template <int CH, int ROW_BYTES, bool FULL>
+// row lane / CHP, its chunk, the section's column); dst: the section's first byte in
+// the stage (rows laid out by RowLayout<R>). FULL: every row of the tile is inside
+// the sequence (no zero fill).
+template <int R, bool FULL>
 __device__ __forceinline__ void load_section(uint32_t dst, const char* half0, const char* half1,
                                              int s_tok_b, int lane, int n_valid) {
-  constexpr int CHP = Section<CH>::CHP, TPI = Section<CH>::TPI;
+  constexpr int CH = R / 8, CHP = Section<CH>::CHP, TPI = Section<CH>::TPI;
+  using L = RowLayout<R>;
   if (CH != CHP && lane % CHP >= CH) return;
   const int lr = lane / CHP;
 #pragma unroll
   for (int i = 0; i < CHP; ++i) {
     const char* src = ((i * TPI < 16) ? half0 : half1) + ((i * TPI) % 16) * s_tok_b;
-    const uint32_t d = dst + (uint32_t)(i * TPI * ROW_BYTES);
+    const uint32_t d = dst + L::offset(i * TPI + lr, lane % CHP);
     cp_async16<(CH * 16 < 128)>(d, src, FULL || i * TPI + lr < n_valid ? 16 : 0);
   }
 }
@@ -235,7 +262,9 @@ __device__ __forceinline__ void load_section(uint32_t dst, const char* half0, co
 template <int RK, int RV, typename T, int NW_ = 0, int ST_ = 0>
 __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kernel(const Params p) {
   using C = Cfg<RK, RV, NW_, ST_>;
-  constexpr int NW = C::NW, STAGES = C::STAGES, KP = C::KP, VP = C::VP;
+  constexpr int NW = C::NW, STAGES = C::STAGES, KP = C::KP;
+  using LK = RowLayout<RK>;
+  using LV = RowLayout<RV>;
   constexpr int KS = RK / 16;   // k-steps of the rebuild
   constexpr int MV = RV / 16;   // m-tiles of O^T
   extern __shared__ __align__(128) uint8_t smem[];
@@ -319,8 +348,6 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const int src_k = (lane / SK::CHP) * s_tok_b + (grp * RK + (lane % SK::CHP) * 8) * (int)sizeof(T);
   const int src_v = (lane / SV::CHP) * s_tok_b +
                     (p.k_width + grp * RV + (lane % SV::CHP) * 8) * (int)sizeof(T);
-  const uint32_t dst_k = (uint32_t)(((lane / SK::CHP) * KP + (lane % SK::CHP) * 8) * 2);
-  const uint32_t dst_v = (uint32_t)(C::V_OFF + ((lane / SV::CHP) * VP + (lane % SV::CHP) * 8) * 2);
   // cos/sin rows of the tile start p0: lanes 0-15 copy cos, 16-31 sin, 16 B each.
   const float* rope_src = (lane < 16 ? p.cos : p.sin) + 4 * (lane & 15);
   const uint32_t dst_rope = (uint32_t)(C::ROPE_OFF + 16 * lane);
@@ -344,18 +371,18 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   // One section (KEY: key rows + cos/sin rows, else value rows) of tile k.
   auto issue = [&](int k, auto key) {
     constexpr bool KEY = decltype(key)::value;
-    constexpr int R = KEY ? RK : RV, RP = KEY ? KP : VP;
+    constexpr int R = KEY ? RK : RV;
     if (k < n_mine) {
       const int t0 = (tile_begin + warp + k * NW) * kTile;
       const int src = KEY ? src_k : src_v;
       const char* h0 = cache + nb0 * s_blk_b + (int64_t)((t0 & page_mask) * s_tok_b) + src;
       const char* h1 = cache + nb1 * s_blk_b + (int64_t)(((t0 + 16) & page_mask) * s_tok_b) + src;
-      const uint32_t dst = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE) + (KEY ? dst_k : dst_v);
+      const uint32_t dst = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE + (KEY ? 0 : C::V_OFF));
       const int n_valid = seq_len - t0;
       if (n_valid >= kTile)
-        load_section<R / 8, RP * 2, true>(dst, h0, h1, s_tok_b, lane, n_valid);
+        load_section<R, true>(dst, h0, h1, s_tok_b, lane, n_valid);
       else
-        load_section<R / 8, RP * 2, false>(dst, h0, h1, s_tok_b, lane, n_valid);
+        load_section<R, false>(dst, h0, h1, s_tok_b, lane, n_valid);
       if (KEY)
         cp_async16(pipe_u32 + (uint32_t)((k % (STAGES + 1)) * C::ROPE) + dst_rope,
                    rope_src + (int64_t)min(t0, p.max_pos - 1) * p.s_rope, 16);
@@ -380,15 +407,20 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
 #pragma unroll
   for (int i = 0; i < MV; ++i) oacc[i][0] = oacc[i][1] = oacc[i][2] = oacc[i][3] = 0.f;
 
-  // Per-lane ldmatrix offsets (elements) of the four 8x8 matrices.
+  // Per-lane ldmatrix addresses of the four 8x8 matrices.
   //   B_k^T x4: rows 8 * (tile + 8 * (lane >= 16)) + lane % 8, k half (lane / 8) & 1
   const uint32_t bk_lane = smem_u32(s_bk) +
       2u * (uint32_t)(((lane & 7) + 64 * (lane >> 4)) * KP + 8 * ((lane >> 3) & 1));
-  //   C_k x4 (A operand): token (lane % 8) + 8 * ((lane / 8) & 1), k half lane / 16
-  const uint32_t ck_lane = 2u * (uint32_t)(((lane & 7) + 8 * ((lane >> 3) & 1)) * KP + 8 * (lane >> 4));
-  //   V x4.trans (A = V^T): token (lane % 8) + 8 * (lane / 16), dim half (lane / 8) & 1
-  const uint32_t v_lane = 2u * (uint32_t)(kTile * KP + ((lane & 7) + 8 * (lane >> 4)) * VP +
-                                          8 * ((lane >> 3) & 1));
+  //   C_k x4 (A operand): token ck_row = (lane % 8) + 8 * ((lane / 8) & 1) (+ 16 mt),
+  //   chunk lane / 16 + 2 ks, stored at (lane / 16 + 2 ks) ^ swz = ck_x ^ 2 ks
+  //   (lane / 16 < 2, and swz(row + 16 mt) = swz(row)).
+  const int ck_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const uint32_t ck_base = (uint32_t)(ck_row * LK::PITCH);
+  const int ck_x = (lane >> 4) ^ LK::swz(ck_row);
+  //   V x4.trans (A = V^T): token (lane % 8) + 8 * (lane / 16), chunk (lane / 8) & 1 + 2 mv.
+  const int v_row = (lane & 7) + 8 * (lane >> 4);
+  const uint32_t v_base = (uint32_t)(C::V_OFF + v_row * LV::PITCH);
+  const int v_x = ((lane >> 3) & 1) ^ LV::swz(v_row);
   const uint32_t rot_lane = smem_u32(s_rot) + 16u * (uint32_t)(gr * 4 + cq);
 
   for (int k = 0; k < n_mine; ++k) {
@@ -406,7 +438,7 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
-        ldsm_x4(ck[mt][ks], st + ck_lane + 2u * (uint32_t)(16 * mt * KP + 16 * ks));
+        ldsm_x4(ck[mt][ks], st + ck_base + (uint32_t)(16 * mt * LK::PITCH + 16 * (ck_x ^ (2 * ks))));
 
     float sacc[2][4];
 #pragma unroll
@@ -526,7 +558,7 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
 #pragma unroll
       for (int mv = 0; mv < MV; ++mv) {
         uint32_t va[4];
-        ldsm_x4_t(va, st + v_lane + 2u * (uint32_t)(16 * mt * VP + 16 * mv));
+        ldsm_x4_t(va, st + v_base + (uint32_t)(16 * mt * LV::PITCH + 16 * (v_x ^ (2 * mv))));
         Dt<T>::mma(oacc[mv], va, pb0, pb1);
       }
     }

@@ -309,6 +309,7 @@ CUDA_DECODE_CASES = [
     (128, 16, 32, True, 4, torch.bfloat16, 1.2),    # rank 128 (4-warp CTA), YaRN-like mscale
     (16, 128, 16, False, 2, torch.float16, 1.0),    # fp16 cache, gptj
     (64, 32, 16, True, None, torch.float16, 1.0),   # heuristic split count
+    (96, 32, 16, True, 2, torch.bfloat16, 1.0),    # padded key rows, swizzled value rows
 ]
 
 
