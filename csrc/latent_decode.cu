@@ -106,7 +106,7 @@ struct RowLayout {
   static constexpr int PITCH = SWIZZLE ? R * 2 : (R + 8) * 2;   // bytes per token row
   static constexpr int SHIFT = CH >= 8 ? 0 : CH == 4 ? 1 : 2;   // rows per 128 B: 1, 2, 4
   static constexpr int MASK = CH >= 8 ? 7 : CH - 1;
-  static __device__ __forceinline__ int swz(int row) { return SWIZZLE ? (row >> SHIFT) & MASK : 0; }
+  static __host__ __device__ constexpr int swz(int row) { return SWIZZLE ? (row >> SHIFT) & MASK : 0; }
   // Byte offset of (row, chunk). swz(row + 16 m) == swz(row) (SHIFT <= 2, MASK <= 7), so
   // the second m16 row tile reuses the first one's chunk order.
   static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
@@ -246,15 +246,19 @@ struct Section {
 // the sequence (no zero fill).
 template <int R, bool FULL>
 __device__ __forceinline__ void load_section(uint32_t dst, const char* half0, const char* half1,
-                                             int s_tok_b, int lane, int n_valid) {
+                                             uint32_t s_tok_b, int lane, int n_valid) {
   constexpr int CH = R / 8, CHP = Section<CH>::CHP, TPI = Section<CH>::TPI;
   using L = RowLayout<R>;
   if (CH != CHP && lane % CHP >= CH) return;
   const int lr = lane / CHP;
+  // Row i * TPI + lr with lr < TPI (TPI a power of two): the two terms have disjoint
+  // bits, so swz(row) = swz(i * TPI) ^ swz(lr), the first a compile-time constant.
+  const int x = (lane % CHP) ^ L::swz(lr);
+  const uint32_t base = dst + (uint32_t)(lr * L::PITCH);
 #pragma unroll
   for (int i = 0; i < CHP; ++i) {
-    const char* src = ((i * TPI < 16) ? half0 : half1) + ((i * TPI) % 16) * s_tok_b;
-    const uint32_t d = dst + L::offset(i * TPI + lr, lane % CHP);
+    const char* src = ((i * TPI < 16) ? half0 : half1) + (uint32_t)((i * TPI) % 16) * s_tok_b;
+    const uint32_t d = base + (uint32_t)(i * TPI * L::PITCH + 16 * (x ^ L::swz(i * TPI)));
     cp_async16<(CH * 16 < 128)>(d, src, FULL || i * TPI + lr < n_valid ? 16 : 0);
   }
 }
@@ -338,16 +342,20 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const char* cache = reinterpret_cast<const char*>(p.cache);
   const int* bt_row = p.block_table + (int64_t)b * p.s_bt;
   const int page_mask = (1 << p.page_shift) - 1;
-  const int64_t s_blk_b = p.s_blk * (int64_t)sizeof(T);
-  const int s_tok_b = (int)(p.s_tok * (int64_t)sizeof(T));
+  // Byte strides and in-block offsets as unsigned 32-bit values (the wrapper checks
+  // that a block's stride fits): block address = cache + nb * s_blk_b + offset is one
+  // 32 x 32 -> 64-bit multiply-add, with no sign extension.
+  const uint32_t s_blk_b = (uint32_t)(p.s_blk * (int64_t)sizeof(T));
+  const uint32_t s_tok_b = (uint32_t)(p.s_tok * (int64_t)sizeof(T));
   uint8_t* my_pipe = s_pipe + warp * C::WARP;
   const uint32_t pipe_u32 = smem_u32(my_pipe);
   // This lane's byte offsets inside a 16-token half (source) and a stage (dest).
   using SK = Section<RK / 8>;
   using SV = Section<RV / 8>;
-  const int src_k = (lane / SK::CHP) * s_tok_b + (grp * RK + (lane % SK::CHP) * 8) * (int)sizeof(T);
-  const int src_v = (lane / SV::CHP) * s_tok_b +
-                    (p.k_width + grp * RV + (lane % SV::CHP) * 8) * (int)sizeof(T);
+  const uint32_t src_k = (uint32_t)(lane / SK::CHP) * s_tok_b +
+                         (uint32_t)((grp * RK + (lane % SK::CHP) * 8) * (int)sizeof(T));
+  const uint32_t src_v = (uint32_t)(lane / SV::CHP) * s_tok_b +
+                         (uint32_t)((p.k_width + grp * RV + (lane % SV::CHP) * 8) * (int)sizeof(T));
   // cos/sin rows of the tile start p0: lanes 0-15 copy cos, 16-31 sin, 16 B each.
   const float* rope_src = (lane < 16 ? p.cos : p.sin) + 4 * (lane & 15);
   const uint32_t dst_rope = (uint32_t)(C::ROPE_OFF + 16 * lane);
@@ -374,9 +382,11 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
     constexpr int R = KEY ? RK : RV;
     if (k < n_mine) {
       const int t0 = (tile_begin + warp + k * NW) * kTile;
-      const int src = KEY ? src_k : src_v;
-      const char* h0 = cache + nb0 * s_blk_b + (int64_t)((t0 & page_mask) * s_tok_b) + src;
-      const char* h1 = cache + nb1 * s_blk_b + (int64_t)(((t0 + 16) & page_mask) * s_tok_b) + src;
+      const uint32_t src = KEY ? src_k : src_v;
+      const char* h0 = cache + ((uint64_t)(uint32_t)nb0 * s_blk_b +
+                                ((uint32_t)(t0 & page_mask) * s_tok_b + src));
+      const char* h1 = cache + ((uint64_t)(uint32_t)nb1 * s_blk_b +
+                                ((uint32_t)((t0 + 16) & page_mask) * s_tok_b + src));
       const uint32_t dst = pipe_u32 + (uint32_t)((k % STAGES) * C::STAGE + (KEY ? 0 : C::V_OFF));
       const int n_valid = seq_len - t0;
       if (n_valid >= kTile)
@@ -721,6 +731,8 @@ void latent_decode_pre_rope(torch::Tensor query, torch::Tensor cache, torch::Ten
   TORCH_CHECK((cache.size(3) - ng * rk) % ng == 0, "cache slot width is not Rk + num_groups * r_v");
   const int64_t rv = (cache.size(3) - ng * rk) / ng;
   TORCH_CHECK(page >= 16 && (page & (page - 1)) == 0, "block_size must be a power of two >= 16");
+  TORCH_CHECK(cache.stride(0) * cache.element_size() < (int64_t(1) << 32),
+              "cache block stride must be under 4 GiB (the kernel keeps in-block byte offsets in 32 bits)");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
               seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
               seq_lens.numel() == B, "block_table [B, max_blocks] / seq_lens [B] must be int32");
