@@ -106,12 +106,9 @@ struct RowLayout {
   static constexpr int PITCH = SWIZZLE ? R * 2 : (R + 8) * 2;   // bytes per token row
   static constexpr int SHIFT = CH >= 8 ? 0 : CH == 4 ? 1 : 2;   // rows per 128 B: 1, 2, 4
   static constexpr int MASK = CH >= 8 ? 7 : CH - 1;
+  // Chunk c of row t sits at byte t * PITCH + 16 * (c ^ swz(t)). swz(t + 16 m) == swz(t)
+  // (SHIFT <= 2, MASK <= 7), so the second m16 row tile reuses the first one's order.
   static __host__ __device__ constexpr int swz(int row) { return SWIZZLE ? (row >> SHIFT) & MASK : 0; }
-  // Byte offset of (row, chunk). swz(row + 16 m) == swz(row) (SHIFT <= 2, MASK <= 7), so
-  // the second m16 row tile reuses the first one's chunk order.
-  static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
-    return (uint32_t)(row * PITCH + 16 * (chunk ^ swz(row)));
-  }
 };
 
 // Launch shape per (r_k, r_v): the most warps (16, 8 or 4) whose pipelines fit in
@@ -123,7 +120,7 @@ struct RowLayout {
 // warps beat prefetch depth (H200, benchmarks/decode_attention_notes.md, 16 x 32k:
 // r = 64, 16 warps x 1 stage 296 us, 8 x 2 335; r = 32, 16 x 1 215, 16 x 2 222; with
 // the unpadded rows, where 16 x 2 fits at r <= 32: r = 32 194.5 vs 203.7, r = 16 150.3
-// vs 158.6); 16 warps cap the registers at 128 (no spills).
+// vs 158.6); 16 warps cap the registers at 128 (8 bytes of spills at r = 32).
 // NW_ / ST_ > 0 override both (experiments).
 template <int RK, int RV, int NW_ = 0, int ST_ = 0>
 struct Cfg {
@@ -349,7 +346,7 @@ __global__ void __launch_bounds__(Cfg<RK, RV, NW_, ST_>::NW * 32, 1) decode_kern
   const uint32_t s_tok_b = (uint32_t)(p.s_tok * (int64_t)sizeof(T));
   uint8_t* my_pipe = s_pipe + warp * C::WARP;
   const uint32_t pipe_u32 = smem_u32(my_pipe);
-  // This lane's byte offsets inside a 16-token half (source) and a stage (dest).
+  // This lane's source byte offsets inside a 16-token half.
   using SK = Section<RK / 8>;
   using SV = Section<RV / 8>;
   const uint32_t src_k = (uint32_t)(lane / SK::CHP) * s_tok_b +
