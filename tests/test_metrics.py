@@ -4,6 +4,7 @@ checked against the capacity vLLM logged and ranks computed independently."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -75,6 +76,23 @@ def test_published_state_is_exported(tmp_path, monkeypatch):
     assert len(ranks) == 3 * 2 * 2  # layers x sides x groups
     assert ranks[("1", "v", "1")] == plans[1].v_ranks[1]
     assert ("vllm_lowrank_kv_cache_capacity_tokens", {"engine": "0"}, 4096.0) in samples
+
+
+def test_summary_reports_the_bits_in_force_per_layer():
+    """The worker state says which bits each layer stores: the config's where no
+    allocation fixed them, the allocation's per-layer choice where one did; and no
+    global k_bits / v_bits that an allocation would contradict."""
+    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform",
+                        k_bits=4, v_bits=8)
+    plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
+    plain = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
+    allocated = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None,
+                                 bits={0: (8, 8), 1: (4, 2), 2: (2, 4)})
+    for c, expected in ((plain, {i: [4, 8] for i in plans}),
+                        (allocated, {0: [8, 8], 1: [4, 2], 2: [2, 4]})):
+        state = json.loads(json.dumps(c.summary(2)))
+        assert {int(i): layer["bits"] for i, layer in state["layers"].items()} == expected
+        assert "k_bits" not in state and "v_bits" not in state
 
 
 def test_tensor_parallel_shards_are_combined():

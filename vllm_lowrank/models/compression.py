@@ -134,7 +134,8 @@ class ModelCompression:
         Returns:
             ``enabled``, ``configured_ratio``, ``method``, ``artifact``,
             ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...],
-            "kv_width": int}}``),
+            "kv_width": int, "bits": [k_bits, v_bits]}}``, the bits in force in
+            that layer: an allocation's per-layer choice, else the config's),
             ``original_bytes_per_token``, ``stored_bytes_per_token`` and
             ``compression_ratio`` (original / stored), over this worker's
             layers (latent slots only), and ``exact_tokens`` (``{"sink",
@@ -152,8 +153,6 @@ class ModelCompression:
             "original_bytes_per_token": original,
             "stored_bytes_per_token": stored,
             "compression_ratio": original / stored,
-            "k_bits": self.cfg.k_bits,
-            "v_bits": self.cfg.v_bits,
             "exact_tokens": (None if self.exact_tokens is None
                              else dataclasses.asdict(self.exact_tokens)),
         }
