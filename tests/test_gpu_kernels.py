@@ -389,3 +389,10 @@ def test_cuda_pre_rope_decode_refuses_out_of_scope():
     with pytest.raises(ValueError, match="backend"):
         latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, 100,
                                 backend="cutlass")
+    # A block stride the kernel's 32-bit in-block offsets cannot hold: refused by the
+    # scope check (so backend="auto" takes Triton), not by the extension's TORCH_CHECK.
+    one = cache[:1].contiguous()
+    huge = one.as_strided(one.shape, (2 ** 31,) + one.stride()[1:])
+    with pytest.raises(ValueError, match="block stride"):
+        latent_decode_attention(plan, k_up, rope, 0.1, q, huge, torch.zeros_like(bt), lens_t,
+                                100, backend="cuda")

@@ -1366,8 +1366,9 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
 
     Its scope: a CUDA device outside the Triton interpreter; ``pre_rope`` mode,
     default launch (no ``config``, no ``schedule``); an unquantized bf16/fp16 cache
-    with ``block_size`` a power of two >= 16 and queries of the same dtype; one KV
-    head per group, ``head_dim`` 128, full rotary from a rotation table
+    with ``block_size`` a power of two >= 16 and a block stride under 4 GiB, and
+    queries of the same dtype; one KV head per group, ``head_dim`` 128, full
+    rotary from a rotation table
     (:func:`rope_is_rotation`); one key rank and one value rank for all groups,
     both in :data:`vllm_lowrank.cuda_ext.DECODE_RANKS`; at most 8 query heads per
     group; no key transform, sliding window (shorter than ``max_seq_len``) or
@@ -1393,6 +1394,8 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
         (kv_cache.dim() == 4 and kv_cache.shape[2] >= 16
          and kv_cache.shape[2] & (kv_cache.shape[2] - 1) == 0,
          "block_size not a power of two >= 16"),
+        (kv_cache.stride(0) * kv_cache.element_size() < 2 ** 32,
+         "cache block stride of 4 GiB or more"),
         (len(set(plan.k_ranks)) == 1 and len(set(plan.v_ranks)) == 1, "uneven ranks"),
         (block_table.dtype == torch.int32 and block_table.stride(-1) == 1
          and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
