@@ -129,6 +129,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import weakref
@@ -1221,8 +1222,12 @@ def pack_key_weights(plan, k_up: torch.Tensor, prep: _Prepared, dtype: torch.dty
 def _cached_for(cache: OrderedDict, tensor: torch.Tensor, extra, build):
     """Cache keyed by a tensor's identity: the entry holds a weak reference and is
     used only while that very tensor is alive (an address reused by a new tensor
-    does not hit) and unmodified in place (``_version``)."""
-    key = (tensor.data_ptr(), tensor._version, tuple(tensor.shape), tensor.dtype,
+    does not hit) and unmodified in place (``_version``). Inference tensors
+    (vLLM runs under ``torch.inference_mode()``) keep no version counter: they
+    are keyed by identity alone (the weights read here are not modified in
+    place once serving starts)."""
+    version = -1 if tensor.is_inference() else tensor._version
+    key = (tensor.data_ptr(), version, tuple(tensor.shape), tensor.dtype,
            str(tensor.device), extra)
     hit = cache.get(key)
     if hit is not None and hit[0]() is tensor:
@@ -1284,6 +1289,28 @@ class KernelConfig:
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
 
 
+TRITON_MAX_KEY_TILE = 128 * 128
+"""Largest ``pad(r_k) x pad(G * rotary_dim / 2)`` key up-projection section the
+Triton kernel holds per program: measured on an H100 (Llama-3-8B shape, ratio
+0.5), head groups of 2 KV heads (rank 128, 128 x 128) compile, groups of 4
+(rank 256, 256 x 256) ask for 289,792 bytes of shared memory (limit 232,448),
+groups of 8 for 1,134,592."""
+
+
+def triton_fits(plan, layout, rotary_dim: int) -> str | None:
+    """Why the Triton decode kernel cannot hold this plan's key up-projection
+    tile (:data:`TRITON_MAX_KEY_TILE`), or ``None`` if it can. Checked without
+    compiling: a kernel that does not fit would fail at launch after minutes of
+    compilation."""
+    prep = _prepare(plan, layout, rotary_dim, True, "cpu")
+    tile = prep.rk_max_pad * prep.cw
+    if tile > TRITON_MAX_KEY_TILE:
+        return (f"the Triton kernel cannot hold the key up-projection of head groups of "
+                f"{plan.group_size} KV heads at rank {max(plan.k_ranks)} "
+                f"({prep.rk_max_pad} x {prep.cw} > {TRITON_MAX_KEY_TILE} elements)")
+    return None
+
+
 def _gpp_ok(plan, prep, gpp: int) -> bool:
     return (len(prep.classes) == 1 and plan.num_groups % gpp == 0
             and all(r == prep.classes[0][0] for r in plan.k_ranks)
@@ -1303,6 +1330,7 @@ SPLIT_OVERHEAD_TILES = 4
 tiles; measured on an H200 (benchmarks/decode_attention_notes.md)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: int,
                       n_sm: int, programs_per_sm: int = 1, max_splits: int = 64) -> int:
     """Context splits per (sequence, group) minimising a wave model of the launch:

@@ -40,7 +40,13 @@ _SOURCES = ("latent_dequant.cu", "latent_decode.cu")
 
 
 def source_dir() -> Path:
-    """``csrc/`` of the source checkout (next to the ``vllm_lowrank`` package)."""
+    """The CUDA sources: the installed ``vllm_lowrank.csrc`` package data (a
+    wheel or an editable checkout's ``csrc/``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm_lowrank.csrc")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
     return Path(__file__).resolve().parents[1] / "csrc"
 
 
@@ -80,8 +86,8 @@ def load(verbose: bool = False):
     missing = [s for s in _SOURCES if not (src / s).exists()]
     if missing:
         raise RuntimeError(
-            f"CUDA sources {missing} not found under {src}: the kernels build from a "
-            "source checkout (pip install -e .); reinstall from the repository")
+            f"CUDA sources {missing} not found under {src}: the package was installed "
+            "without its vllm_lowrank.csrc data; reinstall vllm-lowrank")
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",

@@ -6,17 +6,27 @@ vLLM's four-part split: :class:`LatentAttentionBackend` (static descriptor),
 ``CommonAttentionMetadata``) and :class:`LatentAttentionImpl` (cache write and
 attention). The math is in :mod:`vllm_lowrank.attention.latent_attention`.
 
-Dispatch: CPU tensors run the vectorized torch path; on CUDA, decode runs the
-fused Triton kernel (:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`,
-same signature and result as the torch path, key bias / QK-norm and sliding
-windows included) and prefill runs the torch path
-(rebuild + attention, which runs on CUDA tensors as is).
+Dispatch: CPU tensors run the vectorized torch path. On CUDA, decode runs the
+fused kernel (:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`:
+the CUDA kernel where its scope allows, else Triton; same result as the torch
+path, key bias / QK-norm and sliding windows included) except for caches the
+kernels do not read (per-channel keys, a raw 16-bit side in a packed slot), and
+all prefill chunks of a step run as one varlen Triton call
+(:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`) over
+keys rebuilt once per step; token-adaptive prefill runs per request.
+
+CUDA graphs: the builder reads host copies only (no device sync) and the
+decode path uses vLLM's persistent buffers, so decode-only batches are
+captured (``UNIFORM_SINGLE_TOKEN_DECODE``) when every layer decodes with a
+fused kernel (:func:`graph_safe_decode`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+import functools
+import logging
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -31,10 +41,13 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm.model_executor.layers.attention.attention import get_attention_context
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
 from vllm_lowrank.plugin import BACKEND_NAME
+
+logger = logging.getLogger("vllm.lowrank")
 
 
 class LatentAttentionBackend(AttentionBackend):
@@ -78,46 +91,123 @@ class LatentAttentionBackend(AttentionBackend):
 
 
 @dataclasses.dataclass
-class LatentAttentionMetadata:
-    """Per-step metadata.
+class PrefillBatch:
+    """The prefill requests of a step, flattened for one batched attention
+    call on CUDA (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`).
+
+    Request ``n`` (the ``n``-th prefill request, batch row ``num_decodes + n``)
+    attends its visible context: positions ``first_key[n] .. seq_len[n] - 1``
+    (``first_key = 0``, or the window start of a sliding-window layer), stored
+    as rows ``cu_k[n] .. cu_k[n+1]`` of the flat key arrays.
 
     Attributes:
-        num_actual_tokens: Tokens of this step (without padding).
+        cu_q: ``[N + 1]`` int32 (device) offsets of each request's new tokens,
+            counted from the first prefill token.
+        cu_k: ``[N + 1]`` int32 (device) offsets of each request's keys.
+        key_req: ``[S]`` int64 (device) batch row of each key.
+        key_pos: ``[S]`` int64 (device) position of each key.
+        max_q_len: Longest chunk (host int).
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    key_req: torch.Tensor
+    key_pos: torch.Tensor
+    max_q_len: int
+
+
+@dataclasses.dataclass
+class LatentAttentionMetadata:
+    """Per-step metadata. The batch is reordered by vLLM (``reorder_batch_threshold
+    = 1``): the first ``num_decodes`` requests have one new token each (the
+    first ``num_decodes`` tokens), the rest are prefill chunks.
+
+    Attributes:
+        num_actual_tokens: Tokens of this step (with CUDA-graph padding).
+        num_decodes: One-token requests (padding requests of a CUDA graph
+            included: they have ``seq_len 0`` and write nothing).
         query_start_loc_cpu: ``[num_reqs + 1]`` int32 host offsets of each
             request's query tokens.
-        seq_lens: ``[num_reqs]`` int32 context length after this step (device).
-        seq_lens_cpu: Same on the host.
-        block_table: ``[num_reqs, max_blocks]`` int32 (device).
-        slot_mapping: ``[num_tokens]`` int64 (device).
-        decode_reqs: ``[num_decodes]`` int64 indices of one-token requests.
-        decode_tokens: ``[num_decodes]`` int64 token index of each of them.
-        prefill_reqs: Host indices of the requests with more than one new token.
-        max_decode_seq_len: Longest context among decode requests.
-        min_decode_seq_len: Shortest context among decode requests.
+        seq_lens: ``[num_reqs]`` int32 context length after this step (device;
+            a slice of vLLM's persistent buffer, so CUDA graphs replay it).
+        seq_lens_cpu: Same on the host (no device sync: vLLM's host copy).
+        block_table: ``[num_reqs, max_blocks]`` int32 (device, persistent).
+        slot_mapping: ``[num_tokens]`` int64 (device, persistent).
+        max_decode_seq_len: Upper bound of the decode requests' lengths (host;
+            ``max_model_len`` while a CUDA graph is captured, so the graph
+            stays valid for every length).
+        min_decode_seq_len: Lower bound of the same (host; 0 under capture).
+        prefill: The flattened prefill requests on CUDA, else ``None``.
     """
 
     num_actual_tokens: int
+    num_decodes: int
     query_start_loc_cpu: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    decode_reqs: torch.Tensor
-    decode_tokens: torch.Tensor
-    prefill_reqs: list[int]
     max_decode_seq_len: int
     min_decode_seq_len: int
+    prefill: PrefillBatch | None = None
+
+    @property
+    def prefill_reqs(self) -> range:
+        """Batch rows of the prefill requests."""
+        return range(self.num_decodes, self.query_start_loc_cpu.shape[0] - 1)
+
+
+def graph_safe_decode(vllm_config, device: torch.device) -> bool:
+    """True when every latent attention layer of the model decodes with a
+    fused GPU kernel (:func:`decode_path`: no host sync, fixed launch shapes for
+    a fixed batch), so decode steps may be captured in CUDA graphs. Layers on
+    the torch path, and token-adaptive layers (their exact part is attended in
+    torch), are not: vLLM then runs decode eagerly. Chooses every layer's path
+    (warming its kernel) as a side effect, before any capture."""
+    from vllm_lowrank.attention.layer import LatentAttention
+
+    layers = [layer for layer in vllm_config.compilation_config.static_forward_context.values()
+              if isinstance(layer, LatentAttention)]
+    dtype = vllm_config.model_config.dtype
+    paths = [decode_path(layer, dtype, device, vllm_config) for layer in layers]
+    return all(layer.exact is None and path.name != "torch"
+               for layer, path in zip(layers, paths))
 
 
 class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMetadata]):
-    """Splits the batch into one-token (decode) requests, attended in one
-    batched call, and multi-token (prefill / chunked-prefill) requests."""
+    """Splits the reordered batch into one-token (decode) requests, attended in
+    one batched call, and multi-token (prefill / chunked-prefill) requests,
+    attended in one batched call on CUDA. Reads host copies only (no device
+    sync); decode-only batches can be captured in CUDA graphs
+    (``UNIFORM_SINGLE_TOKEN_DECODE``) when :func:`graph_safe_decode` holds."""
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    _cudagraph_support: ClassVar[AttentionCGSupport] = \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from vllm_lowrank.attention.exact_cache import ExactTokensSpec
+
+        self.window = getattr(kv_cache_spec, "sliding_window", None)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        # the exact-token group's metadata serves its block table only
+        self.batch_prefill = device.type == "cuda" and not isinstance(kv_cache_spec,
+                                                                      ExactTokensSpec)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        device = torch.device(vllm_config.device_config.device)
+        if device.type == "cuda" and graph_safe_decode(vllm_config, device):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> LatentAttentionMetadata:
+        meta = self.build(0, common_attn_metadata)
+        meta.max_decode_seq_len = self.max_model_len
+        meta.min_decode_seq_len = 0
+        return meta
 
     def build(
         self,
@@ -126,26 +216,208 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
         fast_build: bool = False,
     ) -> LatentAttentionMetadata:
         m = common_attn_metadata
+        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
-        q_lens = qsl[1:] - qsl[:-1]
-        seq_lens_cpu = m.seq_lens[: m.num_reqs].to("cpu", non_blocking=False)
-        is_decode = q_lens == 1
-        decode_reqs = torch.nonzero(is_decode).flatten()
-        prefill_reqs = torch.nonzero((q_lens > 1)).flatten().tolist()
-        device = m.seq_lens.device
+        seq_lens_cpu = m.seq_lens_cpu_upper_bound
+        if seq_lens_cpu is None:  # not provided by this runner: one sync
+            seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu()
+        seq_lens_cpu = seq_lens_cpu[: m.num_reqs]
+        dec = seq_lens_cpu[:num_decodes]
+        prefill = None
+        if num_prefills and self.batch_prefill:
+            prefill = prefill_batch(qsl, seq_lens_cpu, num_decodes, self.window, self.device)
         return LatentAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens,
+            num_decodes=num_decodes,
             query_start_loc_cpu=qsl,
             seq_lens=m.seq_lens[: m.num_reqs],
             seq_lens_cpu=seq_lens_cpu,
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            decode_reqs=decode_reqs.to(device),
-            decode_tokens=qsl[:-1][decode_reqs].long().to(device),
-            prefill_reqs=prefill_reqs,
-            max_decode_seq_len=int(seq_lens_cpu[decode_reqs].max()) if len(decode_reqs) else 0,
-            min_decode_seq_len=int(seq_lens_cpu[decode_reqs].min()) if len(decode_reqs) else 0,
+            max_decode_seq_len=min(int(m.max_seq_len), self.max_model_len) if num_decodes else 0,
+            min_decode_seq_len=int(dec.min()) if num_decodes else 0,
+            prefill=prefill,
         )
+
+def prefill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
+                  window: int | None, device) -> PrefillBatch:
+    """Flatten the prefill requests of a reordered batch (host arithmetic, one
+    host-to-device copy per tensor, no sync).
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's
+            new tokens.
+        seq_lens: ``[num_reqs]`` host context lengths after this step.
+        num_decodes: Leading one-token requests (not flattened).
+        window: Sliding window of the layers, or ``None``.
+        device: Where the tensors go.
+    """
+    qsl = query_start_loc.long()
+    q_lens = qsl[num_decodes + 1:] - qsl[num_decodes:-1]
+    seq = seq_lens[num_decodes:].long()
+    first_key = torch.zeros_like(seq)
+    if window is not None:
+        first_key = (seq - q_lens - window + 1).clamp(min=0)
+    k_lens = seq - first_key
+    cu_k = torch.zeros(len(seq) + 1, dtype=torch.long)
+    torch.cumsum(k_lens, 0, out=cu_k[1:])
+    total = int(cu_k[-1])
+    key_req = torch.repeat_interleave(torch.arange(len(seq)), k_lens, output_size=total)
+    key_pos = torch.arange(total) - cu_k[:-1][key_req] + first_key[key_req]
+    return PrefillBatch(
+        cu_q=(qsl[num_decodes:] - qsl[num_decodes]).to(torch.int32).to(device, non_blocking=True),
+        cu_k=cu_k.to(torch.int32).to(device, non_blocking=True),
+        key_req=(key_req + num_decodes).to(device, non_blocking=True),
+        key_pos=key_pos.to(device, non_blocking=True),
+        max_q_len=int(q_lens.max()),
+    )
+
+
+def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.Tensor,
+                    kv_cache: torch.Tensor, block_table: torch.Tensor, batch: PrefillBatch,
+                    out: torch.Tensor, *, post_rope: bool = False, layout=None,
+                    transform=None, window: int | None = None) -> torch.Tensor:
+    """Every prefill chunk of a step in one varlen call: read the chunks'
+    visible contexts back from the cache (one gather through the block table,
+    dequantized when packed), rebuild and rotate their keys
+    (:func:`~vllm_lowrank.attention.latent_attention.context_keys`, float32,
+    then the query dtype), attend with
+    :func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`.
+
+    Args:
+        query: ``[T, H, d]`` the prefill tokens' queries (post-RoPE mode:
+            ``[T, H, >= max r_k]``), in request order.
+        block_table: ``[num_reqs, max_blocks]`` (rows indexed by
+            ``batch.key_req``).
+        batch: From :func:`prefill_batch`.
+        out: ``[T, out_width]``, written in place.
+
+    Returns:
+        ``out``: the same values as
+        :func:`~vllm_lowrank.attention.latent_attention.prefill_attention` per
+        request, up to the precision of the query dtype.
+    """
+    from vllm_lowrank.triton_kernels import prefill as kernel
+
+    block_size = kv_cache.shape[2]
+    blocks = block_table[batch.key_req, batch.key_pos // block_size].long()
+    lat = kv_cache[blocks, 0, batch.key_pos % block_size]
+    if layout is not None:
+        lat = torch.cat(layout.decode(lat), dim=-1)
+    dtype = query.dtype
+    keys = ops.context_keys(plan, k_up, rope, lat, batch.key_pos, post_rope,
+                            transform).to(dtype)
+    values = lat[:, plan.k_width:].to(dtype)
+    if post_rope:
+        query = query[..., :keys.shape[-1]]
+    return kernel.latent_prefill_attention(
+        query.to(dtype), keys, values, _head_table(plan, query.device), batch.cu_q, batch.cu_k,
+        batch.max_q_len, scale, out, max_rank_v=max(plan.v_ranks), window=window)
+
+
+class DecodePath(NamedTuple):
+    """Which implementation decodes a layer, and why.
+
+    ``name``: ``"cuda"`` (the CUDA kernel of :mod:`vllm_lowrank.cuda_ext`),
+    ``"triton"`` (:mod:`vllm_lowrank.triton_kernels.decode`) or ``"torch"``
+    (:func:`~vllm_lowrank.attention.latent_attention.decode_attention`, which
+    runs on CUDA tensors too, slower, and cannot be captured in a CUDA graph).
+    """
+
+    name: str
+    reason: str
+
+
+_LOGGED_PATHS: set = set()
+
+
+def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
+                       block_size: int, window: int | None, max_model_len: int) -> DecodePath:
+    """The one place that decides a layer's decode path (once per layer, at
+    start-up, before any CUDA graph is captured): the CUDA kernel where
+    :func:`~vllm_lowrank.triton_kernels.decode.cuda_path_blocker` admits the
+    layer and the extension builds, else the Triton kernel where the cache
+    format allows and it compiles within the GPU's resources, else the torch
+    path. The chosen kernel runs once on a one-token dummy batch over a
+    dummy cache, which also builds everything it caches (packed key weights,
+    group tables, the RoPE check, compiled kernels), all of which synchronise
+    the device. Logs one line per distinct layer configuration.
+
+    Args:
+        layer: The :class:`~vllm_lowrank.attention.layer.LatentAttention`.
+        dtype: Model (query) dtype; device: where it runs.
+        block_size: Tokens per KV block of the layer's cache.
+        window: The layer's sliding window, or ``None``.
+        max_model_len: Longest sequence (the bound a CUDA graph is captured for).
+    """
+    from vllm_lowrank.triton_kernels import decode as dec
+
+    if device.type != "cuda":
+        return DecodePath("torch", "not on a CUDA device")
+    if not _gpu_supports(layer.layout):
+        return _logged(layer, DecodePath(
+            "torch", "the fused kernels read neither per-channel keys nor a raw 16-bit "
+                     "side inside a packed slot"))
+    plan, layout = layer.plan, layer.layout
+    width = max(plan.k_ranks) if layer.post_rope else plan.shape.head_dim
+    q = torch.zeros(1, plan.shape.num_heads, width, dtype=dtype, device=device)
+    slot = layout.slot_bytes if layout is not None else plan.k_width + plan.v_width
+    cache = torch.zeros(1, 1, block_size, slot, device=device,
+                        dtype=torch.uint8 if layout is not None else dtype)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    rope = layer.rope_table(device)
+    span = dict(sink=layer.exact.sink, recent=layer.exact.recent + 1) \
+        if layer.exact is not None else dict(sink=0, recent=0)
+    kw = dict(mode="post_rope" if layer.post_rope else "pre_rope", layout=layout,
+              transform=layer.key_transform(), window=window, **span)
+    args = (plan, layer.k_up, rope, 1.0, q, cache, table, one, max_model_len)
+    why = dec.cuda_path_blocker(plan, rope, q, cache, table, one, max_model_len, **kw) \
+        or dec._cuda_unavailable()
+    if why is None:
+        dec.latent_decode_attention(*args, backend="cuda", **kw)
+        return _logged(layer, DecodePath("cuda", "in the CUDA kernel's scope"))
+    fits = dec.triton_fits(plan, layout, rope.rotary_dim if not layer.post_rope
+                           else plan.shape.head_dim)
+    if fits is not None:
+        return _logged(layer, DecodePath(
+            "torch", f"{fits}; outside the CUDA kernel's scope: {why}"))
+    import triton
+
+    try:
+        dec.latent_decode_attention(*args, backend="triton", return_lse=layer.exact is not None,
+                                    **kw)
+    except triton.runtime.errors.OutOfResources as exc:
+        return _logged(layer, DecodePath(
+            "torch", f"the Triton kernel does not fit this GPU for head groups of "
+                     f"{plan.group_size} KV heads at ranks up to {max(plan.k_ranks)} "
+                     f"({exc}); outside the CUDA kernel's scope: {why}"))
+    return _logged(layer, DecodePath("triton", f"outside the CUDA kernel's scope: {why}"))
+
+
+def decode_path(layer, dtype: torch.dtype, device: torch.device, vllm_config) -> DecodePath:
+    """``layer.decode_path``, chosen on first use by :func:`choose_decode_path`."""
+    path = layer.__dict__.get("decode_path")
+    if path is None:
+        path = choose_decode_path(layer, dtype, device, vllm_config.cache_config.block_size,
+                                  layer.sliding_window, vllm_config.model_config.max_model_len)
+        layer.__dict__["decode_path"] = path
+    return path
+
+
+def _logged(layer, path: DecodePath) -> DecodePath:
+    plan = layer.plan
+    layout = layer.layout
+    key = (path, plan.group_size, plan.shape.head_dim,
+           None if layout is None else (layout.k_bits, layout.v_bits, layout.k_per_channel),
+           layer.exact is not None)
+    if key not in _LOGGED_PATHS:
+        _LOGGED_PATHS.add(key)
+        bits = "16-bit" if layout is None else f"K{layout.k_bits}/V{layout.v_bits}"
+        logger.info("vllm-lowrank: decode path %s for layers with head groups of %d KV "
+                    "heads, %s latents%s: %s", path.name, plan.group_size, bits,
+                    ", token-adaptive" if layer.exact is not None else "", path.reason)
+    return path
 
 
 def _gpu_decode():
@@ -201,6 +473,9 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
+        from vllm.config import get_current_vllm_config
+
+        self.vllm_config = get_current_vllm_config()
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Scatter latents ``key [T, 1, Rk]``, ``value [T, 1, Rv]`` into the cache
@@ -235,10 +510,16 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of ``query [T, H, d]`` into ``output [T, out_width]``."""
+        """Attention of ``query [T, H, d]`` into ``output [T, out_width]``.
+
+        Paths: decode (the first ``num_decodes`` tokens) in one batched call, on
+        CUDA the fused kernel (:func:`_gpu_decode`, CUDA or Triton), else the
+        torch path; prefill on CUDA in one batched varlen call
+        (:func:`batched_prefill`), on CPU one torch call per request (torch's CPU
+        flash kernel). Token-adaptive layers: :meth:`_forward_token_adaptive`."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
-        if attn_metadata is None:  # profiling / warm-up run
+        if attn_metadata is None:  # profiling run
             return output
         m = attn_metadata
         if layer.exact is not None:
@@ -247,18 +528,23 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         rope = layer.rope_table(query.device)
         post_rope, layout = layer.post_rope, layer.layout
         transform, window = layer.key_transform(), self.sliding_window
-        if len(m.decode_reqs):
-            args = (plan, k_up, rope, self.scale, query.index_select(0, m.decode_tokens),
-                    kv_cache, m.block_table.index_select(0, m.decode_reqs),
-                    m.seq_lens.index_select(0, m.decode_reqs), m.max_decode_seq_len)
-            if query.is_cuda and _gpu_supports(layout):
-                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
-                                    layout=layout, transform=transform, window=window)
-            else:
+        nd = m.num_decodes
+        if nd:
+            args = (plan, k_up, rope, self.scale, query[:nd], kv_cache, m.block_table[:nd],
+                    m.seq_lens[:nd], m.max_decode_seq_len)
+            path = self._decode_path(layer, query).name
+            if path == "torch":
                 out = ops.decode_attention(*args, post_rope=post_rope, layout=layout,
                                            transform=transform, window=window,
                                            min_seq_len=m.min_decode_seq_len)
-            output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
+            else:
+                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
+                                    layout=layout, transform=transform, window=window,
+                                    backend=path)
+            output[:nd].copy_(out)
+        if m.prefill is not None:
+            self._prefill_batched(layer, query, kv_cache, m, output)
+            return output
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
@@ -269,6 +555,18 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             )
             output[start:stop] = out.to(output.dtype)
         return output
+
+    def _decode_path(self, layer, query) -> DecodePath:
+        return decode_path(layer, query.dtype, query.device, self.vllm_config)
+
+    def _prefill_batched(self, layer, query, kv_cache, m, output) -> None:
+        """The step's prefill chunks in one call (:func:`batched_prefill`)."""
+        start = int(m.query_start_loc_cpu[m.num_decodes])
+        stop = int(m.query_start_loc_cpu[-1])
+        batched_prefill(layer.plan, layer.k_up, layer.rope_table(query.device), self.scale,
+                        query[start:stop], kv_cache, m.block_table, m.prefill,
+                        output[start:stop], post_rope=layer.post_rope, layout=layer.layout,
+                        transform=layer.key_transform(), window=self.sliding_window)
 
     def _forward_token_adaptive(self, layer, query, kv_cache, m, output):
         """TALE: the latent middle and the exact sinks/recent tokens, merged by
@@ -281,15 +579,15 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                       window=self.sliding_window)
         weights = (layer.plan, layer.k_up, layer.v_up, layer.rope_table(query.device),
                    self.scale)
-        if len(m.decode_reqs):
-            rows = m.decode_reqs
-            kernel = _gpu_decode() if query.is_cuda and _gpu_supports(layer.layout) else None
-            out = tale.decode(*weights, query.index_select(0, m.decode_tokens), kv_cache,
-                              m.block_table.index_select(0, rows), exact_cache,
-                              exact_meta.block_table.index_select(0, rows),
-                              m.seq_lens.index_select(0, rows), m.max_decode_seq_len,
-                              latent_decode=kernel, min_seq_len=m.min_decode_seq_len, **common)
-            output.index_copy_(0, m.decode_tokens, out.to(output.dtype))
+        nd = m.num_decodes
+        if nd:
+            path = self._decode_path(layer, query).name
+            kernel = None if path == "torch" else functools.partial(_gpu_decode(), backend=path)
+            out = tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
+                              exact_meta.block_table[:nd], m.seq_lens[:nd],
+                              m.max_decode_seq_len, latent_decode=kernel,
+                              min_seq_len=m.min_decode_seq_len, **common)
+            output[:nd].copy_(out)
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
@@ -298,3 +596,17 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                                **common)
             output[start:stop] = out.to(output.dtype)
         return output
+
+
+_HEAD_TABLES: dict = {}
+
+
+def _head_table(plan, device) -> torch.Tensor:
+    """:func:`vllm_lowrank.triton_kernels.prefill.head_table`, built once per
+    plan and device."""
+    key = (plan, str(device))
+    if key not in _HEAD_TABLES:
+        from vllm_lowrank.triton_kernels.prefill import head_table
+
+        _HEAD_TABLES[key] = head_table(plan, device)
+    return _HEAD_TABLES[key]

@@ -36,13 +36,16 @@ Models with a key bias or QK-norm (Qwen2, Qwen3, Gemma-3) rebuild
 Sliding-window layers (Gemma-3, Mistral) see keys ``t`` with
 ``pos - window < t <= pos`` only.
 
-This module is the CPU path: vectorized torch over the decode batch (one
+This module is the torch path: vectorized over the decode batch (one
 gather, one GEMM per group for the key rebuild, two batched GEMMs per group for
 scores and values) and per prefill request (prefill chunks are few and long;
 torch's CPU flash kernel, no score matrix in memory). Prefill reads the keys
 and values back from the cache, exactly as decode will, so prompt
-log-probabilities measure the compressed model. CUDA tensors go to the kernels
-in :mod:`vllm_lowrank.triton_kernels` instead (dispatch in the backend).
+log-probabilities measure the compressed model. On CUDA the backend
+(:mod:`vllm_lowrank.attention.backend`) sends decode to the fused kernels of
+:mod:`vllm_lowrank.triton_kernels` where the layer's cache format allows
+(the torch path otherwise), and all prefill chunks of a step to one varlen
+kernel call over keys rebuilt here (:func:`context_keys`).
 """
 
 from __future__ import annotations
@@ -121,15 +124,19 @@ def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
     """``cache[block, 0, offset] = rows`` for ``slot_mapping [T]`` int64
     (``block * block_size + offset``); negative slots (padding) are skipped.
 
+    Without a device sync (CUDA graphs capture it): a padding row is written to
+    slot 0 with that slot's own current content, so nothing changes there
+    (slot 0 lies in vLLM's null block, which no request owns:
+    ``vllm/v1/core/block_pool.py``, ``null_block``).
+
     Args:
         cache: ``[num_blocks, 1, block_size, C]``; rows: ``[T, C]`` of its dtype.
     """
-    block_size = cache.shape[2]
+    flat = cache.view(-1, cache.shape[-1])
     valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        rows, slot_mapping = rows[valid], slot_mapping[valid]
-    slot_mapping = slot_mapping.long()
-    cache[slot_mapping // block_size, 0, slot_mapping % block_size] = rows
+    slots = torch.where(valid, slot_mapping.long(), 0)
+    rows = torch.where(valid[:, None], rows, flat.index_select(0, slots))
+    flat.index_copy_(0, slots, rows)
 
 
 def gather_latents(
@@ -182,6 +189,31 @@ def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
     keys = (c_k @ b_k).view(c_k.shape[0], c_k.shape[1], -1, d)
     keys = transform.apply(keys, slice(g * gw, (g + 1) * gw))
     return rope.rotate_(keys.contiguous(), positions)
+
+
+def context_keys(plan: LayerPlan, k_up: torch.Tensor, rope: RopeTable, lat: torch.Tensor,
+                 positions: torch.Tensor, post_rope: bool,
+                 transform: KeyTransform | None = None) -> torch.Tensor:
+    """Keys of every head group over flat latent rows (the batched prefill).
+
+    Args:
+        lat: ``[S, Rk + Rv]`` latents (any float dtype; computed in float32).
+        positions: ``[S]`` int64 position of each row.
+
+    Returns:
+        ``[S, num_kv_heads, head_dim]`` float32 rebuilt, transformed and rotated
+        keys; post-RoPE mode: ``[S, num_groups, max r_k]`` key latents,
+        zero-padded past each group's rank.
+    """
+    lat = lat.float()[None]
+    if post_rope:
+        width = max(plan.k_ranks)
+        keys = lat.new_zeros(lat.shape[1], plan.num_groups, width)
+        for g, (k_off, r_k) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+            keys[:, g, :r_k] = lat[0, :, k_off:k_off + r_k]
+        return keys
+    return torch.cat([_group_keys(plan, g, k_up, rope, lat, positions, False, transform)[0]
+                      for g in range(plan.num_groups)], dim=1)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):

@@ -1,0 +1,309 @@
+"""End-to-end serving speed inside vLLM on a GPU: stock vLLM vs this plugin vs
+vLLM's own compressed KV caches, side by side in one run, one engine per
+subprocess (so each starts on a free GPU).
+
+Runs on the GPU machine with vLLM's Python engine (``../shared/gpu-vllm``:
+Triton attention for stock vLLM, torch-native norms, random "dummy" weights at
+the real shapes, which time the same as real ones)::
+
+    source .gpuvllm/env.sh && python3 -P benchmarks/gpu_serving.py \\
+        --configs stock,default,g1 --shapes 1x4096,16x4096,8x32768
+
+Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile):
+
+- ``--shapes BxL``: ``B`` distinct prompts of ``L`` tokens (no prefix
+  caching) submitted at once, the engine stepped by hand: prefill time (until
+  every request has its first token; chunks of ``--max-num-batched-tokens``)
+  and decode step (median engine step after that, ``--decode-tokens`` steps),
+  with the KV memory vLLM chooses (``--gpu-memory-utilization``);
+- ``--equal-memory GIB``: the same KV cache bytes for every engine
+  (``kv_cache_memory_bytes``), ``--load-prompts`` prompts of ``--load-len``
+  tokens plus ``--load-out`` output tokens submitted at once: the sequences that
+  fit (KV tokens / tokens per sequence) and the output tokens per second.
+
+Prints a table per measurement and writes every row to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "stock": {},
+    # the plugin; artifact "none": no calibration text on the GPU machine (weight
+    # SVD of the dummy weights: speed and memory are real, accuracy is not)
+    "default": {"compression": {}},
+    "g1": {"compression": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform"}},
+    "g1-r0.25": {"compression": {"ratio": 0.25, "group_size": 1,
+                                 "rank_allocation": "uniform"}},
+    "g1-fisher": {"compression": {"ratio": 0.5, "group_size": 1}},
+    "g2": {"compression": {"ratio": 0.5, "group_size": 2, "rank_allocation": "uniform"}},
+    "g1-k4v4": {"compression": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform",
+                                "k_bits": 4, "v_bits": 4}},
+    "g1-k8v8": {"compression": {"ratio": 1.0, "group_size": 1, "rank_allocation": "uniform",
+                                "k_bits": 8, "v_bits": 8}},
+    "tale-k4v4": {"compression": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform",
+                                  "k_bits": 4, "v_bits": 4, "token_adaptive": True,
+                                  "sink_tokens": 32, "recent_tokens": 128}},
+    # vLLM's own compressed caches (Triton kernels, no calibration)
+    "int8_per_token_head": {"kv_cache_dtype": "int8_per_token_head"},
+    "int4_per_token_head": {"kv_cache_dtype": "int4_per_token_head"},
+    "fp8_per_token_head": {"kv_cache_dtype": "fp8_per_token_head"},
+    "turboquant_k8v4": {"kv_cache_dtype": "turboquant_k8v4"},
+    "turboquant_4bit_nc": {"kv_cache_dtype": "turboquant_4bit_nc"},
+    "turboquant_3bit_nc": {"kv_cache_dtype": "turboquant_3bit_nc"},
+}
+
+
+def model_dir(name: str, **overrides) -> str:
+    """A copy of the GPU recipe's model folder ``name`` (config + tokenizer)
+    with ``overrides`` written into its ``config.json`` (the Llama-3-8B shape
+    ships ``max_position_embeddings`` 8192; long contexts need more)."""
+    import shutil
+    import tempfile
+
+    src = os.path.join(os.environ["GPUVLLM_MODELS"], name)
+    dst = os.path.join(tempfile.gettempdir(), "vllm_lowrank_models",
+                       name + "".join(f"-{k}{v}" for k, v in sorted(overrides.items())))
+    if not os.path.exists(os.path.join(dst, "config.json")):
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(overrides)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    return dst
+
+
+def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
+    from vllm import LLM
+
+    spec = CONFIGS[name]
+    kw = dict(
+        model=model_dir(args.model, max_position_embeddings=max(8192, max_model_len)),
+        load_format="dummy",
+        dtype="bfloat16", max_model_len=max_model_len, seed=0, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_config={"backend": "TRITON_ATTN"},
+        ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
+                        "gelu_and_mul_sparse": ["native"]},
+        enforce_eager=args.eager,
+        compilation_config={"mode": 0, "custom_ops": ["none"],
+                            "cudagraph_mode": "NONE" if args.eager else "FULL_DECODE_ONLY",
+                            "cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128,
+                                                               256, max_num_seqs})},
+    )
+    if kv_bytes:
+        kw["kv_cache_memory_bytes"] = kv_bytes
+    if "kv_cache_dtype" in spec:
+        kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    if "compression" in spec:
+        kw["additional_config"] = {"kv_compression": {"mode": "lowrank", "artifact": "none",
+                                                      **spec["compression"]}}
+    return LLM(**kw)
+
+
+def _prompts(n: int, length: int, salt: int) -> list[dict]:
+    return [{"prompt_token_ids": [(i * 7919 + j * 31 + salt * 104729) % 40000 + 100
+                                  for j in range(length)]} for i in range(n)]
+
+
+def _timed(llm, prompts, max_tokens: int) -> float:
+    import torch
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+_REQ = iter(range(10**9))
+
+
+def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
+    """Submit ``prompts`` at once and step the engine: ``(prefill_s,
+    decode_ms)``, the time until every request has its first token, and the
+    median time of the engine steps after that (pure decode steps)."""
+    import statistics
+
+    import torch
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(f"r{next(_REQ)}", p, sp)
+    started: set = set()
+    prefill_s, steps = None, []
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if prefill_s is None:
+            if len(started) == len(prompts):
+                prefill_s = now - t0
+        else:
+            steps.append(now - t)
+    return prefill_s, 1000 * statistics.median(steps[1:-1] or steps)
+
+
+def _paths(llm) -> dict:
+    """The decode paths of the latent layers (in-process engine) and the CUDA
+    graph mode vLLM resolved."""
+    cc = llm.llm_engine.vllm_config.compilation_config
+    paths = {p for layer in cc.static_forward_context.values()
+             if (p := layer.__dict__.get("decode_path")) is not None}
+    return dict(path="/".join(sorted({p.name for p in paths})) or "stock",
+                why="; ".join(sorted({p.reason[:160] for p in paths})),
+                graphs=str(cc.cudagraph_mode).split(".")[-1])
+
+
+def _capacity(llm) -> int:
+    cc = llm.llm_engine.vllm_config.cache_config
+    return int(cc.num_gpu_blocks) * int(cc.block_size)
+
+
+def run_one(args) -> list[dict]:
+    """One engine (``args.one``), every shape, or the equal-memory load."""
+    import torch
+
+    rows = []
+    name = args.one
+    base = dict(config=name, device=torch.cuda.get_device_name())
+    if args.mode == "shapes":
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        max_len = max(length for _, length in shapes) + args.decode_tokens + 16
+        llm = _engine(args, name, max_len, max(b for b, _ in shapes), None)
+        base["kv_tokens"] = _capacity(llm)
+        base.update(_paths(llm))
+        _timed(llm, _prompts(2, 64, 99), 4)  # warm-up: compiles, graphs
+        for salt, (b, length) in enumerate(shapes):
+            row = dict(base, batch=b, context=length)
+            if b * (length + args.decode_tokens) > base["kv_tokens"]:
+                rows.append(dict(row, error="does not fit the KV cache"))
+                continue
+            try:
+                pre, step = _stepped(llm, _prompts(b, length, salt), 1 + args.decode_tokens)
+                rows.append(dict(row, prefill_s=round(pre, 3), decode_ms=round(step, 2)))
+            except Exception as exc:  # noqa: BLE001 (reported in the table)
+                rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                break
+    else:
+        kv_bytes = int(args.equal_memory * 2**30)
+        per_seq = args.load_len + args.load_out
+        llm = _engine(args, name, per_seq + 16, args.max_num_seqs, kv_bytes)
+        cap = _capacity(llm)
+        _timed(llm, _prompts(2, 64, 99), 4)
+        t = _timed(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
+        rows.append(dict(base, kv_gib=args.equal_memory, kv_tokens=cap,
+                         fit_seqs=cap // per_seq,
+                         out_tok_s=round(args.load_prompts * args.load_out / t, 1),
+                         wall_s=round(t, 2)))
+    return rows
+
+
+def _table(rows: list[dict], keys: list[str]) -> str:
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama3-8b-shape")
+    p.add_argument("--configs", default="stock,default,g1")
+    p.add_argument("--shapes", default="1x4096,16x4096,64x4096,1x32768,8x32768")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--equal-memory", type=float, default=0.0,
+                   help="GiB of KV cache for the equal-memory load (0: skip)")
+    p.add_argument("--load-prompts", type=int, default=256)
+    p.add_argument("--load-len", type=int, default=4096)
+    p.add_argument("--load-out", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
+    p.add_argument("--json", default=None)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="shapes", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print("ROWS " + json.dumps(run_one(args)), flush=True)
+        os._exit(0)  # vLLM's engine threads may otherwise delay the exit
+    modes = ["shapes"] if args.shapes else []
+    if args.equal_memory:
+        modes.append("load")
+    rows = []
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if any("compression" in CONFIGS[n] for n in args.configs.split(",")):
+        # the CUDA extension builds once (about 1.5 min on a fresh machine),
+        # outside every engine's time
+        t0 = time.time()
+        subprocess.run([sys.executable, "-P", "-c",
+                        "from vllm_lowrank import cuda_ext; cuda_ext.load()"], env=env)
+        print(f"CUDA extension ready in {time.time() - t0:.0f} s", flush=True)
+    for mode in modes:
+        for name in args.configs.split(","):
+            cmd = [sys.executable, "-P", __file__, *sys.argv[1:], "--one", name, "--mode", mode]
+            t0 = time.time()
+            try:
+                res = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                     timeout=args.timeout)
+                out = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
+                if out:
+                    got = json.loads(out[-1][5:])
+                else:
+                    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+                    got = [dict(config=name, error=" / ".join(tail)[-400:])]
+            except subprocess.TimeoutExpired:
+                got = [dict(config=name, error=f"timeout after {args.timeout} s")]
+            for r in got:
+                r["mode"] = mode
+                r["engine_s"] = round(time.time() - t0, 1)
+            rows += got
+            print(json.dumps(got), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    shape_rows = [r for r in rows if r["mode"] == "shapes"]
+    if shape_rows:
+        stock = {(r.get("batch"), r.get("context")): r for r in shape_rows
+                 if r["config"] == "stock" and "decode_ms" in r}
+        for r in shape_rows:
+            ref = stock.get((r.get("batch"), r.get("context")))
+            if ref and "decode_ms" in r:
+                r["decode_vs_stock"] = round(r["decode_ms"] / ref["decode_ms"], 2)
+                r["prefill_vs_stock"] = round(r["prefill_s"] / ref["prefill_s"], 2)
+        print(_table(shape_rows, ["config", "path", "graphs", "batch", "context", "kv_tokens",
+                                  "prefill_s",
+                                  "prefill_vs_stock", "decode_ms", "decode_vs_stock",
+                                  "error"]))
+    load_rows = [r for r in rows if r["mode"] == "load"]
+    if load_rows:
+        ref = next((r for r in load_rows if r["config"] == "stock" and "out_tok_s" in r), None)
+        for r in load_rows:
+            if ref and "out_tok_s" in r:
+                r["tok_s_vs_stock"] = round(r["out_tok_s"] / ref["out_tok_s"], 2)
+                r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
+        print(_table(load_rows, ["config", "kv_gib", "kv_tokens", "fit_seqs", "fit_vs_stock",
+                                 "out_tok_s", "tok_s_vs_stock", "wall_s", "error"]))
+
+
+if __name__ == "__main__":
+    main()

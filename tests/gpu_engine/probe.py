@@ -1,0 +1,138 @@
+"""One vLLM engine on the GPU machine, driven through the scenarios of the GPU
+engine tests; prints one ``RESULT {json}`` line. Run as a subprocess (one
+engine per process, so every engine starts on a free GPU)::
+
+    python3 -P tests/gpu_engine/probe.py --model small-h128 --config '{"ratio": 0.5}'
+
+Scenarios (greedy, ``ignore_eos``): ``short`` (4 short prompts, one batch),
+``mixed`` (10 prompts of 40..1,500 tokens at once: decode and chunked prefill
+steps mixed, ``max_num_batched_tokens`` 512), ``hit`` (the longest prompt of
+``mixed`` again: a prefix-cache hit). With ``--blocks N`` the cache holds only
+``N`` blocks, so ``mixed`` preempts and recomputes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+MODELS = {
+    # a 2-layer model at the Llama-3-8B attention shape (32 q / 8 KV heads of 128):
+    # the CUDA decode kernel's head_dim
+    "small-h128": ("llama3-8b-shape", dict(num_hidden_layers=2, hidden_size=4096,
+                                           intermediate_size=4096,
+                                           max_position_embeddings=8192)),
+    # SmolLM2-135M shape (9 q / 3 KV heads of 64): the Triton kernels
+    "smollm2-shape": ("smollm2-135m-shape", dict(num_hidden_layers=4)),
+}
+
+
+def model_dir(name: str) -> str:
+    """The GPU recipe's model folder for ``name`` with its overrides applied."""
+    base, overrides = MODELS[name]
+    src = os.path.join(os.environ["GPUVLLM_MODELS"], base)
+    dst = os.path.join(tempfile.gettempdir(), "vllm_lowrank_test_models", name)
+    if not os.path.exists(os.path.join(dst, "config.json")):
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+        with open(os.path.join(src, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(overrides)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+    return dst
+
+
+def prompts(n: int, lengths, salt: int = 0) -> list[dict]:
+    return [{"prompt_token_ids": [(i * 7919 + j * 31 + salt) % 30000 + 100
+                                  for j in range(lengths[i % len(lengths)])]}
+            for i in range(n)]
+
+
+def engine_paths(llm) -> tuple[list[str], str]:
+    """The decode paths the latent layers took (in-process engine) and the CUDA
+    graph mode vLLM resolved."""
+    cc = llm.llm_engine.vllm_config.compilation_config
+    paths = sorted({f"{p.name}: {p.reason}" for layer in cc.static_forward_context.values()
+                    if (p := layer.__dict__.get("decode_path")) is not None})
+    return paths, str(cc.cudagraph_mode)
+
+
+def greedy(llm, batch, max_tokens):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    out = []
+    for o in llm.generate(batch, sp, use_tqdm=False):
+        steps = [sorted((x.logprob for x in lp.values()), reverse=True)
+                 for lp in o.outputs[0].logprobs]
+        out.append({"tokens": list(o.outputs[0].token_ids),
+                    "gaps": [s[0] - s[1] for s in steps],
+                    "finite": all(abs(v) < 1e30 for s in steps for v in s)})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="small-h128")
+    p.add_argument("--config", default="null", help="compression config JSON or null")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--kv-bytes", type=int, default=1 << 30)
+    p.add_argument("--blocks", type=int, default=None)
+    args = p.parse_args()
+    from vllm import LLM
+
+    config = json.loads(args.config)
+    kw = dict(model=model_dir(args.model), load_format="dummy", dtype=args.dtype, seed=0,
+              max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512,
+              enable_prefix_caching=True, enable_chunked_prefill=True,
+              kv_cache_memory_bytes=args.kv_bytes, kv_cache_dtype=args.kv_cache_dtype,
+              attention_config={"backend": "TRITON_ATTN"},
+              ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
+                              "gelu_and_mul_sparse": ["native"]},
+              enforce_eager=args.eager, disable_log_stats=False,
+              compilation_config={"mode": 0, "custom_ops": ["none"],
+                                  "cudagraph_mode": "NONE" if args.eager
+                                  else "FULL_DECODE_ONLY",
+                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+    if args.blocks:
+        kw["num_gpu_blocks_override"] = args.blocks
+    if config is not None:
+        kw["additional_config"] = {"kv_compression": {"mode": "lowrank", "artifact": "none",
+                                                      **config}}
+    result = {}
+    try:
+        llm = LLM(**kw)
+        from vllm_lowrank import metrics
+
+        cc = llm.llm_engine.vllm_config.cache_config
+        result["kv_tokens"] = metrics.kv_capacity_tokens(cc)
+        result["num_gpu_blocks"] = cc.num_gpu_blocks
+        state = metrics.aggregate(metrics.read_states(os.environ.get(metrics.STATE_DIR_ENV, "")))
+        result["compression_ratio"] = state["compression_ratio"] if state else 1.0
+        result["paths"], result["cudagraph_mode"] = engine_paths(llm)
+        result["short"] = greedy(llm, prompts(4, [7, 12, 5, 20]), 16)
+        lengths = [40, 1500, 300, 900, 75, 1200, 600, 150, 1000, 450]
+        result["mixed"] = greedy(llm, prompts(10, lengths, salt=1), 24)
+        result["hit"] = greedy(llm, [prompts(10, lengths, salt=1)[1]], 24)
+        hits = [m for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"]
+        result["prefix_hits"] = hits[0].value if hits else 0
+        pre = [m for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
+        result["preemptions"] = pre[0].value if pre else 0
+    except Exception as exc:  # noqa: BLE001 (the test reports it)
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:800]}"
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

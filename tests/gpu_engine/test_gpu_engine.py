@@ -1,0 +1,132 @@
+"""The plugin inside vLLM's own engine on a GPU (skipped without CUDA and the
+GPU recipe's models). On the GPU machine, from the project root::
+
+    source .gpuvllm/env.sh && python3 -P -m pytest tests/gpu_engine -q
+
+Each configuration runs in its own engine process (``probe.py``): greedy
+generation with CUDA graphs (``FULL_DECODE_ONLY``), chunked prefill mixed with
+decode, a prefix-cache hit, and preemption with a cache of few blocks. Checks:
+no crash, finite log-probabilities, the requested lengths; at ratio 1.0 in
+float32 the greedy tokens equal stock vLLM's (up to near ties); the KV capacity
+vLLM reports at a fixed cache size equals the compression ratio within 3 %;
+a preempted run gives the tokens of an unpreempted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif("GPUVLLM_MODELS" not in os.environ,
+                       reason="needs the GPU recipe (source .gpuvllm/env.sh)"),
+]
+
+PROBE = os.path.join(os.path.dirname(__file__), "probe.py")
+TIE32 = 1e-4  # float32: a top-2 gap below this may flip between engines
+TIE16 = 2e-2  # bf16
+
+SETTINGS = {
+    # the default configuration (J-LRD: one head group of all KV heads)
+    "default": {},
+    "g1-uniform": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform"},
+    "g1-energy": {"ratio": 0.5, "group_size": 1, "rank_allocation": "energy"},
+    "g2": {"ratio": 0.5, "group_size": 2, "rank_allocation": "uniform"},
+    "k4v4": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform", "k_bits": 4,
+             "v_bits": 4},
+    "k8v8-full": {"ratio": 1.0, "k_bits": 8, "v_bits": 8},
+    "token-adaptive": {"ratio": 0.5, "group_size": 1, "token_adaptive": True,
+                       "sink_tokens": 16, "recent_tokens": 64},
+    "token-adaptive-k4c": {"ratio": 0.5, "group_size": 1, "token_adaptive": True,
+                           "sink_tokens": 16, "recent_tokens": 64, "k_bits": 4, "v_bits": 4,
+                           "k_quant": "channel", "k_channel_tokens": 16},
+}
+
+_CACHE: dict = {}
+
+
+def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=None,
+          eager: bool = False) -> dict:
+    key = (model, json.dumps(config, sort_keys=True), dtype, blocks, eager)
+    if key not in _CACHE:
+        cmd = [sys.executable, "-P", PROBE, "--model", model, "--config", json.dumps(config),
+               "--dtype", dtype]
+        if blocks:
+            cmd += ["--blocks", str(blocks)]
+        if eager:
+            cmd.append("--eager")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
+        assert lines, f"probe died:\n{res.stderr[-3000:]}"
+        _CACHE[key] = json.loads(lines[-1][7:])
+    out = _CACHE[key]
+    assert "error" not in out, out["error"]
+    return out
+
+
+def _same_until_tie(got, ref, tie) -> int:
+    """Tokens equal up to the reference's first near tie; returns how many."""
+    n = 0
+    for g, r, gap in zip(got["tokens"], ref["tokens"], ref["gaps"]):
+        if gap < tie:
+            break
+        assert g == r, (got["tokens"], ref["tokens"])
+        n += 1
+    return n
+
+
+def _check_run(out: dict, expect_hit: bool = True) -> None:
+    for scenario, lengths in (("short", [16]), ("mixed", [24]), ("hit", [24])):
+        for r in out[scenario]:
+            assert len(r["tokens"]) in lengths and r["finite"], scenario
+    if expect_hit:
+        assert out["prefix_hits"] > 0
+    assert out["hit"][0]["tokens"] == out["mixed"][1]["tokens"] or \
+        _same_until_tie(out["hit"][0], out["mixed"][1], TIE16) >= 1
+
+
+@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_setting_runs_with_graphs_chunked_prefill_and_prefix_hits(model, setting):
+    out = probe(model, SETTINGS[setting])
+    _check_run(out)
+
+
+@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
+@pytest.mark.parametrize("setting", ["default", "g1-uniform", "k4v4", "k8v8-full"])
+def test_capacity_is_the_compression_ratio(model, setting):
+    stock = probe(model, None)
+    out = probe(model, SETTINGS[setting])
+    ratio = out["kv_tokens"] / stock["kv_tokens"]
+    assert ratio == pytest.approx(out["compression_ratio"], rel=0.03), \
+        (out["kv_tokens"], stock["kv_tokens"], out["compression_ratio"])
+
+
+@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
+def test_full_rank_float32_greedy_equals_stock(model):
+    stock = probe(model, None, dtype="float32")
+    full = probe(model, {"ratio": 1.0, "group_size": 1}, dtype="float32")
+    compared = 0
+    for scenario in ("short", "mixed", "hit"):
+        for got, ref in zip(full[scenario], stock[scenario]):
+            compared += _same_until_tie(got, ref, TIE32)
+    assert compared >= 40
+
+
+@pytest.mark.parametrize("setting", ["default", "g1-uniform", "token-adaptive"])
+def test_preemption_recomputes_the_same_tokens(setting):
+    base = probe("small-h128", SETTINGS[setting])
+    # 10 prompts of 40..1,500 tokens + 24 generated need ~400 blocks of 16
+    tight = probe("small-h128", SETTINGS[setting], blocks=260)
+    assert tight["preemptions"] > 0
+    _check_run(tight, expect_hit=False)
+    for got, ref in zip(tight["mixed"], base["mixed"]):
+        _same_until_tie(got, ref, TIE16)

@@ -1,0 +1,171 @@
+"""Batched varlen prefill (one call for every prefill chunk of a step) against
+the per-request torch path and a float64 loop.
+
+On a machine without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (set
+here when absent) on CPU tensors in float32; on a CUDA machine the same tests
+run the compiled kernel in bf16.
+
+    python -P -m pytest tests/test_triton_prefill.py -q
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from vllm_lowrank.attention import backend  # noqa: E402
+from vllm_lowrank.attention import latent_attention as ops  # noqa: E402
+from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
+from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+
+import vllm_lowrank.triton_kernels.prefill as pre  # noqa: E402
+
+if not ON_GPU and "Interpreted" not in type(pre._prefill_kernel).__name__:
+    pre = importlib.reload(pre)
+    backend.pre = pre
+
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-4
+
+
+def rope_table(rot, max_pos=256, theta=10000.0, neox=True):
+    inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    return RopeTable(ang.cos().float().to(DEV), ang.sin().float().to(DEV), rot, neox)
+
+
+def make_plan(heads, kv_heads, head_dim, group_size, k_ranks, v_ranks, seed):
+    g = torch.Generator().manual_seed(seed)
+    shape = AttentionShape(heads * head_dim, heads, kv_heads, head_dim)
+    plan = LayerPlan(shape, group_size, tuple(k_ranks), tuple(v_ranks))
+    gw = plan.group_width
+    k_up = torch.zeros(plan.k_width, kv_heads * head_dim)
+    for gi, off in enumerate(plan.k_offsets()):
+        r = plan.k_ranks[gi]
+        k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(r, gw, generator=g) / math.sqrt(r)
+    return plan, k_up.to(DEV)
+
+
+def make_step(plan, chunks, page, seed, width):
+    """A reordered batch: one decode request, then prefill chunks ``(context,
+    q_len)``; a shuffled paged cache of random latents (``width`` per slot)
+    whose unused blocks hold NaN (never read)."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = [(17, 1)] + list(chunks)
+    seq = [c + q for c, q in reqs]
+    nblk = [math.ceil(n / page) for n in seq]
+    num_blocks = sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(reqs), max(nblk) + 1, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(nblk):
+        table[r, :n] = perm[used:used + n].int()
+        used += n
+    cache = torch.full((num_blocks, 1, page, width), float("nan"))
+    for r, n in enumerate(seq):
+        for t in range(n):
+            cache[table[r, t // page], 0, t % page] = torch.randn(width, generator=g)
+    qsl = torch.tensor([0] + [q for _, q in reqs]).cumsum(0).int()
+    total = int(qsl[-1])
+    return cache.to(DEV), table.to(DEV), qsl, torch.tensor(seq, dtype=torch.int32), total
+
+
+@pytest.mark.parametrize("case", [
+    dict(heads=8, kv_heads=4, head_dim=32, group_size=1, k_ranks=(16, 32, 16, 24),
+         v_ranks=(8, 16, 32, 16), window=None),
+    dict(heads=6, kv_heads=2, head_dim=32, group_size=2, k_ranks=(40,), v_ranks=(48,),
+         window=None),
+    dict(heads=4, kv_heads=4, head_dim=32, group_size=1, k_ranks=(16,) * 4,
+         v_ranks=(16,) * 4, window=13),
+])
+def test_batched_prefill_matches_per_request_path(case):
+    window = case.pop("window")
+    plan, k_up = make_plan(**case, seed=1)
+    rope = rope_table(plan.shape.head_dim)
+    chunks = [(0, 9), (21, 5), (40, 23)]
+    cache, table, qsl, seq, total = make_step(plan, chunks, page=16, seed=2,
+                                              width=plan.k_width + plan.v_width)
+    query = torch.randn(total, plan.shape.num_heads, plan.shape.head_dim,
+                        generator=torch.Generator().manual_seed(3)).to(DEV)
+    batch = backend.prefill_batch(qsl, seq, 1, window, DEV)
+    out = torch.full((total - 1, plan.out_width), float("nan"), device=DEV, dtype=DTYPE)
+    backend.batched_prefill(plan, k_up, rope, 0.3, query[1:].to(DTYPE), cache.to(DTYPE), table,
+                            batch, out, window=window)
+    for r in range(1, len(qsl) - 1):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        ref = ops.prefill_attention(plan, k_up, rope, 0.3, query[a:b], cache, table[r],
+                                    int(seq[r]), window=window)
+        got = out[a - 1:b - 1].float()
+        assert torch.isfinite(got).all()
+        err = (got - ref).norm() / ref.norm()
+        assert err < TOL, (r, float(err))
+
+
+def test_batched_prefill_quantized_and_post_rope():
+    """Packed 4-bit latents are dequantized on the gather; post-RoPE keys are
+    the zero-padded key latents (no rebuild)."""
+    plan, k_up = make_plan(heads=4, kv_heads=2, head_dim=32, group_size=1,
+                           k_ranks=(16, 32), v_ranks=(16, 16), seed=4)
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, 4, 4)
+    rope = rope_table(32)
+    chunks = [(5, 7), (30, 19)]
+    lat_cache, table, qsl, seq, total = make_step(plan, chunks, page=16, seed=5,
+                                                  width=plan.k_width + plan.v_width)
+    flat = lat_cache.view(-1, lat_cache.shape[-1]).nan_to_num(0.0).float()
+    packed = layout.encode(flat[:, :plan.k_width], flat[:, plan.k_width:])
+    cache = packed.view(lat_cache.shape[0], 1, lat_cache.shape[2], -1)
+    for post_rope in (False, True):
+        width = max(plan.k_ranks) if post_rope else 32
+        query = torch.randn(total, 4, width, generator=torch.Generator().manual_seed(6)).to(DEV)
+        batch = backend.prefill_batch(qsl, seq, 1, None, DEV)
+        out = torch.empty(total - 1, plan.out_width, device=DEV, dtype=DTYPE)
+        backend.batched_prefill(plan, k_up, rope, 0.25, query[1:].to(DTYPE), cache, table,
+                                batch, out, post_rope=post_rope, layout=layout)
+        for r in range(1, len(qsl) - 1):
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            ref = ops.prefill_attention(plan, k_up, rope, 0.25, query[a:b], cache, table[r],
+                                        int(seq[r]), post_rope=post_rope, layout=layout)
+            err = (out[a - 1:b - 1].float() - ref).norm() / ref.norm()
+            assert err < TOL, (post_rope, r, float(err))
+
+
+def test_kernel_against_float64_loop():
+    """The kernel alone on hand-made keys and values (key width not a power of
+    two, uneven value ranks, bottom-right causal mask) against a float64 loop."""
+    g = torch.Generator().manual_seed(7)
+    plan = LayerPlan(AttentionShape(4 * 24, 4, 2, 24), 1, (16, 16), (8, 24))
+    cu_q = torch.tensor([0, 3, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 11, 28], dtype=torch.int32)
+    q = torch.randn(20, 4, 24, generator=g)
+    k = torch.randn(28, 2, 24, generator=g)
+    v = torch.randn(28, plan.v_width, generator=g)
+    out_dev = torch.full((20, plan.out_width), float("nan"), device=DEV, dtype=DTYPE)
+    pre.latent_prefill_attention(q.to(DEV, DTYPE), k.to(DEV, DTYPE), v.to(DEV, DTYPE),
+                                 pre.head_table(plan, DEV), cu_q.to(DEV), cu_k.to(DEV), 17,
+                                 0.5, out_dev, max_rank_v=24)
+    ref = torch.empty(20, plan.out_width, dtype=torch.float64)
+    for n in range(2):
+        qa, qb, ka, kb = int(cu_q[n]), int(cu_q[n + 1]), int(cu_k[n]), int(cu_k[n + 1])
+        ctx = (kb - ka) - (qb - qa)
+        for j in range(qb - qa):
+            for h in range(4):
+                grp = h // 2
+                v_off, r_v = plan.v_offsets()[grp], plan.v_ranks[grp]
+                keys = k[ka:ka + ctx + j + 1, grp].double()
+                p = torch.softmax(0.5 * keys @ q[qa + j, h].double(), 0)
+                col = 2 * plan.v_offsets()[grp] + (h % 2) * r_v
+                ref[qa + j, col:col + r_v] = p @ v[ka:ka + ctx + j + 1, v_off:v_off + r_v].double()
+    err = (out_dev.double().cpu() - ref).norm() / ref.norm()
+    assert err < TOL, float(err)

@@ -1,0 +1,191 @@
+r"""Varlen causal prefill attention with rebuilt keys and latent values.
+
+One launch attends every prefill request of a step (no loop over requests),
+FlashAttention-2 style (Dao 2023, Algorithm 1: online softmax over key tiles,
+one program per ``BLOCK_M`` query rows and query head), with two differences
+from a stock kernel:
+
+- keys and values have different widths: keys are the rebuilt, rotated keys
+  ``[S, num_key_heads, dk]`` (``dk = head_dim``; post-RoPE mode: the key
+  latents, zero-padded to the widest rank), values the value *latents*
+  ``[S, Rv]`` of which query head ``h`` reads its group's ``r_v`` columns
+  (``B_v`` is folded into ``o_proj``, Palu eq. 6), so the output of head ``h``
+  is ``r_v[group(h)]`` columns at its place in the plan's output layout;
+- the keys of request ``n`` are its whole visible context (cached prefix and
+  this chunk, rows ``cu_k[n] .. cu_k[n+1]``), of which the chunk's ``q_len``
+  queries are the last ``q_len`` positions: query ``j`` sees key ``i`` iff
+  ``i <= k_len - q_len + j`` (bottom-right causal), and with a sliding window
+  also ``i > k_len - q_len + j - window``.
+
+Scores are base 2 (``qk_scale = scale * log2 e``); operands enter the tensor
+cores in the key dtype (bf16/fp16, or float32 under the interpreter) with
+float32 accumulation; softmax and the accumulator are float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# Only builtins of triton.language inside the kernel (see decode.py: the
+# interpreter cannot run triton's own jit helpers such as tl.max / tl.sum).
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, s_qt, s_qh,
+    k_ptr, s_kt, s_kh,
+    v_ptr, s_vt,
+    o_ptr, s_ot,
+    head_table_ptr, cu_q_ptr, cu_k_ptr,
+    qk_scale, window, dk, QPK,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, DT: tl.constexpr,
+):
+    m_blk = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + n)
+    q_len = tl.load(cu_q_ptr + n + 1) - q_start
+    if m_blk * BLOCK_M < q_len:
+        k_start = tl.load(cu_k_ptr + n)
+        k_len = tl.load(cu_k_ptr + n + 1) - k_start
+        ctx = k_len - q_len  # key index of query 0
+        v_off = tl.load(head_table_ptr + 3 * h)
+        r_v = tl.load(head_table_ptr + 3 * h + 1)
+        o_col = tl.load(head_table_ptr + 3 * h + 2)
+        kvh = h // QPK
+
+        rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        dks = tl.arange(0, DK)
+        dvs = tl.arange(0, DV)
+        q = tl.load(q_ptr + (q_start + rows).to(tl.int64)[:, None] * s_qt + h * s_qh
+                    + dks[None, :], mask=row_ok[:, None] & (dks[None, :] < dk), other=0.0)
+        q = q.to(DT)
+        last = ctx + rows  # last visible key of each row
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, DV], 0.0, tl.float32)
+        hi = ctx + m_blk * BLOCK_M + BLOCK_M
+        hi = tl.minimum(hi, k_len)
+        lo = 0
+        if WINDOW:
+            lo = tl.maximum(ctx + m_blk * BLOCK_M - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < k_len
+            key_rows = (k_start + cols).to(tl.int64)
+            k = tl.load(k_ptr + key_rows[:, None] * s_kt + kvh * s_kh + dks[None, :],
+                        mask=col_ok[:, None] & (dks[None, :] < dk), other=0.0)
+            s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
+            visible = (cols[None, :] <= last[:, None]) & col_ok[None, :]
+            if WINDOW:
+                visible = visible & (cols[None, :] > last[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            v = tl.load(v_ptr + key_rows[:, None] * s_vt + v_off + dvs[None, :],
+                        mask=col_ok[:, None] & (dvs[None, :] < r_v), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+            l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * s_ot + o_col + dvs[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dvs[None, :] < r_v))
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    p = lo
+    while p < x:
+        p *= 2
+    return p
+
+
+_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def head_table(plan, device) -> torch.Tensor:
+    """``[num_heads, 3]`` int32 per query head: first column of its group's value
+    latent in ``[S, Rv]``, its rank ``r_v``, and its first output column in the
+    plan's output layout (:attr:`LayerPlan.out_width`)."""
+    hg = plan.heads_per_group
+    rows = []
+    for g, (v_off, r_v) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        for i in range(hg):
+            rows.append((v_off, r_v, hg * v_off + i * r_v))
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             heads: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                             max_q_len: int, scale: float, out: torch.Tensor, *,
+                             max_rank_v: int, window: int | None = None) -> torch.Tensor:
+    """Causal attention of every prefill request of a step in one launch.
+
+    Args:
+        query: ``[T, H, dk]`` queries of the requests' new tokens, request ``n``
+            at rows ``cu_q[n] .. cu_q[n+1]`` (post-RoPE; post-RoPE mode: latent
+            queries, zero-padded), last dim contiguous.
+        keys: ``[S, num_key_heads, dk]`` rebuilt, rotated keys of each
+            request's visible context (rows ``cu_k[n] .. cu_k[n+1]``; its last
+            ``q_len`` rows are the chunk itself); query head ``h`` uses key head
+            ``h // (H / num_key_heads)``. bf16/fp16 (float32 on CPU).
+        values: ``[S, Rv]`` value latents of the same rows (any float dtype).
+        heads: ``[H, 3]`` int32 from :func:`head_table`.
+        cu_q, cu_k: ``[N + 1]`` int32 cumulative query / key counts.
+        max_q_len: Longest chunk (host int; sets the grid).
+        scale: Softmax scale.
+        out: ``[T, out_width]`` output (any float dtype, last dim contiguous):
+            head ``h`` writes its ``r_v`` columns at ``heads[h, 2]``.
+        max_rank_v: Largest ``r_v`` of the plan.
+        window: Sliding window (query at position ``p`` sees ``t > p - window``),
+            or ``None``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    t, num_heads, dk = query.shape
+    s, nkh, dk_k = keys.shape
+    if dk_k != dk or num_heads % nkh or values.shape[0] != s or out.shape[0] != t:
+        raise ValueError(f"shapes do not match: query {tuple(query.shape)}, keys "
+                         f"{tuple(keys.shape)}, values {tuple(values.shape)}, out "
+                         f"{tuple(out.shape)}")
+    n = cu_q.shape[0] - 1
+    if t == 0 or n == 0:
+        return out
+    dt = keys.dtype
+    block_m = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
+    block_n = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
+    dv = _pow2(max_rank_v)
+    grid = (triton.cdiv(max_q_len, block_m), num_heads, n)
+    _prefill_kernel[grid](
+        query, query.stride(0), query.stride(1),
+        keys, keys.stride(0), keys.stride(1),
+        values, values.stride(0),
+        out, out.stride(0),
+        heads, cu_q, cu_k,
+        float(scale) * LOG2E, int(window or 0), dk, num_heads // nkh,
+        DK=_pow2(dk), DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        WINDOW=window is not None, DT=_DT[dt],
+        num_warps=4 if dv <= 64 else 8, num_stages=2,
+    )
+    return out
