@@ -199,7 +199,8 @@ class LowRankConfig:
         for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
                     "quant_group_size", "sink_tokens", "recent_tokens",
                     "exact_bits", "k_channel_tokens"):
-            if kwargs.get(key) is not None:
+            nullable = key in ("group_size", "quant_group_size")
+            if key in kwargs and not (nullable and kwargs[key] is None):
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs)
         cfg.validate()

@@ -33,6 +33,7 @@ import torch
 
 from vllm_lowrank.config import (
     METHODS,
+    RANK_MULTIPLE,
     RANK_ALLOCATIONS,
     STORAGE_BITS,
     LowRankConfig,
@@ -141,13 +142,20 @@ def _check_ranks(ranks: Any, path: str, model: Mapping[str, Any], group_size: in
     if not ranks["fixed"]:
         raise _refuse(path, "ranks.fixed", "must be true when bits are recorded (a "
                       "byte-budget allocation is served as recorded)")
-    for layer, pair in _per_layer(ranks.get("bits"), path, "ranks.bits",
-                                  model["num_layers"]).items():
+    bits = _per_layer(ranks.get("bits"), path, "ranks.bits", model["num_layers"])
+    for layer, pair in bits.items():
         if (not isinstance(pair, list) or len(pair) != 2
                 or any(isinstance(b, bool) or b not in STORAGE_BITS for b in pair)):
             raise _refuse(path, f"ranks.bits.{layer}", f"must be [k_bits, v_bits] from "
                           f"{list(STORAGE_BITS)}, got {pair!r:.40}")
     _check_serving(ranks.get("serving"), path)
+    multiple = ranks["serving"]["quant_group_size"] or RANK_MULTIPLE
+    for layer, pair in bits.items():
+        for side, side_bits, side_ranks in zip("kv", pair, layers[layer]):
+            if side_bits < 16 and any(r % multiple for r in side_ranks):
+                raise _refuse(path, f"ranks.layers.{layer}.{side}",
+                              f"ranks {side_ranks} stored at {side_bits} bits must be "
+                              f"multiples of {multiple} (the packed quantization group)")
 
 
 def _per_layer(raw: Any, path: str, field: str, num_layers: int) -> dict[int, Any]:
