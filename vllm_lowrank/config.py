@@ -69,7 +69,8 @@ class LowRankConfig:
     Attributes:
         mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
         ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
-            ``1.0`` keeps full rank (exact up to rounding).
+            ``1.0`` keeps full rank: identity factors; greedy tokens equal the
+            stock engine's in float32, in bf16 they differ by rounding (README).
         group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
             heads of the layer (of one tensor-parallel rank's shard); must
             divide the number of KV heads per rank (a group never spans ranks).

@@ -86,6 +86,14 @@ class Artifact:
         return self.manifest["model"]["fingerprint"]
 
     @property
+    def digest(self) -> str:
+        """``blake2b:<32 hex>`` of the manifest (canonical JSON): identifies
+        the calibration (model weights fingerprint, method, data, duration) and
+        the allocation; what metrics show instead of the artifact's path."""
+        text = json.dumps(self.manifest, sort_keys=True, separators=(",", ":"))
+        return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    @property
     def group_size(self) -> int:
         return int(self.manifest["group_size"])
 
