@@ -36,26 +36,27 @@ EXACT_BITS = (16, 8)
 """Storage of the token-adaptive mode's exact keys and values (16: model dtype)."""
 K_QUANT_AXES = ("token", "channel")
 RANK_MULTIPLE = 8
+"""Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
+(``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
+for every packed bit width."""
 MAX_TOKENS = 1 << 24
 """Static bound on every token count of the config (16M tokens); the sink and
 recent windows are also checked against the model's ``max_model_len`` before
 the engine starts (:func:`vllm_lowrank.models.adapters.check_model`)."""
 MAX_CALIBRATION_TOKENS = 1 << 18
 """Most calibration tokens ``artifact: "auto"`` may ask for: the default text
-(the calibration half of the gensim Wikipedia excerpt) gives about 360k tokens
+(the calibration half of the gensim Wikipedia excerpt) gives about 375k tokens
 with SmolLM2's tokenizer; a user text is checked when it is read."""
-INTEGER_BOUNDS = {
-    "group_size": (1, 1 << 12),
-    "calibration_tokens": (512, MAX_CALIBRATION_TOKENS),
-    "quant_group_size": (RANK_MULTIPLE, 1 << 12),
-    "sink_tokens": (0, MAX_TOKENS),
-    "recent_tokens": (1, MAX_TOKENS),
-    "k_channel_tokens": (1, 1 << 12),
+INTEGER_MAXIMA = {
+    "group_size": 1 << 12,
+    "calibration_tokens": MAX_CALIBRATION_TOKENS,
+    "quant_group_size": 1 << 12,
+    "sink_tokens": MAX_TOKENS,
+    "recent_tokens": MAX_TOKENS,
+    "k_channel_tokens": 1 << 12,
 }
-"""Inclusive ``(low, high)`` of every free integer setting (bits are a choice)."""
-"""Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
-(``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
-for every packed bit width."""
+"""Largest accepted value of every free integer setting (bits are a choice
+from a list; the lower bounds are checked one by one in ``validate``)."""
 
 
 class LowRankConfigError(ValueError):
@@ -291,7 +292,7 @@ class LowRankConfig:
                 f"calibration_tokens={self.calibration_tokens} is too small; use "
                 ">= 512 (default 16384)"
             )
-        for key, (_, high) in INTEGER_BOUNDS.items():
+        for key, high in INTEGER_MAXIMA.items():
             value = getattr(self, key)
             if value is not None and value > high:
                 raise LowRankConfigError(
