@@ -16,9 +16,10 @@ field the plugin reads:
   ``^[0-9]+$``, ``[k_ranks, v_ranks]`` with one rank per head group in
   ``1..group_size * head_dim``), and for a byte-budget allocation ``bits``
   (one ``[k_bits, v_bits]`` per layer from
-  :data:`~vllm_lowrank.config.STORAGE_BITS`) and ``serving`` (exactly the
-  keys of :data:`~vllm_lowrank.calibration.allocate.SERVING_KEYS`, each
-  valid as a ``--kv-compression-config`` setting).
+  :data:`~vllm_lowrank.config.STORAGE_BITS`) and ``serving`` (keys from
+  :data:`~vllm_lowrank.calibration.allocate.SERVING_KEYS`, each valid as a
+  ``--kv-compression-config`` setting; a key missing from an artifact made
+  before it existed keeps the config's value).
 
 :func:`check_basis` checks one basis: shapes against the model, every value
 finite, energies non-negative.
@@ -149,7 +150,7 @@ def _check_ranks(ranks: Any, path: str, model: Mapping[str, Any], group_size: in
             raise _refuse(path, f"ranks.bits.{layer}", f"must be [k_bits, v_bits] from "
                           f"{list(STORAGE_BITS)}, got {pair!r:.40}")
     _check_serving(ranks.get("serving"), path)
-    multiple = ranks["serving"]["quant_group_size"] or RANK_MULTIPLE
+    multiple = ranks["serving"].get("quant_group_size") or RANK_MULTIPLE
     for layer, pair in bits.items():
         for side, side_bits, side_ranks in zip("kv", pair, layers[layer]):
             if side_bits < 16 and any(r % multiple for r in side_ranks):
@@ -181,9 +182,6 @@ def _check_serving(serving: Any, path: str) -> None:
     for key in sorted(set(serving) - set(SERVING_KEYS)):
         raise _refuse(path, f"ranks.serving.{key}", f"is not a serving setting "
                       f"({list(SERVING_KEYS)})")
-    for key in SERVING_KEYS:
-        if key not in serving:
-            raise _refuse(path, f"ranks.serving.{key}", "is missing")
     try:  # placeholder bits: per-channel keys need quantized keys (the bits are per layer)
         LowRankConfig.from_dict({"mode": "lowrank", **serving, "k_bits": 8, "v_bits": 8})
     except LowRankConfigError as e:
