@@ -166,7 +166,7 @@ def _per_layer(raw: Any, path: str, field: str, num_layers: int) -> dict[int, An
     try:
         entries = layer_map(raw, field)
     except LowRankConfigError as e:
-        raise _refuse(path, field, f"is invalid ({e})") from None
+        raise _refuse(path, field, str(e)) from None
     if sorted(entries) != list(range(num_layers)):
         raise _refuse(path, field, f"must have one entry per layer 0..{num_layers - 1}, has "
                       f"{sorted(entries)[:8]}")
@@ -180,12 +180,12 @@ def _check_serving(serving: Any, path: str) -> None:
         raise _refuse(path, "ranks.serving", "must be an object of the settings the "
                       "allocation assumed")
     for key in sorted(set(serving) - set(SERVING_KEYS)):
-        raise _refuse(path, f"ranks.serving.{key}", f"is not a serving setting "
-                      f"({list(SERVING_KEYS)})")
+        raise _refuse(path, f"ranks.serving.{key}", f"not a serving setting; those are "
+                      f"{list(SERVING_KEYS)}")
     try:  # placeholder bits: per-channel keys need quantized keys (the bits are per layer)
         LowRankConfig.from_dict({"mode": "lowrank", **serving, "k_bits": 8, "v_bits": 8})
     except LowRankConfigError as e:
-        raise _refuse(path, "ranks.serving", f"is invalid ({e})") from None
+        raise _refuse(path, "ranks.serving", str(e)) from None
 
 
 def check_basis(path: str, key: str, a: torch.Tensor, b: torch.Tensor, energy: torch.Tensor,
@@ -212,11 +212,14 @@ def check_basis(path: str, key: str, a: torch.Tensor, b: torch.Tensor, energy: t
             f"({hidden}, k) / (k, {width}) / (k,) with 1 <= k <= {width} for this model; "
             "re-run `vllm-lowrank calibrate`")
     for name, t in (("a", a), ("b", b), ("e", energy)):
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point():
+            raise LowRankConfigError(
+                f"calibration artifact {path!r}: tensor {key}.{name} is {t.dtype}, not "
+                "floating point; the artifact is damaged; re-run `vllm-lowrank calibrate`")
+        if not bool(torch.isfinite(t).all()):
             raise LowRankConfigError(
                 f"calibration artifact {path!r}: tensor {key}.{name} has non-finite values "
-                f"(or is not floating point: {t.dtype}); the artifact is damaged; re-run "
-                "`vllm-lowrank calibrate`")
+                "(NaN or infinity); the artifact is damaged; re-run `vllm-lowrank calibrate`")
     if bool((energy < 0).any()):
         raise LowRankConfigError(
             f"calibration artifact {path!r}: tensor {key}.e has negative energies "
