@@ -139,3 +139,13 @@ def test_json_limits():
     assert parse_json('{"n": -1234567890123456789}', "x") == {"n": -1234567890123456789}
     with pytest.raises(LowRankConfigError, match="integer of 20 digits"):
         parse_json('{"n": 12345678901234567890}', "x")
+
+
+def test_rank_keys_from_python_may_be_ints_but_not_twice():
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "ranks": {0: [64, 64], "1": [32, 32]}})
+    assert dict(cfg.ranks) == {0: (64, 64), 1: (32, 32)}
+    with pytest.raises(LowRankConfigError, match="names layer 3 twice"):
+        LowRankConfig.from_dict({"mode": "lowrank", "ranks": {3: [8, 8], "3": [8, 8]}})
+    for bad in (True, -1, "1_0", " 3", "+3", "\u0663", "3.0"):
+        with pytest.raises(LowRankConfigError, match="not a layer index"):
+            LowRankConfig.from_dict({"mode": "lowrank", "ranks": {bad: [8, 8]}})

@@ -177,11 +177,14 @@ def parse_json(text: str, what: str) -> Any:
 
 
 def layer_index(key: Any, what: str) -> int:
-    """A layer index from a JSON object key: ASCII digits only.
+    """A layer index from a JSON object key: ASCII digits only (or, from
+    Python, a non-negative ``int``).
 
     Raises:
         LowRankConfigError: any other key (the message names ``what``).
     """
+    if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 10**9:
+        return key
     if not isinstance(key, str) or not _LAYER_KEY.fullmatch(key) or len(key) > 9:
         raise LowRankConfigError(
             f"{what} key {key!r} is not a layer index (ASCII digits 0-9 only, e.g. \"3\")")
