@@ -47,3 +47,15 @@ def test_refuses_without_a_key(tmp_path, capsys, monkeypatch):
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("vllm-lowrank: error: no API key")
+
+
+def test_console_script_is_the_image_entry_point():
+    import pathlib
+    import re
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["vllm-lowrank-serve"] == "vllm_lowrank.serve_entry:main"
+    dockerfile = (root / "Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["vllm-lowrank-serve"\]$', dockerfile, re.M)
