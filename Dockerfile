@@ -5,8 +5,14 @@
 # this plugin and its CUDA extension, prebuilt for sm_80 (A100) and sm_90 (H100).
 #
 #   docker build -t vllm-lowrank:0.1.0-cuda .
-#   docker run --gpus all --ipc=host -p 8000:8000 vllm-lowrank:0.1.0-cuda \
+#   docker run --gpus all --ipc=host -p 8000:8000 -e VLLM_API_KEY="$(cat key)" \
+#       vllm-lowrank:0.1.0-cuda \
 #       MODEL --kv-compression lowrank --kv-compression-config '{"ratio": 0.5}'
+#
+# Closed by default: the entry point (`vllm-lowrank-serve`, vllm_lowrank/serve_entry.py)
+# runs `vllm serve ARGS` only with an API key (VLLM_API_KEY, VLLM_API_KEY_FILE
+# naming a mounted Secret, or --api-key); without one it exits 2 before
+# binding a port (VLLM_LOWRANK_ALLOW_NO_API_KEY=1 opts out).
 #
 # CPU demo image (deploy/overlays/cpu-demo), same file on vLLM's CPU release image:
 #   docker build -t vllm-lowrank:0.1.0-cpu \
@@ -131,4 +137,4 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=10s --start-period=30m --retries=3 \
     CMD ["python3", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8).status == 200 else 1)"]
 
-ENTRYPOINT ["vllm", "serve"]
+ENTRYPOINT ["vllm-lowrank-serve"]

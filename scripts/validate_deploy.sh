@@ -12,8 +12,8 @@
 #
 # Every step runs even when an earlier one failed; the exit status is non-zero
 # if any failed. Skipped checks are annotated where they are skipped, with the
-# reason: deploy/base/deployment.yaml (checkov.io/skip1) and Dockerfile
-# (hadolint ignore); this script skips nothing itself.
+# reason: the Dockerfile's `hadolint ignore` lines; no checkov check is skipped
+# (tests/test_deploy.py asserts it). This script skips nothing itself.
 #
 # Environment:
 #   VALIDATE_DEPLOY_OUT  keep the rendered manifests there (<overlay>.yaml)

@@ -112,3 +112,40 @@ def test_exact_bits_are_checked():
         cfg(token_adaptive=True, exact_bits=4)
     with pytest.raises(LowRankConfigError, match="add \"token_adaptive\": true"):
         cfg(exact_bits=8)
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    ({"ratio": 10**401}, "ratio must be a finite number"),
+    ({"ratio": float("nan")}, "ratio must be a finite number"),
+    ({"group_size": 10**6}, "group_size=1000000 is too large"),
+    ({"k_channel_tokens": 10**6}, "k_channel_tokens=1000000 is too large"),
+    ({"quant_group_size": 10**6}, "quant_group_size=1000000 is too large"),
+    ({"calibration_tokens": 300_000}, "calibration_tokens=300000 is too large"),
+    ({"ranks": {"0": [0, 8]}}, r"ranks\[0\]=\[0, 8\]: each latent width must be a positive"),
+    ({"artifact": "a\x00b"}, "artifact must be a directory path"),
+])
+def test_integers_and_numbers_are_bounded(raw, fragment):
+    with pytest.raises(LowRankConfigError, match=fragment):
+        LowRankConfig.from_dict({"mode": "lowrank", **raw})
+
+
+def test_json_limits():
+    from vllm_lowrank.inputs import MAX_JSON_DEPTH, json_depth, parse_json
+
+    assert json_depth('{"a": "[[[[", "b": [[1]]}') == 3  # brackets in strings do not count
+    assert parse_json("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH, "x") is not None
+    with pytest.raises(LowRankConfigError, match="nests"):
+        parse_json("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "x")
+    assert parse_json('{"n": -1234567890123456789}', "x") == {"n": -1234567890123456789}
+    with pytest.raises(LowRankConfigError, match="integer of 20 digits"):
+        parse_json('{"n": 12345678901234567890}', "x")
+
+
+def test_rank_keys_from_python_may_be_ints_but_not_twice():
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "ranks": {0: [64, 64], "1": [32, 32]}})
+    assert dict(cfg.ranks) == {0: (64, 64), 1: (32, 32)}
+    with pytest.raises(LowRankConfigError, match="names layer 3 twice"):
+        LowRankConfig.from_dict({"mode": "lowrank", "ranks": {3: [8, 8], "3": [8, 8]}})
+    for bad in (True, -1, "1_0", " 3", "+3", "\u0663", "3.0"):
+        with pytest.raises(LowRankConfigError, match="not a layer index"):
+            LowRankConfig.from_dict({"mode": "lowrank", "ranks": {bad: [8, 8]}})

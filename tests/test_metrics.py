@@ -95,6 +95,51 @@ def test_summary_reports_the_bits_in_force_per_layer():
         assert "k_bits" not in state and "v_bits" not in state
 
 
+def test_info_reports_what_made_the_factors_and_no_path(tmp_path):
+    """Full rank: identity (no SVD, no artifact basis); below it the artifact's
+    method or weight SVD; the artifact label is its manifest digest, not its path."""
+    from vllm_lowrank.calibration import artifact as art
+
+    full_cfg = LowRankConfig(mode="lowrank", ratio=1.0, group_size=2, rank_allocation="uniform")
+    half_cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    full = {i: uniform_plan(full_cfg, SHAPE, i) for i in range(3)}
+    half = {i: uniform_plan(half_cfg, SHAPE, i) for i in range(3)}
+    manifest = art.new_manifest(model_id="m", architecture="LlamaForCausalLM",
+                                shape={"hidden_size": 64}, num_layers=3, fingerprint="f",
+                                method="fisher", group_size=2, calibration={})
+    artifact = art.Artifact(manifest, {})
+    path = str(tmp_path / "secret-location")
+    cases = [(full_cfg, full, None, "identity", "none"),
+             (full_cfg, full, artifact, "identity", artifact.digest),
+             (half_cfg, half, None, "svd", "none"),
+             (half_cfg, half, artifact, "fisher", artifact.digest)]
+    for cfg, plans, a, method, label in cases:
+        state = ModelCompression(cfg=cfg, plans=plans, artifact=a,
+                                 artifact_path=path if a else None).summary(2)
+        assert (state["method"], state["artifact"]) == (method, label)
+        assert path not in json.dumps(state)
+    assert artifact.digest.startswith("blake2b:") and len(artifact.digest) == 8 + 32
+    changed = art.Artifact({**manifest, "method": "kq"}, {})
+    assert changed.digest != artifact.digest
+
+
+def test_stale_state_dirs_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f"vllm-lowrank-metrics-{dead_pid}-0123abcd"
+    live = tmp_path / f"vllm-lowrank-metrics-{os.getpid()}-0123abcd"
+    other = tmp_path / "vllm-lowrank-metrics-notapid-x"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "worker-dp0-pp0-tp0.json").write_text("{}")
+    assert metrics.remove_stale_state_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
+
+
 def test_tensor_parallel_shards_are_combined():
     def shard(tp, k, v):
         return {"enabled": True, "configured_ratio": 0.5, "method": "svd", "artifact": "none",
@@ -180,10 +225,11 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
 
     # ranks: recomputed here from the artifact the server used and the settings
     (info,) = [labels for n, labels, _ in samples if n == "vllm_lowrank_info"]
-    assert info["method"] == "fisher" and os.path.isdir(info["artifact"])
     hf = AutoConfig.from_pretrained(model_path)
     cfg = LowRankConfig(mode="lowrank", ratio=0.5)
-    plans = comp._plans(cfg, comp.model_shapes(hf), art.load_artifact(info["artifact"]))
+    artifact = art.load_artifact(comp._auto_artifact_path(model_path, cfg))
+    assert info == {"method": "fisher", "artifact": artifact.digest}
+    plans = comp._plans(cfg, comp.model_shapes(hf), artifact)
     ranks = {(int(l["layer"]), l["side"]): v for n, l, v in samples
              if n == "vllm_lowrank_layer_rank"}
     expected = {}

@@ -109,9 +109,17 @@ def test_cancelled_stream_frees_its_blocks(server):
 
 # ------------------------------------------------------------- artifacts
 
-def _artifact_in_use(server) -> str:
-    (path,) = [labels["artifact"] for name, labels, _ in server.metrics()
-               if name == "vllm_lowrank_info"]
+def _artifact_in_use(server, model_path: str) -> str:
+    """The cached ``artifact: "auto"`` folder of the server's settings; the
+    server's metrics name it by digest (never by path)."""
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models import compression as comp
+
+    path = comp._auto_artifact_path(model_path, LowRankConfig(mode="lowrank", ratio=0.5))
+    (digest,) = [labels["artifact"] for name, labels, _ in server.metrics()
+                 if name == "vllm_lowrank_info"]
+    assert digest == art.load_artifact(path).digest
     return path
 
 
@@ -151,16 +159,16 @@ def _damage(src: str, dst: str, how: str) -> str:
 def test_intact_artifact_matches_the_checkpoint(server, model_path):
     from vllm_lowrank.calibration import artifact as art
 
-    manifest = art.read_manifest(_artifact_in_use(server))
+    manifest = art.read_manifest(_artifact_in_use(server, model_path))
     assert art.checkpoint_fingerprint(model_path) == manifest["model"]["fingerprint"]
 
 
-def test_manifest_without_a_field_is_refused(server, tmp_path):
+def test_manifest_without_a_field_is_refused(server, model_path, tmp_path):
     from vllm_lowrank.calibration import artifact as art
     from vllm_lowrank.config import LowRankConfigError
 
     path = str(tmp_path / "artifact")
-    shutil.copytree(_artifact_in_use(server), path)
+    shutil.copytree(_artifact_in_use(server, model_path), path)
     manifest_path = os.path.join(path, art.MANIFEST)
     with open(manifest_path) as f:
         manifest = json.load(f)
@@ -175,7 +183,7 @@ def test_manifest_without_a_field_is_refused(server, tmp_path):
                                  "other weights"])
 def test_damaged_artifact_is_refused_at_startup(server, model_path, tmp_path, how):
     path = str(tmp_path / "artifact")
-    expected = _damage(_artifact_in_use(server), path, how)
+    expected = _damage(_artifact_in_use(server, model_path), path, how)
     proc = subprocess.run(
         [VLLM, "serve", model_path, "--host", "127.0.0.1", "--port", str(free_port()),
          "--dtype", "float32",

@@ -20,7 +20,14 @@ import argparse
 import json
 import sys
 
-from vllm_lowrank.config import METHODS, LowRankConfig, LowRankConfigError, parse_config_text
+from vllm_lowrank.config import (
+    MAX_CALIBRATION_TOKENS,
+    MAX_TOKENS,
+    METHODS,
+    LowRankConfig,
+    LowRankConfigError,
+    parse_config_text,
+)
 
 
 def resolve_model(arg: str) -> str:
@@ -45,7 +52,24 @@ def _prepare(args) -> None:
     print(path)
 
 
+def check_calibration_tokens(tokens: int, user_text: bool) -> None:
+    """``calibrate --tokens``: at least 512, at most what the default text gives
+    (:data:`~vllm_lowrank.config.MAX_CALIBRATION_TOKENS`) or, with ``--text``,
+    :data:`~vllm_lowrank.config.MAX_TOKENS` (a short text is refused when it is
+    read).
+
+    Raises:
+        LowRankConfigError: out of range.
+    """
+    high = MAX_TOKENS if user_text else MAX_CALIBRATION_TOKENS
+    if not 512 <= tokens <= high:
+        raise LowRankConfigError(
+            f"--tokens {tokens} is out of range: use 512..{high} calibration tokens "
+            f"(default {LowRankConfig.calibration_tokens})")
+
+
 def _calibrate(args) -> None:
+    check_calibration_tokens(args.tokens, bool(args.text))
     if args.rank_allocation is None:
         args.rank_allocation = "fisher" if args.method == "fisher" else "energy"
     from vllm_lowrank.calibration import text as texts

@@ -20,7 +20,7 @@ Terms used throughout the package:
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +39,24 @@ RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
 for every packed bit width."""
+MAX_TOKENS = 1 << 24
+"""Static bound on every token count of the config (16M tokens); the sink and
+recent windows are also checked against the model's ``max_model_len`` before
+the engine starts (:func:`vllm_lowrank.models.adapters.check_model`)."""
+MAX_CALIBRATION_TOKENS = 1 << 18
+"""Most calibration tokens ``artifact: "auto"`` may ask for: the default text
+(the calibration half of the gensim Wikipedia excerpt) gives about 375k tokens
+with SmolLM2's tokenizer; a user text is checked when it is read."""
+INTEGER_MAXIMA = {
+    "group_size": 1 << 12,
+    "calibration_tokens": MAX_CALIBRATION_TOKENS,
+    "quant_group_size": 1 << 12,
+    "sink_tokens": MAX_TOKENS,
+    "recent_tokens": MAX_TOKENS,
+    "k_channel_tokens": 1 << 12,
+}
+"""Largest accepted value of every free integer setting (bits are a choice
+from a list; the lower bounds are checked one by one in ``validate``)."""
 
 
 class LowRankConfigError(ValueError):
@@ -52,7 +70,8 @@ class LowRankConfig:
     Attributes:
         mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
         ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
-            ``1.0`` keeps full rank (exact up to rounding).
+            ``1.0`` keeps full rank: identity factors; greedy tokens equal the
+            stock engine's in float32, in bf16 they differ by rounding (README).
         group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
             heads of the layer (of one tensor-parallel rank's shard); must
             divide the number of KV heads per rank (a group never spans ranks).
@@ -182,7 +201,8 @@ class LowRankConfig:
         for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
                     "quant_group_size", "sink_tokens", "recent_tokens",
                     "exact_bits", "k_channel_tokens"):
-            if kwargs.get(key) is not None:
+            nullable = key in ("group_size", "quant_group_size")
+            if key in kwargs and not (nullable and kwargs[key] is None):
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs)
         cfg.validate()
@@ -219,7 +239,8 @@ class LowRankConfig:
                 f"only method=\"fisher\" produces (got method={self.method!r}); use "
                 "rank_allocation \"energy\" or \"uniform\""
             )
-        if not isinstance(self.artifact, str) or not self.artifact:
+        if (not isinstance(self.artifact, str) or not self.artifact or "\x00" in self.artifact
+                or len(self.artifact) > 4096):
             raise LowRankConfigError(
                 "artifact must be a directory path, \"auto\" or \"none\""
             )
@@ -271,6 +292,18 @@ class LowRankConfig:
                 f"calibration_tokens={self.calibration_tokens} is too small; use "
                 ">= 512 (default 16384)"
             )
+        for key, high in INTEGER_MAXIMA.items():
+            value = getattr(self, key)
+            if value is not None and value > high:
+                raise LowRankConfigError(
+                    f"{key}={value} is too large; at most {high} is accepted "
+                    f"(default {getattr(LowRankConfig, key)})")
+        if self.ranks is not None:
+            for layer, pair in self.ranks.items():
+                if not all(1 <= r <= MAX_TOKENS for r in pair):
+                    raise LowRankConfigError(
+                        f"ranks[{layer}]={list(pair)}: each latent width must be a "
+                        f"positive integer (at most the layer's K or V width)")
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -282,66 +315,69 @@ def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
 
 def _number(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LowRankConfigError(f"{key} must be a number, got {value!r}")
-    return float(value)
+        raise LowRankConfigError(f"{key} must be a number, got {value!r:.40}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise LowRankConfigError(f"{key} must be a finite number, got {value!r:.40}")
+    return number
 
 
 def _integer(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise LowRankConfigError(f"{key} must be an integer, got {value!r}")
+        raise LowRankConfigError(f"{key} must be an integer, got {value!r:.40}")
     return value
 
 
 def _parse_ranks(raw: Any) -> dict[int, tuple[int, int]]:
+    from vllm_lowrank.inputs import layer_map
+
     if not isinstance(raw, Mapping):
         raise LowRankConfigError(
             "ranks must be an object {\"<layer>\": [r_k, r_v]}, e.g. "
             "{\"0\": [64, 128]}"
         )
     out: dict[int, tuple[int, int]] = {}
-    for key, value in raw.items():
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise LowRankConfigError(
-                f"ranks key {key!r} is not a layer index"
-            ) from None
+    for layer, value in layer_map(dict(raw), "ranks").items():
         if (
             not isinstance(value, (list, tuple))
             or len(value) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         ):
             raise LowRankConfigError(
-                f"ranks[{key!r}] must be a pair of integers [r_k, r_v], got {value!r}"
+                f"ranks[\"{layer}\"] must be a pair of integers [r_k, r_v], got {value!r:.60}"
             )
         out[layer] = (int(value[0]), int(value[1]))
     return out
 
 
 def parse_config_text(text: str) -> dict[str, Any]:
-    """Parse ``--kv-compression-config``: inline JSON or a path to a JSON file.
+    """Parse ``--kv-compression-config``: inline JSON or a path to a JSON file
+    (read and parsed within the limits of :mod:`vllm_lowrank.inputs`).
 
     Raises:
-        LowRankConfigError: unreadable file or malformed JSON (with position).
+        LowRankConfigError: unreadable, non-regular, oversized or binary file,
+            malformed, too deep or out-of-range JSON (with position).
     """
+    from vllm_lowrank.inputs import MAX_CONFIG_BYTES, parse_json, read_text
+
     stripped = text.strip()
     source = "inline JSON"
     if not stripped.startswith("{"):
-        if not os.path.isfile(stripped):
+        if not os.path.lexists(stripped):
             raise LowRankConfigError(
-                f"--kv-compression-config {text!r} is neither inline JSON (it must "
+                f"--kv-compression-config {text[:80]!r} is neither inline JSON (it must "
                 "start with '{') nor an existing JSON file"
             )
         source = stripped
-        with open(stripped, encoding="utf-8") as f:
-            stripped = f.read()
-    try:
-        value = json.loads(stripped)
-    except json.JSONDecodeError as e:
+        stripped = read_text(stripped, "--kv-compression-config file", MAX_CONFIG_BYTES)
+    elif len(stripped) > MAX_CONFIG_BYTES:
         raise LowRankConfigError(
-            f"--kv-compression-config ({source}) is malformed JSON: {e.msg} at line "
-            f"{e.lineno} column {e.colno}"
-        ) from None
+            f"--kv-compression-config inline JSON is {len(stripped)} characters, more "
+            f"than the {MAX_CONFIG_BYTES} accepted")
+    value = parse_json(stripped, f"--kv-compression-config ({source})")
     if not isinstance(value, dict):
         raise LowRankConfigError(
             f"--kv-compression-config ({source}) must be a JSON object, got "

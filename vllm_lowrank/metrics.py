@@ -32,7 +32,11 @@ Metrics (all gauges):
 - ``vllm_lowrank_layer_rank{layer, side[, group]}``: latent width (elements per
   token) of a layer's keys (``side="k"``) or values (``side="v"``); labelled per
   head group (global index) when a layer has several groups.
-- ``vllm_lowrank_info{method, artifact}``: 1; where the bases came from.
+- ``vllm_lowrank_info{method, artifact}``: 1; what made the factors
+  (``method``: ``identity`` at full rank, where no factorization is done; the
+  artifact's method; or ``svd``, weight SVD without calibration) and which
+  artifact (``artifact``: its manifest digest ``blake2b:<hex>``, or ``none``;
+  never its path, as ``/metrics`` is unauthenticated).
 - ``vllm_lowrank_kv_cache_capacity_tokens{engine}``: KV cache tokens vLLM
   allocated (with or without compression), the figure vLLM logs as "KV cache
   size: N tokens" (``kv_cache_size_tokens``: max concurrency x max_model_len,
@@ -66,6 +70,7 @@ logger = logging.getLogger("vllm.lowrank")
 STATE_DIR_ENV = "VLLM_LOWRANK_METRICS_DIR"
 """Environment variable holding the state directory (set by :func:`install`)."""
 PREFIX = "vllm_lowrank_"
+_DIR_PREFIX = "vllm-lowrank-metrics-"
 _CACHE_INFO = "vllm:cache_config_info"
 
 _installed = False
@@ -93,8 +98,9 @@ def install() -> str | None:
     with _lock:
         if _installed:
             return os.environ[STATE_DIR_ENV]
+        remove_stale_state_dirs(tempfile.gettempdir())
         path = os.path.join(tempfile.gettempdir(),
-                            f"vllm-lowrank-metrics-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                            f"{_DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.environ[STATE_DIR_ENV] = path
         owner = os.getpid()
         atexit.register(_cleanup, path, owner)
@@ -103,6 +109,50 @@ def install() -> str | None:
         REGISTRY.register(LowRankCollector(path))
         _installed = True
         return path
+
+
+def remove_stale_state_dirs(root: str) -> list[str]:
+    """Remove the state directories under ``root`` of front-end processes that
+    are gone (killed before their exit handler ran), owned by this user.
+
+    A directory is named ``vllm-lowrank-metrics-<pid>-<random>``; it is stale
+    when no process ``<pid>`` exists. A live process with a reused pid keeps
+    an old directory until it exits (its handler removes only its own).
+
+    Returns:
+        The directories removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(_DIR_PREFIX):
+            continue
+        pid = name[len(_DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("vllm-lowrank: removed %d metrics state folder(s) of ended processes",
+                    len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 def _cleanup(path: str, owner: int) -> None:
@@ -314,7 +364,9 @@ class LowRankCollector:
                 ranks.add_metric(values, r)
             yield ranks
             info = GaugeMetricFamily(PREFIX + "info",
-                                     "Source of the factorization bases (always 1)",
+                                     "What made the factors (method: identity at full "
+                                     "rank, the artifact's method, or svd) and the "
+                                     "artifact's manifest digest (always 1)",
                                      labels=["method", "artifact"])
             info.add_metric([str(view["method"]), str(view["artifact"])], 1)
             yield info

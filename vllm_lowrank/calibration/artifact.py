@@ -86,6 +86,14 @@ class Artifact:
         return self.manifest["model"]["fingerprint"]
 
     @property
+    def digest(self) -> str:
+        """``blake2b:<32 hex>`` of the manifest (canonical JSON): identifies
+        the calibration (model weights fingerprint, method, data, duration) and
+        the allocation; what metrics show instead of the artifact's path."""
+        text = json.dumps(self.manifest, sort_keys=True, separators=(",", ":"))
+        return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    @property
     def group_size(self) -> int:
         return int(self.manifest["group_size"])
 
@@ -143,70 +151,48 @@ def new_manifest(*, model_id: str, architecture: str, shape: Mapping[str, int],
 
 
 def read_manifest(path: str) -> dict[str, Any]:
-    """Read and check ``manifest.json`` of an artifact directory.
+    """Read ``manifest.json`` of an artifact directory (a regular file of at
+    most :data:`~vllm_lowrank.inputs.MAX_MANIFEST_BYTES`, JSON within the limits
+    of :func:`~vllm_lowrank.inputs.parse_json`) and check it against the schema
+    (:func:`~vllm_lowrank.calibration.schema.check_manifest`).
 
     Raises:
-        LowRankConfigError: missing directory or file, malformed JSON, wrong
-            format version.
+        LowRankConfigError: missing directory or file, not a regular file,
+            malformed JSON, wrong format version, a field outside the schema.
     """
+    from vllm_lowrank.calibration.schema import check_manifest
+    from vllm_lowrank.inputs import MAX_MANIFEST_BYTES, parse_json, read_text
+
     if not os.path.isdir(path):
         raise LowRankConfigError(
             f"calibration artifact {path!r} does not exist; create it with "
             "`vllm-lowrank calibrate MODEL --output DIR`"
         )
     manifest_path = os.path.join(path, MANIFEST)
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(manifest_path):
         raise LowRankConfigError(
             f"calibration artifact {path!r} has no {MANIFEST}; it is not an "
             "artifact or was partially written; re-run `vllm-lowrank calibrate`"
-        ) from None
-    except json.JSONDecodeError as e:
+        )
+    try:
+        manifest = parse_json(read_text(manifest_path, "file", MAX_MANIFEST_BYTES), "it")
+    except LowRankConfigError as e:
         raise LowRankConfigError(
-            f"calibration artifact {path!r}: {MANIFEST} is corrupt ({e.msg}); "
-            "re-run `vllm-lowrank calibrate`"
-        ) from None
+            f"calibration artifact {path!r}: {MANIFEST} is corrupt or unusable ({e}); "
+            "re-run `vllm-lowrank calibrate`") from None
     if not isinstance(manifest, dict):
         raise LowRankConfigError(
             f"calibration artifact {path!r}: {MANIFEST} is not a JSON object; re-run "
             "`vllm-lowrank calibrate`"
         )
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or isinstance(version, bool):
         raise LowRankConfigError(
-            f"calibration artifact {path!r} has format version {version}, this "
+            f"calibration artifact {path!r} has format version {version!r:.40}, this "
             f"plugin reads version {FORMAT_VERSION}; re-run `vllm-lowrank calibrate`"
         )
-    _check_manifest_fields(manifest, path)
+    check_manifest(manifest, path)
     return manifest
-
-
-_MANIFEST_FIELDS = (("method", str), ("group_size", int), ("model", dict))
-_MODEL_FIELDS = (("architecture", str), ("num_layers", int), ("hidden_size", int),
-                 ("num_heads", int), ("num_kv_heads", int), ("head_dim", int),
-                 ("fingerprint", str))
-
-
-def _check_manifest_fields(manifest: Mapping[str, Any], path: str) -> None:
-    """Refuse a manifest lacking a field this plugin reads, or with a wrong type.
-
-    Raises:
-        LowRankConfigError: names the first bad field.
-    """
-    checks = [(k, manifest.get(k), t) for k, t in _MANIFEST_FIELDS]
-    model = manifest.get("model")
-    if isinstance(model, dict):
-        checks += [(f"model.{k}", model.get(k), t) for k, t in _MODEL_FIELDS]
-    for key, value, kind in checks:
-        if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < 1):
-            raise LowRankConfigError(
-                f"calibration artifact {path!r}: {MANIFEST} has a missing or invalid "
-                f"{key!r} ({value!r}); it is damaged or not an artifact of this "
-                "plugin; re-run `vllm-lowrank calibrate`"
-            )
 
 
 def check_model_matches(manifest: Mapping[str, Any], path: str, *, architecture: str,
@@ -297,23 +283,31 @@ def checkpoint_fingerprint(model_dir: str) -> str | None:
 
 
 def load_artifact(path: str) -> Artifact:
-    """Load manifest and bases.
+    """Load manifest and bases, validated as data
+    (:mod:`vllm_lowrank.calibration.schema`: the manifest's schema including the
+    allocation, every tensor's shape and finiteness, non-negative energies).
 
     Raises:
-        LowRankConfigError: missing, truncated or inconsistent files.
+        LowRankConfigError: missing, truncated or inconsistent files, naming
+            the field or tensor.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from vllm_lowrank.calibration.schema import check_allocation, check_basis, check_fixed_ranks
+    from vllm_lowrank.inputs import MAX_TENSOR_BYTES, check_regular_file
+
     manifest = read_manifest(path)
+    check_allocation(manifest, path)
     tensor_path = os.path.join(path, TENSORS)
-    try:
-        tensors = load_file(tensor_path)
-    except FileNotFoundError:
+    if not os.path.lexists(tensor_path):
         raise LowRankConfigError(
             f"calibration artifact {path!r} has no {TENSORS}; re-run "
             "`vllm-lowrank calibrate`"
-        ) from None
+        )
+    check_regular_file(tensor_path, f"calibration artifact {TENSORS}", MAX_TENSOR_BYTES)
+    try:
+        tensors = load_file(tensor_path)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise LowRankConfigError(
             f"calibration artifact {path!r}: {TENSORS} is truncated or corrupt "
@@ -332,15 +326,8 @@ def load_artifact(path: str) -> Artifact:
                     key = f"l{layer}.{side}{g}"
                     basis = GroupBasis(a=tensors[f"{key}.a"], b=tensors[f"{key}.b"],
                                        energy=tensors[f"{key}.e"])
-                    k = basis.energy.numel()
-                    if (basis.a.shape != (model["hidden_size"], k)
-                            or basis.b.shape != (k, n)):
-                        raise LowRankConfigError(
-                            f"calibration artifact {path!r}: {key} has shapes "
-                            f"{tuple(basis.a.shape)} / {tuple(basis.b.shape)}, expected "
-                            f"{(model['hidden_size'], k)} / {(k, n)} for this model; "
-                            "re-run `vllm-lowrank calibrate`"
-                        )
+                    check_basis(path, key, basis.a, basis.b, basis.energy,
+                                model["hidden_size"], n)
                     group_bases.append(basis)
                 sides.append(group_bases)
             bases[layer] = (sides[0], sides[1])
@@ -349,4 +336,5 @@ def load_artifact(path: str) -> Artifact:
             f"calibration artifact {path!r} lacks tensor {e.args[0]}; it is "
             "incomplete; re-run `vllm-lowrank calibrate`"
         ) from None
+    check_fixed_ranks(manifest, bases, path)
     return Artifact(manifest=manifest, bases=bases)

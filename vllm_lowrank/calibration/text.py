@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import re
 
@@ -94,23 +93,26 @@ def read_text_file(path: str) -> list[str]:
     """Documents of a user file: JSONL (``{"text": ...}`` per line) or plain text.
 
     Raises:
-        LowRankConfigError: unreadable file or JSONL line without ``"text"``.
+        LowRankConfigError: missing, non-regular, oversized, unreadable or
+            binary file, or a JSONL line without a string ``"text"``.
     """
-    if not os.path.isfile(path):
-        raise LowRankConfigError(f"calibration text {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        content = f.read()
+    from vllm_lowrank.inputs import MAX_TEXT_BYTES, parse_json, read_text
+
+    content = read_text(path, "calibration text", MAX_TEXT_BYTES)
     if path.endswith((".jsonl", ".json")):
         docs = []
         for n, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                docs.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError):
+                doc = parse_json(line, f"{path}:{n}")["text"]
+            except (LowRankConfigError, KeyError, TypeError):
+                doc = None
+            if not isinstance(doc, str):
                 raise LowRankConfigError(
-                    f"{path}:{n}: each JSONL line must be an object with a \"text\" field"
-                ) from None
+                    f"{path}:{n}: each JSONL line must be an object with a string "
+                    "\"text\" field")
+            docs.append(doc)
         return docs
     return [content]
 

@@ -27,9 +27,11 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     quantization (factorization needs float weights), vLLM's own KV cache dtype,
     head divisibility under tensor parallelism, group size (dividing each
     tensor-parallel rank's KV heads), ``ranks`` overrides splitting evenly over
-    the ranks, the ratio giving a non-zero rank, and, for an artifact given by
-    path, the whole artifact (:func:`check_artifact`; its head groups must not
-    span ranks).
+    the ranks, the ratio giving a non-zero rank under the chosen allocation
+    (:func:`check_budget`), for an artifact given by path the whole artifact
+    (:func:`check_artifact`; its head groups must not span ranks), and the
+    token-adaptive windows against ``max_model_len`` and the KV block size
+    (:func:`check_token_windows`, with an allocation's serving settings).
 
     Raises:
         LowRankConfigError: with the supported alternatives.
@@ -75,7 +77,7 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
         )
     from vllm_lowrank.factorization.plan import resolve_group_size, uniform_plan
     from vllm_lowrank.factorization.shard import rank_config
-    from vllm_lowrank.models.compression import model_shapes
+    from vllm_lowrank.models.compression import mixes_attention_kinds, model_shapes
 
     tp = vllm_config.parallel_config.tensor_parallel_size
     shapes = model_shapes(hf_config, tp)
@@ -92,10 +94,67 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
                 f"0..{len(shapes) - 1}"
             )
     if cfg.artifact not in ("auto", "none"):
-        check_artifact(vllm_config, cfg)
+        cfg = check_artifact(vllm_config, cfg).cfg  # with the allocation's serving settings
+    else:
+        check_budget(cfg, shapes, mixes_attention_kinds(hf_config) or cfg.token_adaptive)
+    check_token_windows(cfg, vllm_config.model_config.max_model_len,
+                        vllm_config.cache_config.block_size)
 
 
-def check_artifact(vllm_config, cfg: LowRankConfig) -> None:
+def check_budget(cfg: LowRankConfig, shapes, per_layer: bool) -> None:
+    """Refuse a ratio whose latent budget cannot give every head group one rank
+    chunk under a loss- or energy-aware allocation, before any calibration:
+    the allocation is run on flat spectra (the chunk count it needs does not
+    depend on the spectra). Uniform allocation is checked by
+    :func:`~vllm_lowrank.factorization.plan.uniform_plan`; full rank needs
+    no budget.
+
+    Raises:
+        LowRankConfigError: the same message as the allocation's at load time.
+    """
+    import torch
+
+    from vllm_lowrank.factorization.plan import resolve_group_size, uniform_plan
+    from vllm_lowrank.factorization.ranks import energy_plans
+
+    free = {i: s for i, s in shapes.items() if not (cfg.ranks and i in cfg.ranks)}
+    if cfg.rank_allocation == "uniform" or not free or (cfg.ratio == 1.0 and not cfg.ranks):
+        return
+    if cfg.artifact == "none":  # no spectra to allocate by: uniform ranks
+        for i, s in free.items():
+            uniform_plan(cfg, s, i)
+        return
+    g = resolve_group_size(cfg, next(iter(free.values())))
+    spectra = {i: tuple([torch.ones(g * s.head_dim)] * (s.num_kv_heads // g) for _ in "kv")
+               for i, s in free.items()}
+    for part in ([{i: s} for i, s in free.items()] if per_layer else [free]):
+        energy_plans(part, g, {i: spectra[i] for i in part}, cfg.ratio,
+                     multiple=cfg.rank_multiple)
+
+
+def check_token_windows(cfg: LowRankConfig, max_model_len: int, block_size: int) -> None:
+    """Token-adaptive windows against the model and the scheduler: the sink and
+    recent windows at most ``max_model_len`` tokens, per-channel key groups
+    dividing vLLM's KV block size.
+
+    Raises:
+        LowRankConfigError: names the window and the limit.
+    """
+    if not cfg.token_adaptive:
+        return
+    from vllm_lowrank.models.compression import exact_tokens
+
+    for key in ("sink_tokens", "recent_tokens"):
+        value = getattr(cfg, key)
+        if value > max_model_len:
+            raise LowRankConfigError(
+                f"{key}={value} exceeds the model's max_model_len {max_model_len}: no "
+                f"sequence has that many tokens; use at most {max_model_len} (or raise "
+                "--max-model-len)")
+    exact_tokens(cfg, block_size)  # per-channel key groups inside one block
+
+
+def check_artifact(vllm_config, cfg: LowRankConfig):
     """Validate an artifact given by path in full, in the front-end process.
 
     Loads it exactly as the worker will (manifest, every basis tensor and its
@@ -103,6 +162,10 @@ def check_artifact(vllm_config, cfg: LowRankConfig) -> None:
     its weight fingerprint with the k/v/o tensors of the checkpoint, read from
     the model folder's safetensors files. Skipped for the fingerprint when the
     weights are not local safetensors (the worker still checks while loading).
+
+    Returns:
+        The resolved :class:`~vllm_lowrank.models.compression.ModelCompression`
+        (its ``cfg`` carries an allocation's serving settings).
 
     Raises:
         LowRankConfigError: missing, truncated or damaged files, another model's
@@ -120,11 +183,12 @@ def check_artifact(vllm_config, cfg: LowRankConfig) -> None:
     )
     compression = resolve(vllm_config, cfg)
     if vllm_config.load_config.load_format not in ("auto", "safetensors"):
-        return
+        return compression
     folder = _local_checkpoint(vllm_config.model_config)
     fingerprint = art.checkpoint_fingerprint(folder) if folder else None
     if fingerprint is not None:
         art.check_fingerprint(compression.artifact.manifest, cfg.artifact, fingerprint)
+    return compression
 
 
 def _local_checkpoint(model_config) -> str | None:

@@ -125,6 +125,21 @@ class ModelCompression:
             stored += layout.slot_bytes if layout else (p.k_width + p.v_width) * dtype_bytes
         return original, stored
 
+    @property
+    def full_rank(self) -> bool:
+        """True when every group of every layer keeps its full K and V width:
+        the factors are the identity basis (the model's own projections), no
+        basis of an artifact or SVD is used."""
+        return all(p.k_width == p.v_width == p.shape.kv_width for p in self.plans.values())
+
+    @property
+    def bases_source(self) -> str:
+        """What made the factors: ``"identity"`` at full rank, else the
+        artifact's method, else ``"svd"`` (weight SVD without calibration)."""
+        if self.full_rank:
+            return "identity"
+        return self.artifact.manifest["method"] if self.artifact else "svd"
+
     def summary(self, dtype_bytes: int) -> dict:
         """What is in force, for metrics and logs (JSON-safe).
 
@@ -132,7 +147,10 @@ class ModelCompression:
             dtype_bytes: Bytes per cached element (the KV cache dtype).
 
         Returns:
-            ``enabled``, ``configured_ratio``, ``method``, ``artifact``,
+            ``enabled``, ``configured_ratio``, ``method``
+            (:attr:`bases_source`), ``artifact`` (the artifact's
+            :attr:`~vllm_lowrank.calibration.artifact.Artifact.digest`, or
+            ``"none"``; never its path),
             ``layers`` (``{layer: {"k_ranks": [...], "v_ranks": [...],
             "kv_width": int, "bits": [k_bits, v_bits]}}``, the bits in force in
             that layer: an allocation's per-layer choice, else the config's),
@@ -145,8 +163,8 @@ class ModelCompression:
         return {
             "enabled": True,
             "configured_ratio": self.cfg.ratio,
-            "method": self.artifact.manifest["method"] if self.artifact else "svd",
-            "artifact": self.artifact_path or "none",
+            "method": self.bases_source,
+            "artifact": self.artifact.digest if self.artifact else "none",
             "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks),
                            "kv_width": p.shape.kv_width, "bits": list(self.layer_bits(i))}
                        for i, p in self.plans.items()},
@@ -162,9 +180,8 @@ class ModelCompression:
         k = sum(p.k_width for p in plans) / len(plans)
         v = sum(p.v_width for p in plans) / len(plans)
         original, stored = self.bytes_per_token(2)
-        source = self.artifact_path or (
-            "none needed (full rank: identity bases)" if self.cfg.ratio == 1.0 and not self.cfg.ranks
-            else "weight SVD (no calibration)")
+        source = ("none needed (full rank: identity bases)" if self.full_rank
+                  else self.artifact_path or "weight SVD (no calibration)")
         if self.bits is not None:
             mean = [sum(b[s] for b in self.bits.values()) / len(self.bits) for s in (0, 1)]
             bits = f", K/V bits per layer (mean {mean[0]:.1f}/{mean[1]:.1f})"
