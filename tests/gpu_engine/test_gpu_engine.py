@@ -67,6 +67,14 @@ def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=No
         lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
         assert lines, f"probe died:\n{res.stderr[-3000:]}"
         _CACHE[key] = json.loads(lines[-1][7:])
+        report = os.environ.get("GPU_ENGINE_REPORT")
+        if report:  # which path and graph mode each engine ran (for the notes)
+            with open(report, "a") as f:
+                f.write(json.dumps(dict(model=model, config=config, dtype=dtype, blocks=blocks,
+                                        **{k: _CACHE[key].get(k) for k in (
+                                            "paths", "cudagraph_mode", "kv_tokens",
+                                            "compression_ratio", "preemptions",
+                                            "prefix_hits", "error")})) + "\n")
     out = _CACHE[key]
     assert "error" not in out, out["error"]
     return out
@@ -96,15 +104,15 @@ def _check_run(out: dict, expect_hit: bool = True) -> None:
 @pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_setting_runs_with_graphs_chunked_prefill_and_prefix_hits(model, setting):
+    """Every setting serves through CUDA graphs (where its decode path allows),
+    chunked prefill mixed with decode, and a prefix-cache hit; vLLM's KV
+    capacity at a fixed cache size is the compression ratio (token-adaptive
+    settings hold exact tokens besides: their capacity is the load test's)."""
     out = probe(model, SETTINGS[setting])
     _check_run(out)
-
-
-@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
-@pytest.mark.parametrize("setting", ["default", "g1-uniform", "k4v4", "k8v8-full"])
-def test_capacity_is_the_compression_ratio(model, setting):
+    if SETTINGS[setting].get("token_adaptive"):
+        return
     stock = probe(model, None)
-    out = probe(model, SETTINGS[setting])
     ratio = out["kv_tokens"] / stock["kv_tokens"]
     assert ratio == pytest.approx(out["compression_ratio"], rel=0.03), \
         (out["kv_tokens"], stock["kv_tokens"], out["compression_ratio"])
@@ -121,7 +129,7 @@ def test_full_rank_float32_greedy_equals_stock(model):
     assert compared >= 40
 
 
-@pytest.mark.parametrize("setting", ["default", "g1-uniform", "token-adaptive"])
+@pytest.mark.parametrize("setting", ["default", "g1-uniform"])
 def test_preemption_recomputes_the_same_tokens(setting):
     base = probe("small-h128", SETTINGS[setting])
     # 10 prompts of 40..1,500 tokens + 24 generated need ~400 blocks of 16
