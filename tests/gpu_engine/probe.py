@@ -71,6 +71,7 @@ def greedy(llm, batch, max_tokens):
                  for lp in o.outputs[0].logprobs]
         out.append({"tokens": list(o.outputs[0].token_ids),
                     "gaps": [s[0] - s[1] for s in steps],
+                    "top": [s[0] for s in steps],
                     "finite": all(abs(v) < 1e30 for s in steps for v in s)})
     return out
 
@@ -92,6 +93,9 @@ def main() -> None:
               max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512,
               enable_prefix_caching=True, enable_chunked_prefill=True,
               kv_cache_memory_bytes=args.kv_bytes, kv_cache_dtype=args.kv_cache_dtype,
+              # vLLM still checks free memory against this at start-up: keep it
+              # low, so that several test engines can share the GPU
+              gpu_memory_utilization=0.25,
               attention_config={"backend": "TRITON_ATTN"},
               ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
                               "gelu_and_mul_sparse": ["native"]},

@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 PROBE = os.path.join(os.path.dirname(__file__), "probe.py")
-TIE32 = 1e-4  # float32: a top-2 gap below this may flip between engines
+TIE32 = 1e-6  # float32: a top-2 gap below this may flip between engines
 TIE16 = 2e-2  # bf16
 
 SETTINGS = {
@@ -108,6 +108,8 @@ def test_setting_runs_with_graphs_chunked_prefill_and_prefix_hits(model, setting
     chunked prefill mixed with decode, and a prefix-cache hit; vLLM's KV
     capacity at a fixed cache size is the compression ratio (token-adaptive
     settings hold exact tokens besides: their capacity is the load test's)."""
+    if model == "smollm2-shape" and setting == "g2":
+        pytest.skip("head groups of 2 do not divide SmolLM2's 3 KV heads (refused at start-up)")
     out = probe(model, SETTINGS[setting])
     _check_run(out)
     if SETTINGS[setting].get("token_adaptive"):
@@ -120,12 +122,20 @@ def test_setting_runs_with_graphs_chunked_prefill_and_prefix_hits(model, setting
 
 @pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
 def test_full_rank_float32_greedy_equals_stock(model):
+    """At ratio 1.0 in float32 the engine computes stock attention up to
+    float32 rounding: the chosen tokens' log-probabilities agree within 1e-5
+    nats wherever the tokens agree, and the tokens agree up to the first top-2
+    gap under 1e-6 nats (dummy weights give nearly flat logits, so real-weight
+    greedy equality is the CPU engine tests')."""
     stock = probe(model, None, dtype="float32")
     full = probe(model, {"ratio": 1.0, "group_size": 1}, dtype="float32")
     compared = 0
     for scenario in ("short", "mixed", "hit"):
         for got, ref in zip(full[scenario], stock[scenario]):
-            compared += _same_until_tie(got, ref, TIE32)
+            n = _same_until_tie(got, ref, TIE32)
+            for a, b in zip(got["top"][:n + 1], ref["top"][:n + 1]):
+                assert abs(a - b) < 1e-5, (scenario, a, b)
+            compared += n
     assert compared >= 40
 
 
