@@ -239,6 +239,7 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
             prefill=prefill,
         )
 
+
 def prefill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
                   window: int | None, device) -> PrefillBatch:
     """Flatten the prefill requests of a reordered batch (host arithmetic, one
