@@ -4,6 +4,9 @@
   :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
   key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
   or packed low-bit caches; split-K with a reduce; uneven ranks per head group).
+- :mod:`.prefill` -- varlen causal prefill of every chunk of a step in one launch
+  (:func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`: rebuilt
+  keys, value latents, bottom-right causal mask, sliding windows).
 - :mod:`.schedule` -- longest-processing-time-first work lists for the persistent
   decode grid (ZACK sec. 5.3), built on the GPU.
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 MODELS = {
     # a 2-layer model at the Llama-3-8B attention shape (32 q / 8 KV heads of 128):
@@ -33,17 +31,11 @@ MODELS = {
 
 def model_dir(name: str) -> str:
     """The GPU recipe's model folder for ``name`` with its overrides applied."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from gpu_serving import model_dir as copy_with
+
     base, overrides = MODELS[name]
-    src = os.path.join(os.environ["GPUVLLM_MODELS"], base)
-    dst = os.path.join(tempfile.gettempdir(), "vllm_lowrank_test_models", name)
-    if not os.path.exists(os.path.join(dst, "config.json")):
-        shutil.copytree(src, dst, dirs_exist_ok=True)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        cfg.update(overrides)
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=1)
-    return dst
+    return copy_with(base, **overrides)
 
 
 def prompts(n: int, lengths, salt: int = 0) -> list[dict]:
