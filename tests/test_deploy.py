@@ -25,7 +25,7 @@ yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "validate_deploy.sh"
-OVERLAYS = ("cpu-demo", "gpu")
+OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
 CONFIG_PATH = "/etc/vllm-lowrank/compression.json"
 UID_MIN = 10000
 
@@ -174,7 +174,7 @@ def test_artifact_cache_on_its_volume(rendered, overlay):
     assert mount is not None and not mount.get("readOnly"), (cache, c["volumeMounts"])
     volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"]
                   if v["name"] == mount["name"])
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         claim = volume["persistentVolumeClaim"]["claimName"]
         assert any(o["kind"] == "PersistentVolumeClaim"
                    and o["metadata"]["name"] == claim for o in objs), claim
@@ -188,6 +188,47 @@ def test_gpu_overlay_requests_gpu(rendered):
     assert int(res["limits"]["nvidia.com/gpu"]) >= 1
     assert int(res["requests"]["nvidia.com/gpu"]) >= 1
     assert c["image"].split("@")[0].endswith("-cuda"), c["image"]
+
+
+def test_gpu_tp2_overlay_splits_over_two_gpus(rendered):
+    dep, c = _container(rendered["gpu-tp2"])
+    res = c["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == "2", res
+    args = c["args"]
+    assert args.count("--tensor-parallel-size") == 1, args
+    assert ("--tensor-parallel-size", "2") in list(zip(args, args[1:])), args
+    assert "--disable-custom-all-reduce" not in args
+    assert c["image"].split("@")[0].endswith("-cuda"), c["image"]
+    # NCCL: no NVLink multicast (NVLS); shared memory in RAM at /dev/shm, bounded
+    # and inside the memory limit, larger than the one-GPU overlay's.
+    assert _env(c)["NCCL_NVLS_ENABLE"] == "0"
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == mount["name"])
+    assert volume["emptyDir"]["medium"] == "Memory", volume
+
+    def gib(quantity):
+        assert quantity.endswith("Gi"), quantity
+        return int(quantity[:-2])
+
+    shm = gib(volume["emptyDir"]["sizeLimit"])
+    assert shm < gib(res["limits"]["memory"]), (shm, res)
+    dep1, c1 = _container(rendered["gpu"])
+    shm1 = next(v for v in dep1["spec"]["template"]["spec"]["volumes"]
+                if v["name"] == mount["name"])["emptyDir"]["sizeLimit"]
+    assert shm >= gib(shm1)
+    for kind in ("requests", "limits"):
+        for what in ("cpu", "memory"):
+            one, two = c1["resources"][kind][what], res[kind][what]
+            assert (gib(two) if what == "memory" else int(two)) >= \
+                (gib(one) if what == "memory" else int(one)), (kind, what, one, two)
+
+
+def test_every_overlay_is_tested():
+    """A new overlay under deploy/overlays/ is rendered by the script and must be
+    listed in OVERLAYS too, so these checks cover it."""
+    present = {p.parent.name for p in (ROOT / "deploy" / "overlays").glob("*/kustomization.yaml")}
+    assert present == set(OVERLAYS), (present, OVERLAYS)
 
 
 def test_cpu_demo_overlay_is_cpu_only(rendered):
