@@ -1,4 +1,6 @@
-"""Every monkey-patch of vLLM made by this plugin, in one place.
+"""The plugin's patches of vLLM's command line, in one place (the only other
+patch substitutes vLLM's attention class while a model is constructed:
+:func:`vllm_lowrank.models.causal_lm.substitute`).
 
 vLLM 0.32 has no hook for a plugin-owned CLI flag (``--kv-cache-dtype`` is a
 ``Literal``). Three ``EngineArgs`` methods are wrapped, each declared below with

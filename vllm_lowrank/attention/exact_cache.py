@@ -141,7 +141,9 @@ def _manager_class():
             """Hit blocks among the sinks that the window would skip."""
             skipped = self.get_num_skipped_tokens(computed_tokens) // self.block_size
             sinks = list(new_computed_blocks[:min(self.sink_blocks, skipped)])
-            assert not any(b.is_null for b in sinks), "a prefix hit without its sink blocks"
+            if any(b.is_null for b in sinks):
+                raise RuntimeError("vllm-lowrank: a prefix-cache hit without its sink blocks "
+                                   "(vLLM's scheduler changed how window hits are computed)")
             return sinks
 
         @classmethod

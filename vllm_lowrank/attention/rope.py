@@ -10,6 +10,7 @@ use the same rotary module.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -41,11 +42,6 @@ class RopeTable:
         cos, sin = cache.chunk(2, dim=-1)
         return cls(cos.contiguous(), sin.contiguous(), int(rotary.rotary_dim),
                    bool(rotary.is_neox_style))
-
-    @property
-    def inv_freq_angles(self) -> torch.Tensor:
-        """Angle per position of each pair at position 1 (radians), ``[rot/2]``."""
-        return torch.atan2(self.sin[1], self.cos[1])
 
     def rotate_half(self, x: torch.Tensor) -> torch.Tensor:
         """``P x`` per head (last dim = head_dim): neox ``[-x2, x1]``, gptj
@@ -110,40 +106,17 @@ class RopeTable:
         keys.addcmul_(keys_rh, s[:, None, :])
         return keys
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate the leading ``rotary_dim`` dims of ``x`` (float32).
 
-        Args:
-            x: ``[..., P, H, head_dim]`` keys; ``P`` positions.
-            positions: ``[P]`` int64 token positions.
-
-        Returns:
-            Rotated tensor, same shape, float32.
-        """
-        x = x.float()
-        cos = self.cos.index_select(0, positions)[:, None, :]  # [P, 1, rot/2]
-        sin = self.sin.index_select(0, positions)[:, None, :]
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        if self.neox:
-            x1, x2 = rot.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            out = out.flatten(-2)
-        if rest.shape[-1]:
-            out = torch.cat((out, rest), dim=-1)
-        return out
-
-
-_TABLES: dict[tuple[int, str], RopeTable] = {}
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""``{rotary module: {device: RopeTable}}``: an entry lives as long as its
+module (a new module at a reused address never hits an old table)."""
 
 
 def rope_table_for(rotary, device: torch.device) -> RopeTable:
     """The shared :class:`RopeTable` of ``rotary`` on ``device`` (built once)."""
-    key = (id(rotary), str(device))
-    table = _TABLES.get(key)
+    per_device = _TABLES.setdefault(rotary, {})
+    table = per_device.get(str(device))
     if table is None:
         table = RopeTable.from_rotary_module(rotary, device)
-        _TABLES[key] = table
+        per_device[str(device)] = table
     return table

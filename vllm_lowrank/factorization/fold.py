@@ -117,20 +117,6 @@ def rotate_latents(plan: LayerPlan, f: LayerFactors, sides: str, seed: int) -> L
     return out
 
 
-def fused_qkv_weight(w_q: torch.Tensor, f: LayerFactors) -> torch.Tensor:
-    """``[q_size + Rk + Rv, hidden]`` in ``w_q``'s dtype."""
-    return torch.cat([w_q.float(), f.a_k.T, f.a_v.T], dim=0).to(w_q.dtype)
-
-
-def fused_qkv_bias(
-    b_q: torch.Tensor, plan: LayerPlan, dtype: torch.dtype
-) -> torch.Tensor:
-    """Bias of the fused projection: the query bias, zeros for the latents (key
-    and value biases are added after reconstruction / folded into o_proj)."""
-    zeros = torch.zeros(plan.k_width + plan.v_width, dtype=torch.float32)
-    return torch.cat([b_q.float(), zeros]).to(dtype)
-
-
 def folded_o_proj(plan: LayerPlan, w_o: torch.Tensor, v_up: torch.Tensor) -> torch.Tensor:
     """``[hidden, out_width]`` o_proj with the value up-projection folded in.
 

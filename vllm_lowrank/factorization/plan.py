@@ -119,15 +119,6 @@ class LayerPlan:
         """Start column of each group's value latent, relative to ``Rk``."""
         return _offsets(self.v_ranks)
 
-    def is_full_rank(self, side: str, group: int) -> bool:
-        """True when ``side`` ('k' or 'v') of ``group`` keeps its full width."""
-        ranks = self.k_ranks if side == "k" else self.v_ranks
-        return ranks[group] == self.group_width
-
-    def kept_fraction(self) -> float:
-        """``(Rk + Rv) / (2 * num_kv_heads * head_dim)``."""
-        return (self.k_width + self.v_width) / (2 * self.shape.kv_width)
-
 
 def _offsets(ranks: Sequence[int]) -> list[int]:
     out, acc = [], 0

@@ -49,12 +49,11 @@ from vllm_lowrank.factorization.plan import AttentionShape
 def position() -> tuple[int, int]:
     """``(rank, size)`` of this process in vLLM's tensor-parallel group, or
     ``(0, 1)`` outside an initialised worker (front-end checks, tests)."""
-    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
-    try:
-        group = get_tp_group()
-    except AssertionError:  # not initialised
+    if not model_parallel_is_initialized():
         return 0, 1
+    group = get_tp_group()
     return group.rank_in_group, group.world_size
 
 

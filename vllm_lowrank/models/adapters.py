@@ -1,7 +1,7 @@
 """Which architectures the latent cache supports, and the start-up checks.
 
-:data:`SUPPORTED_ARCHITECTURES` maps a Hugging Face architecture name to the
-class registered in vLLM's ``ModelRegistry``. Each registered class behaves as
+:data:`~vllm_lowrank.models.architectures.ARCHITECTURES` maps a Hugging Face
+architecture name to the class registered in vLLM's ``ModelRegistry``. Each registered class behaves as
 vLLM's stock class when compression is off. :func:`check_model` runs in the
 front-end process (``EngineArgs.create_engine_config``) so that an unsupported
 model or setting is refused before any engine process starts.
