@@ -298,7 +298,7 @@ def plot(rows: list[dict], path: str, title: str, ylim: tuple[float, float] = (-
         for r in pts:
             text = _label(r["name"]) + (f" ({r['delta']:+.0f} %)" if r["delta"] > hi else "")
             labelled.append((r["ratio"], min(r["delta"], hi), text, color))
-    legend = ax.legend(fontsize=7.5, loc="upper left")
+    legend = ax.legend(fontsize=7.5, loc="upper right", bbox_to_anchor=(1.0, 0.96))
     fig.canvas.draw()
     from matplotlib.text import Text
 
@@ -306,7 +306,9 @@ def plot(rows: list[dict], path: str, title: str, ylim: tuple[float, float] = (-
     placed.append(legend.get_window_extent(renderer))
 
     offsets = [(5, 3), (5, -9), (-5, 3), (-5, -9), (5, 10), (-5, 10), (5, -16), (-5, -16),
-               (14, 20), (-14, 20), (14, -26), (-14, -26), (8, 30), (8, -36), (-8, 30)]
+               (14, 20), (-14, 20), (14, -26), (-14, -26), (8, 32), (-8, 32), (8, -38),
+               (-8, -38), (20, 44), (-20, 44), (20, -50), (-20, -50), (30, 0), (-30, 0),
+               (10, 58), (-10, 58), (10, -64), (-10, -64)]
     points = [ax.transData.transform((x, y)) for x, y, _, _ in labelled]
     for x, y, text, color in sorted(labelled):
         best = None
@@ -316,7 +318,8 @@ def plot(rows: list[dict], path: str, title: str, ylim: tuple[float, float] = (-
                             fontsize=6.5, color=color, ha="left" if dx > 0 else "right",
                             va="center", arrowprops=dict(arrowstyle="-", color=color, lw=0.4)
                             if far else None)
-            box = Text.get_window_extent(t, renderer).expanded(1.02, 1.15)
+            t.update_positions(renderer)  # the offset text's place, before drawing
+            box = Text.get_window_extent(t, renderer).expanded(1.04, 1.2)
             hits = sum(box.overlaps(o) for o in placed) + sum(
                 box.contains(px, py) for px, py in points)
             if best is None or hits < best[0]:

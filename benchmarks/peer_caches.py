@@ -413,11 +413,10 @@ def evaluate(model_name: str, dtypes: list[str], texts: list[str], windows: int,
         t0 = time.time()
         r = {}
         for t in texts:
-            nll, n = 0.0, 0
-            for ids in data[t]:
-                a, b = _nll(model, ids)
-                nll, n = nll + a, n + b
-            r[t] = {"ppl": math.exp(nll / n), "nll": nll, "tokens": n}
+            per_window = [_nll(model, ids) for ids in data[t]]
+            nll, n = sum(a for a, _ in per_window), sum(b for _, b in per_window)
+            r[t] = {"ppl": math.exp(nll / n), "nll": nll, "tokens": n,
+                    "windows": per_window}
         r["seconds"] = time.time() - t0
         if name != "uncompressed":
             o, a = bytes_per_token(name, cfg.num_hidden_layers, cfg.num_key_value_heads,
