@@ -148,13 +148,14 @@ def tq_config(dtype: str, head_dim: int):
     return TurboQuantConfig.from_cache_dtype(dtype, head_dim)
 
 
-def tq_tables(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tq_tables(cfg, device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(Hadamard Pi = PiT, centroids, midpoints) as ``_ensure_on_device`` builds them."""
     from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
     from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
-    H = _build_hadamard(cfg.head_dim, "cpu")
-    centroids = get_centroids(cfg.head_dim, cfg.centroid_bits).to(torch.float32)
+    H = _build_hadamard(cfg.head_dim, str(device))
+    centroids = get_centroids(cfg.head_dim, cfg.centroid_bits).to(device=device,
+                                                                   dtype=torch.float32)
     c_sorted, _ = centroids.sort()
     return H, centroids, (c_sorted[:-1] + c_sorted[1:]) / 2
 
@@ -203,7 +204,7 @@ def tq_key_load_rotated(stored, cfg, centroids: torch.Tensor) -> torch.Tensor:
 
 def tq_roundtrip(dtype: str, k: torch.Tensor, v: torch.Tensor):
     cfg = tq_config(dtype, k.shape[-1])
-    H, centroids, midpoints = tq_tables(cfg)
+    H, centroids, midpoints = tq_tables(cfg, k.device)
     k_hat = tq_key_load_rotated(tq_key_store(k, cfg, H, midpoints), cfg, centroids)
     if not cfg.key_fp8:  # q_rot = q @ PiT against rotated keys == q against k_rot @ Pi
         k_hat = k_hat @ H
@@ -219,8 +220,8 @@ def uq_rotate(x: torch.Tensor) -> torch.Tensor:
     ``(sign * x + x[i ^ bit]) * 1/sqrt(2)`` per stage, in float32)."""
     x = x.float()
     d = x.shape[-1]
-    idx = torch.arange(d)
-    inv_sqrt2 = torch.tensor(0.7071067811865476, dtype=torch.float32)
+    idx = torch.arange(d, device=x.device)
+    inv_sqrt2 = torch.tensor(0.7071067811865476, dtype=torch.float32, device=x.device)
     for stage in range(int(d).bit_length() - 1):
         bit = 1 << stage
         partner = x[..., idx ^ bit]
