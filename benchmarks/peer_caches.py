@@ -46,6 +46,7 @@ from __future__ import annotations
 
 
 import math
+import os
 
 import torch
 
@@ -432,6 +433,44 @@ def evaluate(model_name: str, dtypes: list[str], texts: list[str], windows: int,
     return results
 
 
+def vllm_check(model_name: str, dtype: str, texts: list[str], windows: int, context: int,
+               step: int = 32, block_size: int = 32) -> dict:
+    """The same simulation inside vLLM's CPU engine (the frontier's
+    generate-style protocol): ``Attention.forward`` gets the format's keys,
+    values (and queries) before vLLM caches and attends them. In this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); checks that the Hugging Face
+    simulation measures what the serving path would."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from vllm_lowrank.cli import resolve_model
+    from vllm_lowrank.evaluation import _worker
+
+    model = resolve_model(model_name)
+    import transformers
+
+    num_layers = transformers.AutoConfig.from_pretrained(model).num_hidden_layers
+    forward = Attention.forward
+
+    def peer_forward(self, query, key, value, *a, **kw):
+        layer = extract_layer_index(self.layer_name)
+        t, d = key.shape[0], self.head_size
+        k, v = roundtrip(dtype, key.view(t, -1, d), value.view(t, -1, d), layer, num_layers)
+        q = query_roundtrip(dtype, query.view(t, -1, d), layer, num_layers)
+        return forward(self, q.reshape(query.shape).to(query.dtype),
+                       k.reshape(key.shape).to(key.dtype),
+                       v.reshape(value.shape).to(value.dtype), *a, **kw)
+
+    Attention.forward = peer_forward
+    spec = {"model": model, "compression": None, "texts": texts, "num_windows": windows,
+            "window": context, "passkey": None, "block_size": block_size,
+            "step_tokens": step}
+    return _worker(spec)
+
+
 def main() -> None:
     import argparse
 
@@ -443,7 +482,14 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--json", default=None, help="write (and resume from) every number")
     p.add_argument("--bytes", action="store_true", help="only print bytes per token")
+    p.add_argument("--vllm-check", default=None, metavar="DTYPE",
+                   help="simulate DTYPE inside vLLM's CPU engine instead (generate-style)")
     args = p.parse_args()
+    if args.vllm_check:
+        r = vllm_check(args.model, args.vllm_check, args.texts, args.windows, args.context)
+        print(args.vllm_check, "through vLLM:", {t: round(r[t]["ppl"], 3) for t in args.texts},
+              {t: round(r[t]["seconds"]) for t in args.texts}, flush=True)
+        os._exit(0)  # vLLM's CPU build may abort in its own teardown
     if args.bytes:  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
         for d in DTYPES:
             o, a = bytes_per_token(d, 30, 3, 64)
