@@ -25,6 +25,15 @@ workers actually built (:func:`allocated_bytes`).
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python -P benchmarks/frontier.py --json frontier.json
 
+vLLM's own compressed caches (``--kv-cache-dtype`` int8/fp8/int4 per token and
+head, TurboQuant, UltraQuant; kind ``vllm``) are added from the JSON that
+``benchmarks/peer_caches.py --json`` writes (``--peers``): simulated storage in
+a Hugging Face float32 model on the same held-out windows (vLLM's CPU build
+cannot store these formats), perplexity changes against that run's own
+uncompressed baseline, bytes per token from vLLM's slot sizes. ``--rows``
+reads rows of our settings saved earlier (``--save-rows``) instead of
+re-running their engines.
+
 Prints a markdown table; ``--json`` writes (and resumes from) every number,
 ``--plot`` draws the frontier (PNG, matplotlib: ``pip install 'vllm-lowrank[bench]'``).
 """
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 KIVI = {"ratio": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
@@ -156,9 +166,70 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
     return original, allocated
 
 
+VLLM_PREFIX = "vLLM --kv-cache-dtype "
+VLLM_LABELS = {"int8_per_token_head": "int8 pth", "fp8_per_token_head": "fp8 pth",
+               "int4_per_token_head": "int4 pth", "turboquant_k8v4": "TQ k8v4",
+               "turboquant_4bit_nc": "TQ 4bit", "turboquant_k3v4_nc": "TQ k3v4",
+               "turboquant_3bit_nc": "TQ 3bit", "ultraquant_4bit": "UQ 4bit",
+               "nvfp4": "nvfp4", "nvfp4_4over6": "nvfp4 4/6"}
+
+# plot families: (label, marker, colour); one Pareto front each
+FAMILIES = {
+    "ours": ("vllm-lowrank (latents)", "o", "tab:blue"),
+    "peer": ("our cache, full rank (int8, KIVI-style)", "s", "tab:gray"),
+    "per_token_head": ("vLLM int8/fp8/int4 per token-head (sim.)", "D", "tab:red"),
+    "turboquant": ("vLLM TurboQuant (sim.)", "^", "tab:orange"),
+    "ultraquant": ("vLLM UltraQuant (sim.)", "v", "tab:purple"),
+    "nvfp4": ("vLLM NVFP4 (sim.)", "P", "tab:brown"),
+}
+
+
+def family(row: dict) -> str:
+    if row["kind"] != "vllm":
+        return row["kind"]
+    dtype = row["name"][len(VLLM_PREFIX):].split(" ")[0]
+    return ("per_token_head" if dtype.endswith("per_token_head") else
+            "turboquant" if dtype.startswith("turboquant") else
+            "ultraquant" if dtype.startswith("ultraquant") else "nvfp4")
+
+
+def peer_rows(path: str, texts: list[str], windows: int, context: int) -> list[dict]:
+    """Rows of vLLM's own caches from ``benchmarks/peer_caches.py --json``: the
+    first ``windows`` windows per text, changes against that file's baseline."""
+    with open(path) as f:
+        res = json.load(f)
+    have = [k for k in res if k.startswith("uncompressed|")]
+    key = next(k for k in have if int(k.split("|")[1].split("x")[0]) >= windows
+               and k.endswith(f"x{context}"))
+    suffix = key.split("|")[1]
+
+    def ppl(r, t):
+        w = r[t].get("windows")
+        if w is None:  # written without per-window numbers: all windows
+            return r[t]["ppl"]
+        nll, n = sum(a for a, _ in w[:windows]), sum(b for _, b in w[:windows])
+        return math.exp(nll / n)
+
+    base = res[key]
+    rows = []
+    for k, r in res.items():
+        dtype, sfx = k.split("|")
+        if sfx != suffix or dtype == "uncompressed":
+            continue
+        ppls = [ppl(r, t) for t in texts]
+        deltas = [100 * (p / ppl(base, t) - 1) for p, t in zip(ppls, texts)]
+        rows.append({"name": f"{VLLM_PREFIX}{dtype} (simulated)", "kind": "vllm",
+                     "ratio": r["bytes_16bit"] / r["bytes"], "ppl": ppls, "deltas": deltas,
+                     "delta": sum(deltas) / len(deltas),
+                     "base_ppl": [ppl(base, t) for t in texts]})
+    return rows
+
+
 def _label(name: str) -> str:
     """Short plot label: ``int8``, ``KIVI-4``, ``r0.5 K4c/V4``, ``alloc 8x W256 int8``
-    (recent window if not 128, int8 exact tokens)."""
+    (recent window if not 128, int8 exact tokens), ``TQ k8v4`` (vLLM's own)."""
+    if name.startswith(VLLM_PREFIX):
+        return VLLM_LABELS[name[len(VLLM_PREFIX):].split(" ")[0]]
     kind, cfg = SETTINGS[name]
     if kind == "peer":
         return name.split(" (")[0].replace("-style int", "-").replace(" per token", "")
@@ -171,28 +242,101 @@ def _label(name: str) -> str:
     return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
-    """Perplexity increase (mean over texts, %) vs compression ratio, PNG."""
+def pareto(points: list[dict]) -> list[dict]:
+    """The points no other point beats on both axes (more compression at an
+    equal or lower perplexity change), by increasing compression."""
+    front = [p for p in points if not any(
+        q is not p and q["ratio"] >= p["ratio"] and q["delta"] <= p["delta"]
+        and (q["ratio"] > p["ratio"] or q["delta"] < p["delta"]) for q in points)]
+    return sorted(front, key=lambda p: p["ratio"])
+
+
+def plot(rows: list[dict], path: str, title: str, ylim: tuple[float, float] = (-1.0, 15.0)
+         ) -> None:
+    """Perplexity increase (mean over texts, %) vs compression ratio, PNG: one
+    marker per family, each family's Pareto front as a line, points above
+    ``ylim`` drawn at the edge with their value, the target lines, the
+    uncompressed point; labels placed greedily where they overlap nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, marker, color in (("peer", "s", "tab:gray"), ("ours", "o", "tab:blue")):
-        pts = [r for r in rows if r["kind"] == kind and r["ratio"] > 1]
-        ax.scatter([r["ratio"] for r in pts], [r["delta"] for r in pts], marker=marker,
-                   color=color, label="quantization only" if kind == "peer" else "vllm-lowrank")
+    lo, hi = ylim
+    fig, ax = plt.subplots(figsize=(11, 6.5))
+    ax.set_ylim(lo, hi + 0.6)
+    xmax = max(r["ratio"] for r in rows) * 1.06
+    ax.set_xlim(0.8, xmax)
+    ax.axhline(0, color="black", lw=0.5)
+    targets = []
+    for y, x0, text, color in ((2, 4, "target: >= 4x at <= +2 %", "tab:green"),
+                               (5, 8, "target: >= 8x at <= +5 %", "tab:olive")):
+        ax.axhline(y, color=color, lw=0.7, ls=":")
+        ax.plot([x0, xmax], [y, y], color=color, lw=1.6, ls="--")
+        ax.axvline(x0, color=color, lw=0.7, ls=":")
+        targets.append(ax.text(x0 + 0.05, y + 0.15, text, color=color, fontsize=8))
+    ax.scatter([1.0], [0.0], marker="*", s=140, color="black", zorder=5,
+               label="uncompressed (16-bit K+V)")
+    placed = []  # label boxes (display coordinates) already drawn
+    renderer = fig.canvas.get_renderer()
+    labelled = []
+    for fam, (legend, marker, color) in FAMILIES.items():
+        pts = [r for r in rows if family(r) == fam and r["ratio"] > 1]
+        if not pts:
+            continue
+        shown = [min(r["delta"], hi) for r in pts]
+        clipped = [r["delta"] > hi for r in pts]
+        ax.scatter([r["ratio"] for r, c in zip(pts, clipped) if not c],
+                   [y for y, c in zip(shown, clipped) if not c], marker=marker, color=color,
+                   s=36, label=legend, zorder=4)
+        if any(clipped):
+            ax.scatter([r["ratio"] for r, c in zip(pts, clipped) if c], [hi] * sum(clipped),
+                       marker=marker, facecolors="none", edgecolors=color, s=36, zorder=4)
+        front = pareto(pts)
+        ax.plot([p["ratio"] for p in front], [min(p["delta"], hi) for p in front],
+                color=color, lw=1.2, alpha=0.8, zorder=3)
         for r in pts:
-            ax.annotate(_label(r["name"]), (r["ratio"], r["delta"]), fontsize=7,
-                        xytext=(4, 3), textcoords="offset points")
-    ax.axhline(2, color="tab:green", lw=0.8, ls="--")
-    ax.axhline(5, color="tab:orange", lw=0.8, ls="--")
+            text = _label(r["name"]) + (f" ({r['delta']:+.0f} %)" if r["delta"] > hi else "")
+            labelled.append((r["ratio"], min(r["delta"], hi), text, color))
+    legend = ax.legend(fontsize=7.5, loc="upper right", bbox_to_anchor=(1.0, 0.96))
+    fig.canvas.draw()
+    from matplotlib.text import Text
+
+    placed += [t.get_window_extent(renderer) for t in targets]
+    placed.append(legend.get_window_extent(renderer))
+
+    offsets = [(5, 3), (5, -9), (-5, 3), (-5, -9), (5, 10), (-5, 10), (5, -16), (-5, -16),
+               (14, 20), (-14, 20), (14, -26), (-14, -26), (8, 32), (-8, 32), (8, -38),
+               (-8, -38), (20, 44), (-20, 44), (20, -50), (-20, -50), (30, 0), (-30, 0),
+               (10, 58), (-10, 58), (10, -64), (-10, -64)]
+    points = [ax.transData.transform((x, y)) for x, y, _, _ in labelled]
+    for x, y, text, color in sorted(labelled):
+        best = None
+        for dx, dy in offsets:
+            far = abs(dx) > 6 or abs(dy) > 12
+            t = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points",
+                            fontsize=6.5, color=color, ha="left" if dx > 0 else "right",
+                            va="center", arrowprops=dict(arrowstyle="-", color=color, lw=0.4)
+                            if far else None)
+            t.update_positions(renderer)  # the offset text's place, before drawing
+            box = Text.get_window_extent(t, renderer).expanded(1.04, 1.2)
+            hits = sum(box.overlaps(o) for o in placed) + sum(
+                box.contains(px, py) for px, py in points)
+            if best is None or hits < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (hits, t, box)
+            else:
+                t.remove()
+            if hits == 0:
+                break
+        placed.append(best[2])
+    ax.text(xmax * 0.995, hi + 0.3, f"points above +{hi:g} % drawn at the edge (hollow), "
+            "value in the label", ha="right", va="center", fontsize=7, color="dimgray")
     ax.set_xlabel("compression ratio (16-bit K+V bytes / allocated bytes per token)")
-    ax.set_ylabel("perplexity increase, mean of texts (%)")
-    ax.set_yscale("symlog", linthresh=10)
+    ax.set_ylabel("perplexity increase, mean of the two texts (%)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.grid(alpha=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -210,8 +354,50 @@ def main() -> None:
                    help="only the settings whose name contains one of these (and the baseline)")
     p.add_argument("--json", default=None, help="write (and resume from) every number")
     p.add_argument("--plot", default=None, help="write the frontier plot (PNG) here")
+    p.add_argument("--peers", default=None,
+                   help="JSON of benchmarks/peer_caches.py --json: add vLLM's own caches")
+    p.add_argument("--rows", default=None,
+                   help="rows of our settings saved by --save-rows: print and plot them "
+                        "instead of running engines")
+    p.add_argument("--save-rows", default=None, help="write the rows of this run here")
     args = p.parse_args()
 
+    rows = load_rows(args.rows) if args.rows else measure_rows(args)
+    if args.save_rows:
+        with open(args.save_rows, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.peers:
+        rows += peer_rows(args.peers, args.texts, args.windows, args.context)
+    title = (f"{args.model}, {args.windows} x {args.context} held-out tokens per text, "
+             f"{args.step}-token steps, block size {args.block_size}"
+             + ("; vLLM's caches simulated (same windows)" if args.peers else ""))
+    print(f"\n{title}\n")
+    head = " | ".join(f"{t} ppl" for t in args.texts)
+    print(f"| setting | kind | bytes / token (of 16-bit K+V) | compression ratio | {head} "
+          "| mean change |")
+    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|")
+    for row in sorted(rows, key=lambda x: x["ratio"]):
+        base = row["kind"] == "peer" and row["ratio"] == 1.0
+        cells = [f"{q:.3f}" + ("" if base else f" ({d:+.1f} %)")
+                 for q, d in zip(row["ppl"], row["deltas"])]
+        mean = "" if base else f"{row['delta']:+.1f} %"
+        print(f"| {row['name']} | {row['kind']} | {1 / row['ratio']:.3f} | {row['ratio']:.2f}x | "
+              f"{' | '.join(cells)} | {mean} |")
+    if args.plot:
+        plot(rows, args.plot, title)
+        print(f"\nplot: {args.plot}")
+
+
+def load_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = json.load(f)
+    for r in rows:
+        r["delta"] = sum(r["deltas"]) / len(r["deltas"])
+    return rows
+
+
+def measure_rows(args) -> list[dict]:
+    """Run (or resume from ``--json``) every selected setting through vLLM."""
     from vllm_lowrank.cli import resolve_model
     from vllm_lowrank.evaluation import run_setting
 
@@ -257,25 +443,10 @@ def main() -> None:
                                                   args.block_size, serving)
             ratio = original / allocated
         deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]
-        rows.append({"name": name, "kind": kind, "ratio": ratio, "r": r, "deltas": deltas,
+        rows.append({"name": name, "kind": kind, "ratio": ratio,
+                     "ppl": [r[t]["ppl"] for t in args.texts], "deltas": deltas,
                      "delta": sum(deltas) / len(deltas)})
-    title = (f"{args.model}, {args.windows} x {args.context} held-out tokens per text, "
-             f"{args.step}-token steps, block size {args.block_size}")
-    print(f"\n{title}\n")
-    head = " | ".join(f"{t} ppl" for t in args.texts)
-    print(f"| setting | kind | bytes / token (of 16-bit K+V) | compression ratio | {head} "
-          "| mean change |")
-    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|")
-    for row in sorted(rows, key=lambda x: x["ratio"]):
-        r = row["r"]
-        cells = [f"{r[t]['ppl']:.3f}" + ("" if r is base else f" ({d:+.1f} %)")
-                 for t, d in zip(args.texts, row["deltas"])]
-        mean = "" if r is base else f"{row['delta']:+.1f} %"
-        print(f"| {row['name']} | {row['kind']} | {1 / row['ratio']:.3f} | {row['ratio']:.2f}x | "
-              f"{' | '.join(cells)} | {mean} |")
-    if args.plot:
-        plot(rows, args.plot, title)
-        print(f"\nplot: {args.plot}")
+    return rows
 
 
 if __name__ == "__main__":
