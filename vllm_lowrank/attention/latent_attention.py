@@ -132,11 +132,11 @@ def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
     Args:
         cache: ``[num_blocks, 1, block_size, C]``; rows: ``[T, C]`` of its dtype.
     """
-    flat = cache.view(-1, cache.shape[-1])
+    block_size = cache.shape[2]
     valid = slot_mapping >= 0
     slots = torch.where(valid, slot_mapping.long(), 0)
-    rows = torch.where(valid[:, None], rows, flat.index_select(0, slots))
-    flat.index_copy_(0, slots, rows)
+    blocks, offsets = slots // block_size, slots % block_size
+    cache[blocks, 0, offsets] = torch.where(valid[:, None], rows, cache[blocks, 0, offsets])
 
 
 def gather_latents(
