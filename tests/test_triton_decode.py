@@ -58,9 +58,9 @@ def make_rope(rot, max_pos=512, theta=10000.0, neox=True, mscale=1.0, kind="rota
     return RopeTable(cos.to(DEV), sin.to(DEV), rot, neox)
 
 
-def make_problem(*, heads=8, kv_heads=4, head_dim=32, group_size=1, k_ranks, v_ranks,
-                 lens=(37, 70, 5), page=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
+def make_plan(g, *, heads, kv_heads, head_dim, group_size, k_ranks, v_ranks):
+    """A plan and its block-diagonal random key up-projection (CPU, drawn from
+    generator ``g``)."""
     shape = AttentionShape(heads * head_dim, heads, kv_heads, head_dim)
     plan = LayerPlan(shape, group_size, tuple(k_ranks), tuple(v_ranks))
     gw = plan.group_width
@@ -68,6 +68,14 @@ def make_problem(*, heads=8, kv_heads=4, head_dim=32, group_size=1, k_ranks, v_r
     for gi, off in enumerate(plan.k_offsets()):
         r = plan.k_ranks[gi]
         k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(r, gw, generator=g) / math.sqrt(r)
+    return plan, k_up
+
+
+def make_problem(*, heads=8, kv_heads=4, head_dim=32, group_size=1, k_ranks, v_ranks,
+                 lens=(37, 70, 5), page=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    plan, k_up = make_plan(g, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                           group_size=group_size, k_ranks=k_ranks, v_ranks=v_ranks)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     nblk_per = [math.ceil(n / page) for n in lens]
     max_blocks = max(nblk_per) + 1

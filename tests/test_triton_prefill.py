@@ -25,36 +25,23 @@ pytest.importorskip("triton")
 
 from vllm_lowrank.attention import backend  # noqa: E402
 from vllm_lowrank.attention import latent_attention as ops  # noqa: E402
-from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.quantization import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.prefill as pre  # noqa: E402
 
+import test_triton_decode as problems  # noqa: E402  (shared problem builders)
+
 if not ON_GPU and "Interpreted" not in type(pre._prefill_kernel).__name__:
     pre = importlib.reload(pre)
-    backend.pre = pre
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 TOL = 2e-2 if ON_GPU else 1e-4
 
 
-def rope_table(rot, max_pos=256, theta=10000.0, neox=True):
-    inv = 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
-    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
-    return RopeTable(ang.cos().float().to(DEV), ang.sin().float().to(DEV), rot, neox)
-
-
-def make_plan(heads, kv_heads, head_dim, group_size, k_ranks, v_ranks, seed):
-    g = torch.Generator().manual_seed(seed)
-    shape = AttentionShape(heads * head_dim, heads, kv_heads, head_dim)
-    plan = LayerPlan(shape, group_size, tuple(k_ranks), tuple(v_ranks))
-    gw = plan.group_width
-    k_up = torch.zeros(plan.k_width, kv_heads * head_dim)
-    for gi, off in enumerate(plan.k_offsets()):
-        r = plan.k_ranks[gi]
-        k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(r, gw, generator=g) / math.sqrt(r)
+def make_plan(seed, **shape):
+    plan, k_up = problems.make_plan(torch.Generator().manual_seed(seed), **shape)
     return plan, k_up.to(DEV)
 
 
@@ -92,8 +79,8 @@ def make_step(plan, chunks, page, seed, width):
 ])
 def test_batched_prefill_matches_per_request_path(case):
     window = case.pop("window")
-    plan, k_up = make_plan(**case, seed=1)
-    rope = rope_table(plan.shape.head_dim)
+    plan, k_up = make_plan(1, **case)
+    rope = problems.make_rope(plan.shape.head_dim)
     chunks = [(0, 9), (21, 5), (40, 23)]
     cache, table, qsl, seq, total = make_step(plan, chunks, page=16, seed=2,
                                               width=plan.k_width + plan.v_width)
@@ -116,10 +103,10 @@ def test_batched_prefill_matches_per_request_path(case):
 def test_batched_prefill_quantized_and_post_rope():
     """Packed 4-bit latents are dequantized on the gather; post-RoPE keys are
     the zero-padded key latents (no rebuild)."""
-    plan, k_up = make_plan(heads=4, kv_heads=2, head_dim=32, group_size=1,
-                           k_ranks=(16, 32), v_ranks=(16, 16), seed=4)
+    plan, k_up = make_plan(4, heads=4, kv_heads=2, head_dim=32, group_size=1,
+                           k_ranks=(16, 32), v_ranks=(16, 16))
     layout = SlotLayout(plan.k_ranks, plan.v_ranks, 4, 4)
-    rope = rope_table(32)
+    rope = problems.make_rope(32)
     chunks = [(5, 7), (30, 19)]
     lat_cache, table, qsl, seq, total = make_step(plan, chunks, page=16, seed=5,
                                                   width=plan.k_width + plan.v_width)

@@ -305,14 +305,13 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     lat = kv_cache[blocks, 0, batch.key_pos % block_size]
     if layout is not None:
         lat = torch.cat(layout.decode(lat), dim=-1)
-    dtype = query.dtype
     keys = ops.context_keys(plan, k_up, rope, lat, batch.key_pos, post_rope,
-                            transform).to(dtype)
-    values = lat[:, plan.k_width:].to(dtype)
+                            transform).to(query.dtype)
+    values = lat[:, plan.k_width:].to(query.dtype)
     if post_rope:
         query = query[..., :keys.shape[-1]]
     return kernel.latent_prefill_attention(
-        query.to(dtype), keys, values, _head_table(plan, query.device), batch.cu_q, batch.cu_k,
+        query, keys, values, _head_table(plan, query.device), batch.cu_q, batch.cu_k,
         batch.max_q_len, scale, out, max_rank_v=max(plan.v_ranks), window=window)
 
 
