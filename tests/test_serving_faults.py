@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 
 import pytest
 import requests
@@ -32,15 +31,6 @@ def server(model_path, tmp_path_factory):
                log_dir=str(tmp_path_factory.mktemp("faults")))
     yield s
     s.stop()
-
-
-def _wait_metric(server, name, predicate, timeout=60.0) -> float:
-    deadline = time.time() + timeout
-    while True:
-        value = server.metric(name)
-        if predicate(value) or time.time() > deadline:
-            return value
-        time.sleep(0.2)
 
 
 def _serves(server) -> None:
@@ -84,7 +74,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
 
 
 def test_cancelled_stream_frees_its_blocks(server):
-    idle = _wait_metric(server, "vllm:num_requests_running", lambda v: v == 0)
+    idle = server.wait_metric("vllm:num_requests_running", lambda v: v == 0, 60)
     assert idle == 0
     idle_usage = server.metric("vllm:kv_cache_usage_perc")
     r = requests.post(server.url + "/v1/completions", stream=True, timeout=120, json={
@@ -101,8 +91,8 @@ def test_cancelled_stream_frees_its_blocks(server):
     busy = server.metric("vllm:kv_cache_usage_perc")
     assert busy > idle_usage and server.metric("vllm:num_requests_running") == 1
     r.close()  # the client goes away mid-stream
-    running = _wait_metric(server, "vllm:num_requests_running", lambda v: v == 0)
-    usage = _wait_metric(server, "vllm:kv_cache_usage_perc", lambda v: v == idle_usage)
+    running = server.wait_metric("vllm:num_requests_running", lambda v: v == 0, 60)
+    usage = server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == idle_usage, 60)
     assert (running, usage) == (0, idle_usage), (busy, idle_usage)
     _serves(server)
 
@@ -213,7 +203,7 @@ def test_sigterm_drains_in_flight_request_and_exits_0(server):
 
     thread = threading.Thread(target=ask)
     thread.start()
-    assert _wait_metric(server, "vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
+    assert server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
     server.proc.send_signal(signal.SIGTERM)
     thread.join(180)
     assert result.get("status") == 200, result

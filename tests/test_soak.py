@@ -66,21 +66,12 @@ def _complete(url: str, rng: random.Random) -> tuple[str, str | None]:
     return kind, None if done and tokens >= 1 else f"stream ended early ({tokens} chunks)"
 
 
-def _wait(server, name, predicate, timeout=120.0) -> float:
-    deadline = time.time() + timeout
-    while True:
-        value = server.metric(name)
-        if predicate(value) or time.time() > deadline:
-            return value
-        time.sleep(0.5)
-
-
 def test_token_adaptive_server_under_load(model_path, tmp_path):
     server = Server(model_path, "--kv-compression", "lowrank",
                     "--kv-compression-config", json.dumps(PRESET), "--shutdown-timeout", "60",
                     log_dir=str(tmp_path))
     try:
-        assert _wait(server, "vllm:num_requests_running", lambda v: v == 0) == 0
+        assert server.wait_metric("vllm:num_requests_running", lambda v: v == 0, 120) == 0
         idle_usage = server.metric("vllm:kv_cache_usage_perc")
         seconds = float(os.environ.get("SOAK_SECONDS", "180"))
         deadline = time.time() + seconds
@@ -109,8 +100,8 @@ def test_token_adaptive_server_under_load(model_path, tmp_path):
         assert server.proc.poll() is None, "the server died under load"
 
         # no leaked block: nothing running, cache usage back to idle
-        assert _wait(server, "vllm:num_requests_running", lambda v: v == 0) == 0
-        usage = _wait(server, "vllm:kv_cache_usage_perc", lambda v: v <= idle_usage)
+        assert server.wait_metric("vllm:num_requests_running", lambda v: v == 0, 120) == 0
+        usage = server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v <= idle_usage, 120)
         assert usage <= idle_usage, (usage, idle_usage, kinds)
 
         # clean drain: SIGTERM with a request in flight
@@ -124,7 +115,7 @@ def test_token_adaptive_server_under_load(model_path, tmp_path):
 
         thread = threading.Thread(target=last)
         thread.start()
-        assert _wait(server, "vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
+        assert server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
         server.proc.send_signal(signal.SIGTERM)
         thread.join(300)
         assert result.get("status") == 200, result

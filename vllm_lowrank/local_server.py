@@ -116,6 +116,16 @@ class LocalServer:
         """
         return metric_totals(self.metrics_text())[name]
 
+    def wait_metric(self, name: str, predicate, timeout: float) -> float:
+        """Poll :meth:`metric` every 0.2 s until ``predicate(value)`` holds or
+        ``timeout`` seconds pass; the last value read (the caller asserts on it)."""
+        deadline = time.time() + timeout
+        while True:
+            value = self.metric(name)
+            if predicate(value) or time.time() > deadline:
+                return value
+            time.sleep(0.2)
+
     def stop(self) -> int:
         """SIGTERM, wait up to 60 s (then kill); closes the log; the exit code."""
         if self.proc.poll() is None:
