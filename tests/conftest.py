@@ -9,8 +9,16 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+if not torch.cuda.is_available():
+    # Triton kernels (ours and vLLM's) run in the interpreter on CPU tensors. Set
+    # before any test module imports triton: triton.language's own @jit helpers
+    # (tl.max, tl.sum, ...) are built in interpreter mode only if the variable is
+    # set when triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -2,18 +2,17 @@
 against vLLM's own Triton store (and dequant) kernels, bit for bit.
 
 On a machine without CUDA vLLM's kernels run under ``TRITON_INTERPRET=1`` (set
-here when absent) on CPU tensors. vLLM's CPU build switches its Triton off
+by ``conftest.py``) on CPU tensors. vLLM's CPU build switches its Triton off
 (``vllm.triton_utils`` hands out placeholders when Triton has no CPU backend);
 this module hands the real ``triton`` to ``vllm.triton_utils`` and (re)imports
 vLLM's kernel modules after that, so their ``@triton.jit`` functions run in the
 interpreter.
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_peer_quantizers.py -q
+    python -P -m pytest tests/test_peer_quantizers.py -q
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -21,8 +20,6 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
 pytest.importorskip("vllm")

@@ -1,7 +1,7 @@
 """Fused latent decode kernel against a float64 reference.
 
-On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set here
-when absent) on CPU tensors: small shapes, every code path (pre-RoPE rebuild with
+On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set by
+``conftest.py``) on CPU tensors: small shapes, every code path (pre-RoPE rebuild with
 neox / gptj / partial rotary / YaRN-scaled / non-rotation tables, post-RoPE mode,
 packed 8/4/3/2-bit caches with per-row and grouped scales, aligned and unaligned
 slots, uneven ranks in several rank classes, G > 1 head groups, split-K with the
@@ -9,12 +9,11 @@ reduce, the LPT persistent schedule, key bias / QK-norm and sliding windows over
 NaN null blocks). On a CUDA machine the same tests run the
 compiled kernels on the GPU.
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_triton_decode.py -q
+    python -P -m pytest tests/test_triton_decode.py -q
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 
@@ -22,8 +21,6 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
 
@@ -33,11 +30,6 @@ from vllm_lowrank.quantization import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
 import vllm_lowrank.triton_kernels.schedule as sched  # noqa: E402
-
-if not ON_GPU and "Interpreted" not in type(dec._decode_grid_kernel).__name__:
-    # Imported earlier without TRITON_INTERPRET (by another test module): rebuild
-    # the kernels in interpreter mode.
-    dec = importlib.reload(dec)
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # float32 caches: exact float32 under the interpreter; tf32 tensor-core dots on GPUs.

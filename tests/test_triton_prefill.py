@@ -2,7 +2,7 @@
 the per-request torch path and a float64 loop.
 
 On a machine without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (set
-here when absent) on CPU tensors in float32; on a CUDA machine the same tests
+by ``conftest.py``) on CPU tensors in float32; on a CUDA machine the same tests
 run the compiled kernel in bf16.
 
     python -P -m pytest tests/test_triton_prefill.py -q
@@ -10,7 +10,6 @@ run the compiled kernel in bf16.
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 
@@ -18,8 +17,6 @@ import pytest
 import torch
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
@@ -32,8 +29,6 @@ import vllm_lowrank.triton_kernels.prefill as pre  # noqa: E402
 
 import test_triton_decode as problems  # noqa: E402  (shared problem builders)
 
-if not ON_GPU and "Interpreted" not in type(pre._prefill_kernel).__name__:
-    pre = importlib.reload(pre)
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
