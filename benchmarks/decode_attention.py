@@ -28,6 +28,7 @@ Usage::
     python benchmarks/decode_attention.py --quant none --no-lb --no-post   # issue-4 table
     python benchmarks/decode_attention.py --variants --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --span --shapes 16x8k,16x32k --ratios 0.5
+    python benchmarks/decode_attention.py --groups --shapes 1x32k,16x4k,16x32k --ratios 0.5
 """
 
 from __future__ import annotations
@@ -330,6 +331,11 @@ def main():
     ap.add_argument("--span", action="store_true",
                     help="only: plain vs token-adaptive latent span (sink 4, recent 128), "
                          "with and without return_lse (pre-RoPE, bf16)")
+    ap.add_argument("--groups", action="store_true",
+                    help="only: head groupings G = 1, 2, 4, 8 (uniform ranks, 16-bit), the "
+                         "grid kernel (where its key tile fits) vs the wide-group kernel")
+    ap.add_argument("--wide-sweep", action="store_true",
+                    help="with --groups: launch-parameter sweep of the wide-group kernel")
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=None, help=argparse.SUPPRESS)
@@ -368,6 +374,11 @@ def main():
         return
     if args.variants:
         print("\n".join(variant_rows(rope, shapes, ratios[0])))
+        return
+    if args.groups:
+        lines = grouping_rows(rope, shapes, ratios[0], sdpa, args.wide_sweep)
+        print(f"\ndevice: {dev}")
+        print("\n".join(lines))
         return
 
     hdr = (f"{'shape':>7} {'ratio':>5} {'cache':>5} {'kernel':>6} {'S':>3} {'ours_us':>8} "
@@ -421,6 +432,74 @@ def main():
     print("\n".join(lines))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def grouping_rows(rope, shapes, ratio, sdpa, wide_sweep=False):
+    """Pre-RoPE bf16 decode for head groups of G = 1, 2, 4, 8 KV heads (uniform
+    rank ``ratio * G * 128`` per group for keys and values: the same bytes per
+    token for every G), each kernel that can run it: the CUDA kernel (G = 1),
+    the Triton grid kernel (where its key tile fits in one program) and the
+    wide-group kernel (one program per KV head, the rank in chunks).
+    ``TFLOP/s``: key-rebuild multiply-adds (``8 * ratio * G * 128^2`` per token,
+    x2) per second; ``rel`` against the float32 torch path."""
+    from vllm_lowrank.triton_kernels import decode as dec
+
+    shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
+    scale = HEAD_DIM ** -0.5
+    lines = [f"{'shape':>7} {'ratio':>5} {'G':>2} {'rank':>5} {'kernel':>6} {'us':>9} "
+             f"{'x sdpa':>6} {'TFLOP/s':>7} {'rel':>8}"]
+    cuda_ok = _cuda_kernel_available()
+    for name in shapes:
+        bsz, length = SHAPES[name]
+        ts = sdpa[name][0]
+        for gs in (1, 2, 4, 8):
+            r = int(round(ratio * gs * HEAD_DIM))
+            plan = LayerPlan(shape, gs, (r,) * (KV_HEADS // gs), (r,) * (KV_HEADS // gs))
+            p = make_problem(plan, bsz, length, None)
+            ref = reference(plan, rope, p, scale)
+            kernels = [("cuda", None, "cuda")] if gs == 1 and cuda_ok else []
+            if not dec.needs_wide(plan, None, HEAD_DIM):
+                kernels.append(("grid", KernelConfig(wide=False), "triton"))
+            kernels.append(("wide", KernelConfig(wide=True), "triton"))
+            for label, cfg, backend in kernels:
+                try:
+                    t, _, rel = run_case(plan, rope, p, cfg=cfg, ref=ref, backend=backend)
+                except Exception as exc:  # noqa: BLE001 (a kernel that cannot run: a row)
+                    lines.append(f"{name:>7} {ratio:>5} {gs:>2} {r:>5} {label:>6} "
+                                 f"{type(exc).__name__}")
+                    print(lines[-1], flush=True)
+                    continue
+                flops = 2 * 8 * ratio * gs * HEAD_DIM ** 2 * bsz * length
+                lines.append(f"{name:>7} {ratio:>5} {gs:>2} {r:>5} {label:>6} {t:9.1f} "
+                             f"{ts / t:6.2f} {flops / t / 1e6:7.1f} {rel:8.1e}")
+                print(lines[-1], flush=True)
+            if wide_sweep and gs == 8:
+                lines += _wide_sweep(plan, rope, p, ts, name, gs, r)
+            del p, ref
+            torch.cuda.empty_cache()
+    return lines
+
+
+def _wide_sweep(plan, rope, p, ts, name, gs, r):
+    """Launch parameters of the wide-group kernel, fastest first."""
+    import itertools
+
+    found = []
+    for bn, nw, rc, st in itertools.product((32, 64, 128), (4, 8), (32, 64), (2, 3)):
+        cfg = KernelConfig(wide=True, block_n=bn, num_warps=nw, rank_chunk=rc, num_stages=st)
+        try:
+            t, _, _ = run_case(plan, rope, p, cfg=cfg, check=False)
+        except Exception as exc:  # noqa: BLE001
+            found.append((float("inf"), f"bn={bn} w={nw} rc={rc} st={st}: "
+                                        f"{type(exc).__name__}"))
+            continue
+        found.append((t, f"bn={bn} w={nw} rc={rc} st={st}"))
+    found.sort()
+    out = [f"  wide sweep {name} G={gs} rank {r} (SDPA {ts:.1f} us):"]
+    out += [f"    {t:9.1f} us  x{ts / t:5.2f}  {cfg}" for t, cfg in found[:8]]
+    out += [f"    failed: {cfg}" for t, cfg in found if t == float("inf")][:4]
+    print("\n".join(out), flush=True)
+    return out
 
 
 def variant_rows(rope, shapes, ratio, window=4096):

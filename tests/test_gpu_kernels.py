@@ -396,3 +396,63 @@ def test_cuda_pre_rope_decode_refuses_out_of_scope():
     with pytest.raises(ValueError, match="block stride"):
         latent_decode_attention(plan, k_up, rope, 0.1, q, huge, torch.zeros_like(bt), lens_t,
                                 100, backend="cuda")
+
+
+def wide_case(dev, group_size, ratio, quant, lens, seed=7):
+    """Relative error of the wide-group kernel (default launch) against the
+    float32 torch path: Llama-3-8B attention (32 q / 8 KV heads of 128), head
+    groups of ``group_size`` KV heads at rank ``ratio * group_size * 128`` per
+    side, bf16 queries, a bf16 (``quant`` None) or packed cache."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+    from vllm_lowrank.attention.rope import RopeTable
+    from vllm_lowrank.triton_kernels.decode import latent_decode_attention, needs_wide
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    ng, r = 8 // group_size, int(ratio * group_size * 128)
+    plan = LayerPlan(AttentionShape(4096, 32, 8, 128), group_size, (r,) * ng, (r,) * ng)
+    gw = plan.group_width
+    k_up = torch.zeros(plan.k_width, 1024, device=dev)
+    for gi, off in enumerate(plan.k_offsets()):
+        k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(
+            r, gw, device=dev, generator=g) / math.sqrt(r)
+    page = 16
+    per = [math.ceil(n / page) for n in lens]
+    nblk = sum(per) + 3
+    perm = torch.randperm(nblk, device=dev, generator=g)
+    bt = torch.zeros(len(lens), max(per), dtype=torch.int32, device=dev)
+    for b, n in enumerate(per):
+        bt[b, :n] = perm[sum(per[:b]):sum(per[:b]) + n].int()
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, device=dev, generator=g)
+    if quant is None:
+        cache = lat.bfloat16()
+        layout, ref_rows = None, cache.float()
+    else:
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, *quant)
+        cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        ref_rows = torch.cat(layout.decode(cache), -1)
+    cache = cache.view(nblk, 1, page, -1)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
+    ang = torch.outer(torch.arange(max(lens) + 1, device=dev).float(), inv)
+    rope = RopeTable(ang.cos(), ang.sin(), 128, True)
+    q = torch.randn(len(lens), 32, 128, device=dev, generator=g).bfloat16()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    out = torch.full((len(lens), plan.out_width), float("nan"), device=dev)
+    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
+                            layout=layout, out=out, backend="triton")
+    ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(),
+                           ref_rows.view(nblk, 1, page, -1), bt, lens_t, max(lens))
+    assert torch.isfinite(out).all()
+    assert needs_wide(plan, layout, 128) == (group_size >= 4)
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("group_size,ratio,quant", [
+    (8, 0.5, None),      # the default J-LRD on Llama-3-8B: rank 512, wide kernel
+    (4, 0.5, None),      # rank 256: wide
+    (8, 0.5, (8, 4)),    # packed J-LRD
+    (8, 0.25, (4, 4)),
+])
+def test_wide_decode_serving_shape_bf16(group_size, ratio, quant):
+    """The wide-group kernel at serving shapes, default launch parameters,
+    split-K (a 4,000-token sequence beside short ones)."""
+    assert wide_case("cuda", group_size, ratio, quant, [4000, 1, 777, 2500]) < 1e-2

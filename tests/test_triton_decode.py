@@ -780,3 +780,156 @@ def test_span_errors():
         with pytest.raises(ValueError, match="sink and recent"):
             dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
                                         **kw)
+
+
+# ---------------------------------------------------------------------------------
+# Wide head groups (decode_wide): one program per KV head, the rank in chunks
+# ---------------------------------------------------------------------------------
+WIDE = dec.KernelConfig(wide=True)
+
+
+def latent_cache(plan, nblk, page, g, bits, qgroup=None):
+    """Random latents as a float32 cache (``bits`` None) or packed
+    (``(k_bits, v_bits)``): ``(cache rows, layout, key rows, value rows)``, the
+    last two what the kernel must read back."""
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    if bits is None:
+        return lat, None, lat[:, :plan.k_width], lat[:, plan.k_width:]
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, *bits, qgroup, qgroup)
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    return (slots, layout, *layout.decode(slots))
+
+
+@pytest.mark.parametrize("group_size,kr,vr,neox,rot,splits,bits,qgroup", [
+    (4, (56,), (40,), True, 32, 1, None, None),        # every KV head in one group, 4 chunks
+    (4, (56,), (40,), False, 16, 3, None, None),       # gptj, partial rotary, split-K
+    (2, (40, 16), (24, 64), True, 32, 2, None, None),  # uneven ranks
+    (1, (8, 24, 16, 32), (16, 8, 32, 24), True, 32, 2, None, None),  # per-head groups
+    (4, (64,), (48,), True, 32, 2, (8, 4), None),      # packed, one scale/zero per row
+    (2, (48, 32), (32, 48), True, 16, 1, (3, 2), None),  # 3/2-bit codes straddle chunks
+    (4, (64,), (48,), True, 32, 2, (4, 8), 16),        # a scale pair per 16 channels
+    (2, (48, 24), (24, 48), True, 32, 2, (4, 8), 24),  # groups of 24: one rank chunk
+])
+def test_wide(group_size, kr, vr, neox, rot, splits, bits, qgroup):
+    """The wide-group kernel against the float64 reference: every grouping,
+    uneven ranks, every code width and scale grouping, several rank chunks
+    (16 channels each under the interpreter)."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
+                                                       v_ranks=vr, seed=31)
+    rope = make_rope(rot, neox=neox)
+    cache, layout, kd, vd = latent_cache(plan, nblk, page, g, bits, qgroup)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    out = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens,
+              num_splits=splits, layout=layout, config=WIDE)
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, gather(kd, bt, lens, page),
+                    gather(vd, bt, lens, page), lens)
+    assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("bias,norm,window,rot,neox,splits", [
+    (True, True, None, 16, True, 2),    # bias + QK-norm over the rotary halves and the rest
+    (False, True, 20, 32, False, 3),    # QK-norm, gptj, window (NaN before it)
+])
+def test_wide_transform_window(bias, norm, window, rot, neox, splits):
+    plan, k_up, lens, bt, nblk, page, g, rope, rows, q, kl, vl = window_problem(
+        2, rot, neox, 37, window)
+    tf = make_transform(plan, g, bias, norm)
+    out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
+              transform=tf, window=window, config=WIDE)
+    ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf, window=window)
+    assert rel_err(out, ref) < TOL32
+
+
+@pytest.mark.parametrize("sink,recent,window,bits,splits", [
+    (4, 17, None, None, 3),     # latent span with split-K and the merged LSE
+    (16, 64, 90, (4, 4), 1),    # packed, window, empty spans, LSE from the kernel
+])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_wide_span(sink, recent, window, bits, splits):
+    """Token-adaptive latent span and its log-sum-exp (NaN outside the span)."""
+    plan, k_up, lens, bt, nblk, page, g, layout, cache, kl, vl = tale_problem(
+        "uneven", bits, 47, sink, recent, window)
+    rope = make_rope(32)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    out, lse = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens,
+                   num_splits=splits, layout=layout, window=window, sink=sink, recent=recent,
+                   return_lse=True, config=WIDE)
+    keep = in_span(sink, recent, window)
+    ref, ref_lse = span_reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, keep)
+    assert rel_err(out, ref) < TOL32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin] - ref_lse[fin]).abs().max() < LSE_TOL
+
+
+def test_wide_chosen_for_large_key_tiles(monkeypatch):
+    """The default launch takes the wide kernel exactly when a group's key tile
+    exceeds TRITON_MAX_KEY_TILE (J-LRD on Llama-3-8B's 8 KV heads of 128 at rank
+    512: 512 x 512), and gets the same result as the grid kernel."""
+    llama = LayerPlan(AttentionShape(4096, 32, 8, 128), 8, (512,), (512,))
+    assert dec.needs_wide(llama, None, 128)
+    assert not dec.needs_wide(LayerPlan(llama.shape, 1, (64,) * 8, (64,) * 8), None, 128)
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=4, k_ranks=(48,),
+                                                       v_ranks=(32,), seed=41)
+    rope = make_rope(32)
+    cache, _, kd, vd = latent_cache(plan, nblk, page, g, None)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    cache = cache.view(nblk, 1, page, -1)
+    calls = []
+    launch = dec._launch_wide
+    monkeypatch.setattr(dec, "_launch_wide", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    grid = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
+    assert not calls and not dec.needs_wide(plan, None, 32)
+    monkeypatch.setattr(dec, "TRITON_MAX_KEY_TILE", 64 * 64 - 1)  # 64 x 64 no longer fits
+    assert dec.needs_wide(plan, None, 32)
+    wide = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
+    assert calls
+    assert rel_err(wide, grid) < TOL32
+
+
+def test_wide_errors():
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4)
+    cache = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    with pytest.raises(ValueError, match="pre_rope mode only"):
+        run(plan, k_up, None, q, cache, bt, lens, mode="post_rope", config=WIDE)
+    with pytest.raises(ValueError, match="plain grid"):
+        run(plan, k_up, make_rope(32), q, cache, bt, lens, schedule="lpt", config=WIDE)
+
+
+# ---------------------------------------------------------------------------------
+# Start-up self-check of a fused decode path (vllm_lowrank.attention.decode_path)
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("group_size,bits,mode,span", [
+    (2, None, "pre_rope", False),      # uneven ranks, 16-bit latents
+    (1, (8, 4), "pre_rope", True),     # packed, token-adaptive span with its LSE
+    (1, (4, 4), "post_rope", False),
+])
+def test_self_check(monkeypatch, group_size, bits, mode, span):
+    """The self-check passes the kernel as it is and refuses one whose output
+    (or log-sum-exp) is off, on the layer's factors and a random cache."""
+    import types
+
+    from vllm_lowrank.attention import decode_path as dp
+
+    kr, vr = ((40, 16), (24, 64)) if group_size == 2 else ((8, 24, 16, 32), (16, 8, 32, 24))
+    plan, k_up, *_ = make_problem(group_size=group_size, k_ranks=kr, v_ranks=vr, seed=53)
+    rope = make_rope(32, max_pos=1024)
+    layer = types.SimpleNamespace(
+        plan=plan, k_up=k_up.to(DEV), post_rope=mode == "post_rope",
+        layout=SlotLayout(kr, vr, *bits) if bits else None,
+        rope_table=lambda device: rope, key_transform=lambda: None)
+    kw = dict(mode=mode, layout=layer.layout, transform=None, window=None,
+              sink=16 if span else 0, recent=33 if span else 0)
+    err = dp.self_check(layer, "triton", torch.float32, DEV, 16, 1024, kw)
+    assert err < (1e-2 if ON_GPU else 1e-4)
+
+    kernel = dec.latent_decode_attention
+
+    def off(*args, **kwargs):
+        res = kernel(*args, **kwargs)
+        if kwargs.get("return_lse"):
+            return res[0], res[1] + 0.1  # LSE off by 0.1 nats, outputs right
+        return res * 1.1
+    monkeypatch.setattr(dec, "latent_decode_attention", off)
+    assert dp.self_check(layer, "triton", torch.float32, DEV, 16, 1024, kw) > dp.SELF_CHECK_TOL

@@ -4,6 +4,11 @@
   :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
   key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
   or packed low-bit caches; split-K with a reduce; uneven ranks per head group).
+- :mod:`.decode_wide` -- the same decode for head groups whose key
+  up-projection does not fit one program (J-LRD at large ranks): one program
+  per KV head, the rank in chunks.
+- :mod:`.tiles` -- device helpers shared by both: packed latent loads, key
+  transforms, the split-K merge.
 - :mod:`.prefill` -- varlen causal prefill of every chunk of a step in one launch
   (:func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`: rebuilt
   keys, value latents, bottom-right causal mask, sliding windows).

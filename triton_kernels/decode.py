@@ -80,7 +80,7 @@ Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): t
 cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; each tile's packed codes
 are read once as rows of contiguous bytes (16-byte loads / ``cp.async`` when the
 offsets and ranks allow) and unpacked in registers with broadcast shifts and a
-reshape (:func:`_load_codes`). Post-RoPE mode with one fp16 scale/zero per token
+reshape (:func:`.tiles.load_codes`). Post-RoPE mode with one fp16 scale/zero per token
 and group feeds the centred codes to the dots and applies the scales per token
 afterwards (scores ``s_k (codes q~) + z_k sum(q~)``; values through ``P * s_v``
 and a running ``sum P z_v``); pre-RoPE mode and grouped scales dequantize the
@@ -88,7 +88,7 @@ tile with the tokens' fp16 scale/zero first.
 
 Split-K (flash-decoding): the context of a sequence is cut into ``num_splits``
 chunks, each program writes a normalised partial output and its base-2
-log-sum-exp; :func:`_reduce_kernel` merges them. ``num_splits=1`` writes the
+log-sum-exp; :func:`reduce_splits_kernel` merges them. ``num_splits=1`` writes the
 output directly. The default split count minimises a wave model of the launch
 (:func:`choose_num_splits`).
 
@@ -139,101 +139,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import (add_combine, key_bias, load_latent, load_pair, max_combine,
+                    reduce_splits_kernel, transform_keys)
+
 LOG2E = 1.4426950408889634
 _MAX_CLASSES = 4
 
 
 # ----------------------------------------------------------------------------------
-# Device helpers
+# Device code
 # ----------------------------------------------------------------------------------
-# Only builtins of triton.language are used inside the kernels (no tl.max / tl.sum
-# / tl.zeros / tl.cdiv, which are themselves @triton.jit functions): if triton was
-# imported before TRITON_INTERPRET=1 was set (a test session that imported vLLM
-# first), this module can be reloaded in interpreter mode, but triton's own jit
-# helpers cannot.
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
-
-
-@triton.jit
-def _load_f16_param(ptrs, mask, ALIGNED: tl.constexpr):
-    """fp16 values at byte pointers ``ptrs`` (uint8), as float32."""
-    if ALIGNED:
-        v = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
-        return v.to(tl.float32)
-    else:
-        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
-        bits = (lo | (hi << 8)).to(tl.uint16)
-        return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr,
-                RMULT: tl.constexpr):
-    """Unpack the ``PAD`` (>= r) codes of each row: ``rows`` [N] uint8 pointers to
-    the slots, ``code_off`` byte offset of the group's codes, ``r`` (a multiple of
-    8, and of ``RMULT``) codes stored. Returns int32 [N, PAD] (0 beyond ``r`` and
-    on invalid rows).
-
-    Code ``c`` sits at bit ``c * BITS`` of the little-endian stream
-    (:func:`vllm_lowrank.quantization.pack`). Every byte is loaded once, as a row
-    of contiguous bytes (vectorizable), and expanded in registers with broadcast
-    shifts and a reshape; no ``tl.interleave`` (miscompiled by triton 3.6):
-
-    - 8/4/2 bits: bytes ``[N, PAD*BITS/8]``; byte ``j`` holds codes
-      ``j*CPB .. j*CPB+CPB-1`` (``CPB = 8/BITS``) at bits ``0, BITS, ...``:
-      ``(byte[:, :, None] >> (BITS * arange(CPB))) & mask`` -> ``[N, PAD/CPB, CPB]``
-      -> row-major reshape to ``[N, PAD]``.
-    - 3 bits: 8 codes fill 3 bytes (codes straddle bytes); the 3 bytes of each
-      octet are loaded as 3 strided tiles ``[N, PAD/8]`` and joined into a 24-bit
-      word, then ``(word[:, :, None] >> (3 * arange(8))) & 7`` -> reshape."""
-    if BITS == 8:
-        c = tl.arange(0, PAD)
-        x = tl.load(rows[:, None] + code_off + c[None, :],
-                    mask=valid[:, None] & (c[None, :] < r), other=0)
-        return x.to(tl.int32)
-    elif BITS == 3:
-        NOCT: tl.constexpr = PAD // 8
-        o = tl.arange(0, NOCT)
-        m = valid[:, None] & (o[None, :] < r // 8)
-        base = rows[:, None] + code_off + 3 * o[None, :]
-        b0 = tl.load(base, mask=m, other=0).to(tl.int32)
-        b1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
-        b2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
-        word = b0 | (b1 << 8) | (b2 << 16)  # [N, NOCT]
-        sh = tl.arange(0, 8) * 3
-        codes = (word[:, :, None] >> sh[None, None, :]) & 7  # [N, NOCT, 8]
-        return tl.reshape(codes, [rows.shape[0], PAD])
-    else:
-        CPB: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = PAD // CPB
-        j = tl.arange(0, NB)
-        rb = r // CPB  # bytes stored
-        if RMULT // CPB > 1:
-            rb = tl.multiple_of(rb, RMULT // CPB)
-        x = tl.load(rows[:, None] + code_off + j[None, :],
-                    mask=valid[:, None] & (j[None, :] < rb), other=0).to(tl.int32)
-        sh = tl.arange(0, CPB) * BITS
-        codes = (x[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)  # [N, NB, CPB]
-        return tl.reshape(codes, [rows.shape[0], PAD])
-
-
-@triton.jit
-def _codes_f32(codes, OFFSET: tl.constexpr):
-    """``codes - OFFSET`` as float32 for int32 codes ``0 <= c < 2^22``, through
-    the exponent bits (``2^23 + c`` is the float with those low mantissa bits):
-    exact, and two full-rate ALU/FMA operations instead of one quarter-rate
-    integer conversion."""
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
-
-
 @triton.jit
 def _per_head(v0, v1, v2, v3, h, HG: tl.constexpr, GPP: tl.constexpr, TRANS: tl.constexpr):
     """Per-token values ``v_j`` [N] of the ``GPP`` groups as a score-shaped tile:
@@ -258,154 +173,6 @@ def _per_head(v0, v1, v2, v3, h, HG: tl.constexpr, GPP: tl.constexpr, TRANS: tl.
 
 
 @triton.jit
-def _load_pair(rows, valid, par, scale_off, zero_off, ALIGNED: tl.constexpr):
-    """Scale and zero point ``par`` of each row (``rows`` [N] uint8 slot pointers),
-    float32 [N] each (0 on invalid rows)."""
-    sc = _load_f16_param(rows + scale_off + 2 * par, valid, ALIGNED)
-    ze = _load_f16_param(rows + zero_off + 2 * par, valid, ALIGNED)
-    return sc, ze
-
-
-@triton.jit
-def _load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero_off,
-                 DT: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
-                 PAD: tl.constexpr, QG: tl.constexpr, ALIGNED: tl.constexpr,
-                 RMULT: tl.constexpr, POST: tl.constexpr):
-    """``(x, scale, zero)``: the latent tile ``x`` [N, PAD] in ``DT`` and, for a
-    post-scaled packed side (``POST``), the rows' scale and zero point [N] float32.
-
-    ``POST`` (packed, one pair per row and group, ``QG = 0``): ``x`` holds the
-    centred codes ``code - 2^(BITS-1)`` (integers in ``[-128, 127]``: exact in
-    bf16/fp16/fp32 and tf32), ``zero`` the matching ``zero + 2^(BITS-1) * scale``,
-    so that latent = ``x * scale + zero`` is applied after the dot. Centring keeps
-    the products in the dot as small as the latents (uncentred codes are all
-    positive: their sum nearly cancels against the zero-point term, which
-    magnified the rounding of the probabilities and the accumulation, measured
-    rel. error 1.3e-2 at 8 x 128k). Invalid rows get scale = zero = 0 (their
-    centred codes are -2^(BITS-1); callers multiply them by 0 or by a zero
-    probability). Otherwise ``x`` is the dequantized (or float) latent tile and
-    ``scale``/``zero`` are unused zeros; ``x`` is zero on invalid rows and, for a
-    float cache, beyond rank ``r``.
-
-    Float cache: ``row_off``/``col_off`` in elements. Quantized cache: in bytes;
-    ``par_base`` is the group's first scale/zero index, ``QG`` channels per
-    scale/zero pair (0: one pair per row, one head group). A power-of-two ``QG``
-    loads the ``[N, PAD/QG]`` pairs once and broadcasts them over
-    ``[N, PAD/QG, QG]``; any other ``QG`` gathers one pair per element."""
-    c = tl.arange(0, PAD)
-    sc_out = tl.full([valid.shape[0]], 0.0, tl.float32)
-    ze_out = sc_out
-    if POST:
-        rows = cache_ptr + row_off
-        x = _codes_f32(_load_codes(rows, col_off, r, valid, BITS, PAD, RMULT),
-                       1 << (BITS - 1))
-        sc_out, ze_out = _load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
-        ze_out = ze_out + (1 << (BITS - 1)) * sc_out
-    elif QUANT:
-        rows = cache_ptr + row_off
-        codes = _codes_f32(_load_codes(rows, col_off, r, valid, BITS, PAD, RMULT), 0)
-        if QG == 0:
-            sc, ze = _load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
-            x = codes * sc[:, None] + ze[:, None]
-        elif (QG & (QG - 1)) == 0:
-            NQ: tl.constexpr = PAD // QG
-            qi = tl.arange(0, NQ)
-            pm = valid[:, None] & (qi[None, :] * QG < r)
-            pidx = 2 * (par_base + qi)
-            sc = _load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
-            ze = _load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
-            x3 = tl.reshape(codes, [rows.shape[0], NQ, QG]) * sc[:, :, None] + ze[:, :, None]
-            x = tl.reshape(x3, [rows.shape[0], PAD])
-        else:
-            pm = valid[:, None] & (c[None, :] < r)
-            pidx = 2 * (par_base + c // QG)
-            sc = _load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
-            ze = _load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
-            x = codes * sc + ze
-        # No select on the tile: invalid rows have zero codes and parameters (masked
-        # loads), so they are 0; channels c >= r of a valid row hold the zero point
-        # (QG = 0) but only meet zero-padded operands (query columns >= r_k, B_k
-        # rows >= r_k) or output columns that are never stored (>= r_v).
-    else:
-        x = tl.load(cache_ptr + row_off[:, None] + col_off + c[None, :],
-                    mask=valid[:, None] & (c[None, :] < r), other=0.0)
-    return x.to(DT), sc_out, ze_out
-
-
-@triton.jit
-def _transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3, inv_hd, norm_eps,
-                    C3: tl.constexpr, G: tl.constexpr, K_BIAS: tl.constexpr,
-                    K_NORM: tl.constexpr):
-    """Key bias and per-head RMSNorm of a rebuilt (unrotated) key tile.
-
-    ``k1``/``k2`` [N, C1] float32 are the two RoPE sections (column ``c`` of KV
-    head ``kvh1[c]``), ``k3`` [N, CW] the unrotated rest (KV head ``kvh3[c]``;
-    ignored when ``C3 == 0``); padding columns (``kvh = -1``) are zero and stay
-    zero. ``kb*`` are the bias values of each column, ``nw*`` the norm weights
-    (0 on padding columns). RMSNorm (Zhang & Sennrich 2019, eq. 4) per token and
-    KV head over the whole head (both rotary halves and the rest)::
-
-        k <- k / sqrt(sum(k^2) * inv_hd + norm_eps) * w      (inv_hd = 1 / head_dim)
-
-    applied after the bias, before RoPE (the torch path's ``KeyTransform``)."""
-    if K_BIAS:
-        k1 = k1 + kb1[None, :]
-        k2 = k2 + kb2[None, :]
-        if C3 > 0:
-            k3 = k3 + kb3[None, :]
-    if K_NORM:
-        sq = k1 * k1 + k2 * k2  # same KV head per column in both rotary sections
-        if G == 1:
-            ss = tl.reduce(sq, 1, _add_combine)
-            if C3 > 0:
-                ss += tl.reduce(k3 * k3, 1, _add_combine)
-            rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]  # [N, 1]
-            k1 = k1 * rs * nw1[None, :]
-            k2 = k2 * rs * nw2[None, :]
-            if C3 > 0:
-                k3 = k3 * rs * nw3[None, :]
-        else:
-            r1 = sq * 0.0
-            r3 = k3 * 0.0
-            for j in tl.static_range(G):
-                m1 = (kvh1 == j)[None, :]
-                ss = tl.reduce(tl.where(m1, sq, 0.0), 1, _add_combine)
-                if C3 > 0:
-                    m3 = (kvh3 == j)[None, :]
-                    ss += tl.reduce(tl.where(m3, k3 * k3, 0.0), 1, _add_combine)
-                rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]
-                r1 = tl.where(m1, rs, r1)
-                if C3 > 0:
-                    r3 = tl.where(m3, rs, r3)
-            k1 = k1 * r1 * nw1[None, :]
-            k2 = k2 * r1 * nw2[None, :]
-            if C3 > 0:
-                k3 = k3 * r3 * nw3[None, :]
-    return k1, k2, k3
-
-
-@triton.jit
-def _key_bias(kb_ptr, grp, head_dim, src1, src2, src3, kvh1, kvh3, pvalid, G: tl.constexpr,
-              C3: tl.constexpr, K_BIAS: tl.constexpr):
-    """Bias of head group ``grp`` per packed key column: ``(kb1, kb2, kb3)``
-    float32 ``[C1]``, ``[C1]``, ``[CW]`` from ``bias [num_kv_heads * head_dim]``
-    (column of KV head ``kvh`` and dimension ``src``; 0 on padding columns).
-    Without ``K_BIAS``: zeros of the same shapes (a norm without a bias)."""
-    if K_BIAS:
-        kb1 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src1, mask=pvalid, other=0.0)
-        kb2 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src2, mask=pvalid, other=0.0)
-        kb3 = kb1
-        if C3 > 0:
-            kb3 = tl.load(kb_ptr + (grp * G + kvh3) * head_dim + src3, mask=src3 >= 0,
-                          other=0.0)
-    else:
-        kb1 = src1 * 0.0
-        kb2 = kb1
-        kb3 = src3 * 0.0
-    return kb1, kb2, kb3
-
-
-@triton.jit
 def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
                        HG: tl.constexpr, C3: tl.constexpr, TRANS: tl.constexpr,
                        DT: tl.constexpr, GPP: tl.constexpr,
@@ -414,7 +181,7 @@ def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
     """Rebuild one group's keys for the tile, rotate by the offsets, add its query
     heads' scores to ``sc`` (other columns of the query tile are zeroed).
     ``K_BIAS``/``K_NORM``: bias and QK-norm before the rotation
-    (:func:`_transform_keys`; the ``kb*``, ``nw*``, ``kvh*``, ``inv_hd`` and
+    (:func:`transform_keys`; the ``kb*``, ``nw*``, ``kvh*``, ``inv_hd`` and
     ``norm_eps`` arguments are unused otherwise)."""
     k1 = tl.dot(ck, w1)  # [BLOCK_N, C1] f32
     k2 = tl.dot(ck, w2)
@@ -422,7 +189,7 @@ def _group_keys_scores(sc, ck, w1, w2, w3, qa, qb, q3, ci, si, j, h,
         k3t = k1
         if C3 > 0:
             k3t = tl.dot(ck, w3)
-        k1, k2, k3t = _transform_keys(k1, k2, k3t, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3,
+        k1, k2, k3t = transform_keys(k1, k2, k3t, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3,
                                       inv_hd, norm_eps, C3, G, K_BIAS, K_NORM)
     kr1 = (k1 * ci - k2 * si).to(DT)
     kr2 = (k2 * ci + k1 * si).to(DT)
@@ -638,15 +405,15 @@ def _attend_chunk(
         if K_BIAS or K_NORM:
             # Loop-invariant per-column bias (per group) and norm weight.
             inv_hd = 1.0 / head_dim.to(tl.float32)
-            kb1_0, kb2_0, kb3_0 = _key_bias(kb_ptr, g, head_dim, src1, src2, src3, kvh1,
+            kb1_0, kb2_0, kb3_0 = key_bias(kb_ptr, g, head_dim, src1, src2, src3, kvh1,
                                             kvh3, pvalid, HG // QPK, C3, K_BIAS)
             if GPP > 1:
-                kb1_1, kb2_1, kb3_1 = _key_bias(kb_ptr, g + 1, head_dim, src1, src2, src3,
+                kb1_1, kb2_1, kb3_1 = key_bias(kb_ptr, g + 1, head_dim, src1, src2, src3,
                                                 kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
             if GPP > 2:
-                kb1_2, kb2_2, kb3_2 = _key_bias(kb_ptr, g + 2, head_dim, src1, src2, src3,
+                kb1_2, kb2_2, kb3_2 = key_bias(kb_ptr, g + 2, head_dim, src1, src2, src3,
                                                 kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
-                kb1_3, kb2_3, kb3_3 = _key_bias(kb_ptr, g + 3, head_dim, src1, src2, src3,
+                kb1_3, kb2_3, kb3_3 = key_bias(kb_ptr, g + 3, head_dim, src1, src2, src3,
                                                 kvh1, kvh3, pvalid, HG // QPK, C3, K_BIAS)
             nw1 = q1
             nw2 = q1
@@ -685,7 +452,7 @@ def _attend_chunk(
                      other=0.0).to(tl.float32)  # [RK_PAD, HG_PAD]
         if KPOST:
             # sum_c q~[c, h] of the operand the dot sees: the zero points' term.
-            qs = tl.reduce(qk.to(DT).to(tl.float32), 0, _add_combine)  # [HG_PAD]
+            qs = tl.reduce(qk.to(DT).to(tl.float32), 0, add_combine)  # [HG_PAD]
 
     m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
     # Row sums kept per (token slot, head) and reduced once at the end: no
@@ -716,7 +483,7 @@ def _attend_chunk(
             sc = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
         else:
             sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        ck, ks0, kz0 = _load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off,
+        ck, ks0, kz0 = load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off,
                                     k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
                                     RANK_MULT, KPOST)
         ks1 = ks0
@@ -726,19 +493,19 @@ def _attend_chunk(
         ks3 = ks0
         kz3 = kz0
         if GPP > 1:
-            ck1, ks1, kz1 = _load_latent(cache_ptr, row, valid, k_off1, rk, kpar1, k_scale_off,
+            ck1, ks1, kz1 = load_latent(cache_ptr, row, valid, k_off1, rk, kpar1, k_scale_off,
                                          k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
                                          RANK_MULT, KPOST)
         if GPP > 2:
-            ck2, ks2, kz2 = _load_latent(cache_ptr, row, valid, k_off2, rk, kpar2, k_scale_off,
+            ck2, ks2, kz2 = load_latent(cache_ptr, row, valid, k_off2, rk, kpar2, k_scale_off,
                                          k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
                                          RANK_MULT, KPOST)
-            ck3, ks3, kz3 = _load_latent(cache_ptr, row, valid, k_off3, rk, kpar3, k_scale_off,
+            ck3, ks3, kz3 = load_latent(cache_ptr, row, valid, k_off3, rk, kpar3, k_scale_off,
                                          k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
                                          RANK_MULT, KPOST)
         # The GPP groups' value codes are one contiguous load; with VPOST each
         # group has its own pair per row (indices vpar, vpar + 1, ...).
-        cv, vs0, vz0 = _load_latent(cache_ptr, row, valid, v_off, GPP * rv, vpar, v_scale_off,
+        cv, vs0, vz0 = load_latent(cache_ptr, row, valid, v_off, GPP * rv, vpar, v_scale_off,
                                     v_zero_off, DT, QUANT, V_BITS, GPP * RV_PAD, V_QG, ALIGNED,
                                     RANK_MULT, VPOST)
         vs1 = vs0
@@ -749,13 +516,13 @@ def _attend_chunk(
         vz3 = vz0
         if VPOST:  # the other groups' pairs, zero points for centred codes
             if GPP > 1:
-                vs1, vz1 = _load_pair(cache_ptr + row, valid, vpar + 1, v_scale_off,
+                vs1, vz1 = load_pair(cache_ptr + row, valid, vpar + 1, v_scale_off,
                                       v_zero_off, ALIGNED)
                 vz1 = vz1 + (1 << (V_BITS - 1)) * vs1
             if GPP > 2:
-                vs2, vz2 = _load_pair(cache_ptr + row, valid, vpar + 2, v_scale_off,
+                vs2, vz2 = load_pair(cache_ptr + row, valid, vpar + 2, v_scale_off,
                                       v_zero_off, ALIGNED)
-                vs3, vz3 = _load_pair(cache_ptr + row, valid, vpar + 3, v_scale_off,
+                vs3, vz3 = load_pair(cache_ptr + row, valid, vpar + 3, v_scale_off,
                                       v_zero_off, ALIGNED)
                 vz2 = vz2 + (1 << (V_BITS - 1)) * vs2
                 vz3 = vz3 + (1 << (V_BITS - 1)) * vs3
@@ -811,7 +578,7 @@ def _attend_chunk(
                     sc += kz * qs[:, None]
         if TRANS:
             sc = tl.where(valid[:, None], sc * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(sc, 0, _max_combine))
+            m_new = tl.maximum(m_i, tl.reduce(sc, 0, max_combine))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[None, :])
             l2 = l2 * alpha[None, :] + p
@@ -822,7 +589,7 @@ def _attend_chunk(
             acc = tl.dot(tl.trans(cv), p.to(DT), acc)  # [GPP * RV_PAD, HG_PAD]
         else:
             sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(sc, 1, _max_combine))
+            m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(sc - m_new[:, None])
             l2 = l2 * alpha[:, None] + p
@@ -834,16 +601,16 @@ def _attend_chunk(
         m_i = m_new
 
     if TRANS:
-        l_i = tl.reduce(l2, 0, _add_combine)
+        l_i = tl.reduce(l2, 0, add_combine)
         has = l_i > 0.0
         if VPOST:
-            acc = acc + tl.reduce(z2, 0, _add_combine)[None, :]
+            acc = acc + tl.reduce(z2, 0, add_combine)[None, :]
         o = acc / tl.where(has, l_i, 1.0)[None, :]
     else:
-        l_i = tl.reduce(l2, 1, _add_combine)
+        l_i = tl.reduce(l2, 1, add_combine)
         has = l_i > 0.0
         if VPOST:
-            acc = acc + tl.reduce(z2, 1, _add_combine)[:, None]
+            acc = acc + tl.reduce(z2, 1, add_combine)[:, None]
         o = tl.trans(acc / tl.where(has, l_i, 1.0)[:, None])  # [GPP * RV_PAD, HG_PAD]
     # Row r of O^T is channel r % RV_PAD of group r // RV_PAD; column h is query
     # head h of the program; keep the diagonal blocks (a head's own group).
@@ -1016,49 +783,6 @@ def _decode_persistent_kernel(
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
             NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)
-
-
-@triton.jit
-def _reduce_kernel(po_ptr, plse_ptr, out_ptr, head_of_col_ptr, n_splits, out_width,
-                   num_heads, lse_ptr, S_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                   LSE: tl.constexpr, H_PAD: tl.constexpr):
-    """Merge the split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
-
-    ``LSE``: the column block 0 of each sequence also stores the merged natural
-    log-sum-exp per head, ``lse [B, num_heads] = ln 2 * (M + log2 sum_s 2^(lse_s - M))``
-    (``-inf`` where every split is empty)."""
-    b = tl.program_id(0)
-    cb = tl.program_id(1)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < out_width
-    hd = tl.load(head_of_col_ptr + c, mask=cm, other=0)
-    sp = tl.arange(0, S_PAD)
-    sm = sp < n_splits
-    base = b.to(tl.int64) * n_splits + sp  # [S_PAD]
-    lse = tl.load(plse_ptr + base[:, None] * num_heads + hd[None, :],
-                  mask=sm[:, None] & cm[None, :], other=float("-inf"))
-    mx = tl.reduce(lse, 0, _max_combine)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx[None, :])
-    o = tl.load(po_ptr + base[:, None] * out_width + c[None, :],
-                mask=sm[:, None] & cm[None, :] & (w > 0.0), other=0.0)
-    num = tl.reduce(w * o, 0, _add_combine)
-    den = tl.reduce(w, 0, _add_combine)
-    tl.store(out_ptr + b.to(tl.int64) * out_width + c, num / tl.where(den > 0.0, den, 1.0),
-             mask=cm)
-    if LSE:
-        if cb == 0:
-            hh = tl.arange(0, H_PAD)
-            hm = hh < num_heads
-            lh = tl.load(plse_ptr + base[:, None] * num_heads + hh[None, :],
-                         mask=sm[:, None] & hm[None, :], other=float("-inf"))
-            mh = tl.reduce(lh, 0, _max_combine)
-            mh = tl.where(mh == float("-inf"), 0.0, mh)
-            dh = tl.reduce(tl.exp2(lh - mh[None, :]), 0, _add_combine)
-            lse_h = tl.where(dh > 0.0,
-                             (mh + tl.log2(tl.where(dh > 0.0, dh, 1.0))) * 0.6931471805599453,
-                             float("-inf"))
-            tl.store(lse_ptr + b.to(tl.int64) * num_heads + hh, lse_h, mask=hm)
 
 
 # ----------------------------------------------------------------------------------
@@ -1287,28 +1011,24 @@ class KernelConfig:
     transposed: bool | None = None  # S^T = K' q'^T (True) or S = q' K'^T (False)
     programs_per_sm: int | None = None  # resident programs per SM (split model)
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
+    wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
+    rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
 
 
 TRITON_MAX_KEY_TILE = 128 * 128
 """Largest ``pad(r_k) x pad(G * rotary_dim / 2)`` key up-projection section the
-Triton kernel holds per program: measured on an H100 (Llama-3-8B shape, ratio
+Triton kernel holds per program (larger groups take :mod:`.decode_wide`): measured on an H100 (Llama-3-8B shape, ratio
 0.5), head groups of 2 KV heads (rank 128, 128 x 128) compile, groups of 4
 (rank 256, 256 x 256) ask for 289,792 bytes of shared memory (limit 232,448),
 groups of 8 for 1,134,592."""
 
 
-def triton_fits(plan, layout, rotary_dim: int) -> str | None:
-    """Why the Triton decode kernel cannot hold this plan's key up-projection
-    tile (:data:`TRITON_MAX_KEY_TILE`), or ``None`` if it can. Checked without
-    compiling: a kernel that does not fit would fail at launch after minutes of
-    compilation."""
+def needs_wide(plan, layout, rotary_dim: int) -> bool:
+    """Whether a head group's key up-projection tile exceeds
+    :data:`TRITON_MAX_KEY_TILE`, so that pre-RoPE decode splits each group across
+    programs (:mod:`.decode_wide`). Checked without compiling."""
     prep = _prepare(plan, layout, rotary_dim, True, "cpu")
-    tile = prep.rk_max_pad * prep.cw
-    if tile > TRITON_MAX_KEY_TILE:
-        return (f"the Triton kernel cannot hold the key up-projection of head groups of "
-                f"{plan.group_size} KV heads at rank {max(plan.k_ranks)} "
-                f"({prep.rk_max_pad} x {prep.cw} > {TRITON_MAX_KEY_TILE} elements)")
-    return None
+    return prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE
 
 
 def _gpp_ok(plan, prep, gpp: int) -> bool:
@@ -1381,6 +1101,50 @@ def _default_config(plan, prep: _Prepared, mode: str, device, quant: bool) -> di
         block_n //= 2
     return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=True,
                 programs_per_sm=2, groups_per_program=1)
+
+
+def _wide_config(plan, prep: _Prepared, device) -> dict:
+    """Launch parameters of the wide-group kernel (:mod:`.decode_wide`): value
+    tiles of ``BLOCK_N x pad(r_v)`` up to 32 K elements, rank chunks of 64 (a
+    power-of-two per-channel-group size above 64 sets the chunk; any other
+    group size, one chunk of the padded rank)."""
+    rv_pad = max(c[1] for c in prep.classes)
+    if device.type != "cuda":  # interpreter: small tiles, several rank chunks
+        return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
+                    programs_per_sm=1, rank_chunk=16)
+    block_n = 64
+    while block_n > 16 and block_n * rv_pad > 32 * 1024:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=False,
+                programs_per_sm=2, rank_chunk=64)
+
+
+def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
+                 cfg: KernelConfig, rope, rotary_dim: int, num_splits: int, bsz: int):
+    """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
+    for the grid kernel (same pointers, tables and split-K buffers)."""
+    from .decode_wide import wide_decode_kernel
+
+    sh = plan.shape
+    half, rest = rotary_dim // 2, sh.head_dim - rotary_dim
+    k_qg = common["K_QG"]
+    rc = cfg.rank_chunk or dflt["rank_chunk"]
+    if k_qg and (k_qg & (k_qg - 1)):
+        rc = prep.rk_max_pad  # a chunk must start on a group boundary: one chunk
+    rc = min(max(rc, k_qg), prep.rk_max_pad)
+    (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
+     weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
+    wide_decode_kernel[(num_splits, sh.num_kv_heads, bsz)](
+        n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
+        weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
+        G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=_pow2(sh.queries_per_kv),
+        HALF=half, H1=_pow2(half), REST=rest, H3=_pow2(rest) if rest else 0, CW=prep.cw,
+        RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
+        PAGE=common["PAGE"], DT=common["DT"], QUANT=common["QUANT"],
+        K_BITS=common["K_BITS"], V_BITS=common["V_BITS"], K_QG=k_qg, V_QG=common["V_QG"],
+        ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
+        K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
+        LSE=common["LSE"], num_warps=common["num_warps"], num_stages=common["num_stages"])
 
 
 _CUDA_STATE: dict = {}
@@ -1656,7 +1420,14 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if query.shape[-1] < max(plan.k_ranks):
             raise ValueError("post_rope queries need >= max(k_ranks) columns")
 
-    dflt = _default_config(plan, prep, mode, device, quant)
+    wide = cfg.wide if cfg.wide is not None else (
+        mode == "pre_rope" and prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE)
+    if wide and mode != "pre_rope":
+        raise ValueError("the wide-group kernel rebuilds keys: pre_rope mode only")
+    if wide and schedule is not None:
+        raise ValueError("the wide-group kernel runs on the plain grid (schedule=None)")
+    dflt = _wide_config(plan, prep, device) if wide else \
+        _default_config(plan, prep, mode, device, quant)
     block_n = cfg.block_n or dflt["block_n"]
     num_warps = cfg.num_warps or dflt["num_warps"]
     num_stages = cfg.num_stages or dflt["num_stages"]
@@ -1665,7 +1436,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     n_sm = _sm_count(device)
     ng = plan.num_groups
     hg = plan.heads_per_group
-    if cfg.groups_per_program is not None:
+    if wide:
+        gpp = 1
+    elif cfg.groups_per_program is not None:
         gpp = cfg.groups_per_program
     else:  # the LPT work list has one head group per item
         gpp = 1 if schedule is not None else dflt["groups_per_program"]
@@ -1684,7 +1457,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             eff_len = min(max_seq_len, int(window) + block_n) if use_window else max_seq_len
             if use_span:
                 eff_len = max(1, min(eff_len, max_seq_len - sink - recent))
-            num_splits = choose_num_splits(bsz, ng // gpp, eff_len, block_n, n_sm, pps)
+            units = sh.num_kv_heads if wide else ng // gpp  # programs per split
+            num_splits = choose_num_splits(bsz, units, eff_len, block_n, n_sm, pps)
     num_splits = int(num_splits)
     split = num_splits > 1
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -1766,7 +1540,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         kb if k_bias else cos, kn if k_norm else cos, sh.head_dim, norm_eps,
         int(window) if use_window else 0, sink, recent,
     )
-    if schedule is None:
+    if wide:
+        _launch_wide(plan, prep, args, common, dflt, cfg, rope, rotary_dim, num_splits, bsz)
+    elif schedule is None:
         _decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:
         from vllm_lowrank.triton_kernels.schedule import DecodeSchedule, build_lpt_schedule
@@ -1788,7 +1564,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             schedule.items, schedule.items.numel(), counter, *args, **common)
     if split:
         block_c = 128
-        _reduce_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
+        reduce_splits_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
             po, plse, out, prep.head_of_col, num_splits, plan.out_width, num_heads,
             lse if return_lse else plse, S_PAD=_pow2(num_splits, 2), BLOCK_C=block_c,
             LSE=bool(return_lse), H_PAD=_pow2(num_heads, 2), num_warps=4)

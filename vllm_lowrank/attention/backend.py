@@ -7,10 +7,11 @@ vLLM's four-part split: :class:`LatentAttentionBackend` (static descriptor),
 attention). The math is in :mod:`vllm_lowrank.attention.latent_attention`.
 
 Dispatch: CPU tensors run the vectorized torch path. On CUDA, decode runs the
-fused kernel (:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`:
-the CUDA kernel where its scope allows, else Triton; same result as the torch
-path, key bias / QK-norm and sliding windows included) except for caches the
-kernels do not read (per-channel keys, a raw 16-bit side in a packed slot), and
+path :mod:`vllm_lowrank.attention.decode_path` chose for the layer at start-up
+(the CUDA kernel where its scope allows, else Triton; same result as the torch
+path, key bias / QK-norm and sliding windows included; the torch path for
+caches the kernels do not read: per-channel keys, a raw 16-bit side in a packed
+slot), and
 all prefill chunks of a step run as one varlen Triton call
 (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`) over
 keys rebuilt once per step; token-adaptive prefill runs per request.
@@ -18,15 +19,14 @@ keys rebuilt once per step; token-adaptive prefill runs per request.
 CUDA graphs: the builder reads host copies only (no device sync) and the
 decode path uses vLLM's persistent buffers, so decode-only batches are
 captured (``UNIFORM_SINGLE_TOKEN_DECODE``) when every layer decodes with a
-fused kernel (:func:`graph_safe_decode`).
+fused kernel (:func:`~vllm_lowrank.attention.decode_path.graph_safe_decode`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -45,9 +45,9 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
+from vllm_lowrank.attention.decode_path import (DecodePath, decode_path, fused_decode,
+                                                graph_safe_decode)
 from vllm_lowrank.plugin import BACKEND_NAME
-
-logger = logging.getLogger("vllm.lowrank")
 
 
 class LatentAttentionBackend(AttentionBackend):
@@ -155,23 +155,6 @@ class LatentAttentionMetadata:
     def prefill_reqs(self) -> range:
         """Batch rows of the prefill requests."""
         return range(self.num_decodes, self.query_start_loc_cpu.shape[0] - 1)
-
-
-def graph_safe_decode(vllm_config, device: torch.device) -> bool:
-    """True when every latent attention layer of the model decodes with a
-    fused GPU kernel (:func:`decode_path`: no host sync, fixed launch shapes for
-    a fixed batch), so decode steps may be captured in CUDA graphs. Layers on
-    the torch path, and token-adaptive layers (their exact part is attended in
-    torch), are not: vLLM then runs decode eagerly. Chooses every layer's path
-    (warming its kernel) as a side effect, before any capture."""
-    from vllm_lowrank.attention.layer import LatentAttention
-
-    layers = [layer for layer in vllm_config.compilation_config.static_forward_context.values()
-              if isinstance(layer, LatentAttention)]
-    dtype = vllm_config.model_config.dtype
-    paths = [decode_path(layer, dtype, device, vllm_config) for layer in layers]
-    return all(layer.exact is None and path.name != "torch"
-               for layer, path in zip(layers, paths))
 
 
 class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMetadata]):
@@ -315,132 +298,6 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
         batch.max_q_len, scale, out, max_rank_v=max(plan.v_ranks), window=window)
 
 
-class DecodePath(NamedTuple):
-    """Which implementation decodes a layer, and why.
-
-    ``name``: ``"cuda"`` (the CUDA kernel of :mod:`vllm_lowrank.cuda_ext`),
-    ``"triton"`` (:mod:`vllm_lowrank.triton_kernels.decode`) or ``"torch"``
-    (:func:`~vllm_lowrank.attention.latent_attention.decode_attention`, which
-    runs on CUDA tensors too, slower, and cannot be captured in a CUDA graph).
-    """
-
-    name: str
-    reason: str
-
-
-_LOGGED_PATHS: set = set()
-
-
-def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
-                       block_size: int, window: int | None, max_model_len: int) -> DecodePath:
-    """The one place that decides a layer's decode path (once per layer, at
-    start-up, before any CUDA graph is captured): the CUDA kernel where
-    :func:`~vllm_lowrank.triton_kernels.decode.cuda_path_blocker` admits the
-    layer and the extension builds, else the Triton kernel where the cache
-    format allows and it compiles within the GPU's resources, else the torch
-    path. The chosen kernel runs once on a one-token dummy batch over a
-    dummy cache, which also builds everything it caches (packed key weights,
-    group tables, the RoPE check, compiled kernels), all of which synchronise
-    the device. Logs one line per distinct layer configuration.
-
-    Args:
-        layer: The :class:`~vllm_lowrank.attention.layer.LatentAttention`.
-        dtype: Model (query) dtype; device: where it runs.
-        block_size: Tokens per KV block of the layer's cache.
-        window: The layer's sliding window, or ``None``.
-        max_model_len: Longest sequence (the bound a CUDA graph is captured for).
-    """
-    from vllm_lowrank.triton_kernels import decode as dec
-
-    if device.type != "cuda":
-        return DecodePath("torch", "not on a CUDA device")
-    if not _gpu_supports(layer.layout):
-        return _logged(layer, DecodePath(
-            "torch", "the fused kernels read neither per-channel keys nor a raw 16-bit "
-                     "side inside a packed slot"))
-    plan, layout = layer.plan, layer.layout
-    width = max(plan.k_ranks) if layer.post_rope else plan.shape.head_dim
-    q = torch.zeros(1, plan.shape.num_heads, width, dtype=dtype, device=device)
-    slot = layout.slot_bytes if layout is not None else plan.k_width + plan.v_width
-    cache = torch.zeros(1, 1, block_size, slot, device=device,
-                        dtype=torch.uint8 if layout is not None else dtype)
-    one = torch.ones(1, dtype=torch.int32, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    rope = layer.rope_table(device)
-    span = dict(sink=layer.exact.sink, recent=layer.exact.recent + 1) \
-        if layer.exact is not None else dict(sink=0, recent=0)
-    kw = dict(mode="post_rope" if layer.post_rope else "pre_rope", layout=layout,
-              transform=layer.key_transform(), window=window, **span)
-    args = (plan, layer.k_up, rope, 1.0, q, cache, table, one, max_model_len)
-    why = dec.cuda_path_blocker(plan, rope, q, cache, table, one, max_model_len, **kw) \
-        or dec._cuda_unavailable()
-    if why is None:
-        dec.latent_decode_attention(*args, backend="cuda", **kw)
-        return _logged(layer, DecodePath("cuda", "in the CUDA kernel's scope"))
-    fits = dec.triton_fits(plan, layout, rope.rotary_dim if not layer.post_rope
-                           else plan.shape.head_dim)
-    if fits is not None:
-        return _logged(layer, DecodePath(
-            "torch", f"{fits}; outside the CUDA kernel's scope: {why}"))
-    import triton
-
-    try:
-        dec.latent_decode_attention(*args, backend="triton", return_lse=layer.exact is not None,
-                                    **kw)
-    except triton.runtime.errors.OutOfResources as exc:
-        return _logged(layer, DecodePath(
-            "torch", f"the Triton kernel does not fit this GPU for head groups of "
-                     f"{plan.group_size} KV heads at ranks up to {max(plan.k_ranks)} "
-                     f"({exc}); outside the CUDA kernel's scope: {why}"))
-    return _logged(layer, DecodePath("triton", f"outside the CUDA kernel's scope: {why}"))
-
-
-def decode_path(layer, dtype: torch.dtype, device: torch.device, vllm_config) -> DecodePath:
-    """``layer.decode_path``, chosen on first use by :func:`choose_decode_path`."""
-    path = layer.__dict__.get("decode_path")
-    if path is None:
-        path = choose_decode_path(layer, dtype, device, vllm_config.cache_config.block_size,
-                                  layer.sliding_window, vllm_config.model_config.max_model_len)
-        layer.__dict__["decode_path"] = path
-    return path
-
-
-def _logged(layer, path: DecodePath) -> DecodePath:
-    plan = layer.plan
-    layout = layer.layout
-    key = (path, plan.group_size, plan.shape.head_dim,
-           None if layout is None else (layout.k_bits, layout.v_bits, layout.k_per_channel),
-           layer.exact is not None)
-    if key not in _LOGGED_PATHS:
-        _LOGGED_PATHS.add(key)
-        bits = "16-bit" if layout is None else f"K{layout.k_bits}/V{layout.v_bits}"
-        logger.info("vllm-lowrank: decode path %s for layers with head groups of %d KV "
-                    "heads, %s latents%s: %s", path.name, plan.group_size, bits,
-                    ", token-adaptive" if layer.exact is not None else "", path.reason)
-    return path
-
-
-def _gpu_decode():
-    """The fused Triton decode kernel (imported on first CUDA use only)."""
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
-
-    return latent_decode_attention
-
-
-def _gpu_supports(layout) -> bool:
-    """The Triton kernel reads unquantized caches and packed 8/4/3/2-bit
-    sides, for full-attention and sliding-window layers, with plain keys
-    ``c_k B_k`` or with a key bias / QK-norm (Qwen2/Qwen3/Gemma-3; applied in
-    the kernel before RoPE, ``transform=``). A side kept as raw float16 inside a
-    packed slot, and per-channel keys, take the torch path (which runs on CUDA
-    tensors too)."""
-    from vllm_lowrank.quantization import RAW_BITS
-
-    if layout is None:
-        return True
-    return RAW_BITS not in (layout.k_bits, layout.v_bits) and not layout.k_per_channel
-
-
 class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
     """Writes latents by slot mapping; attends through the block table.
 
@@ -513,7 +370,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         """Attention of ``query [T, H, d]`` into ``output [T, out_width]``.
 
         Paths: decode (the first ``num_decodes`` tokens) in one batched call, on
-        CUDA the fused kernel (:func:`_gpu_decode`, CUDA or Triton), else the
+        CUDA the fused kernel (:func:`~vllm_lowrank.attention.decode_path.fused_decode`, CUDA or Triton), else the
         torch path; prefill on CUDA in one batched varlen call
         (:func:`batched_prefill`), on CPU one torch call per request (torch's CPU
         flash kernel). Token-adaptive layers: :meth:`_forward_token_adaptive`."""
@@ -538,7 +395,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                                            transform=transform, window=window,
                                            min_seq_len=m.min_decode_seq_len)
             else:
-                out = _gpu_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
+                out = fused_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
                                     layout=layout, transform=transform, window=window,
                                     backend=path)
             output[:nd].copy_(out)
@@ -582,7 +439,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         nd = m.num_decodes
         if nd:
             path = self._decode_path(layer, query).name
-            kernel = None if path == "torch" else functools.partial(_gpu_decode(), backend=path)
+            kernel = None if path == "torch" else functools.partial(fused_decode(), backend=path)
             out = tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
                               exact_meta.block_table[:nd], m.seq_lens[:nd],
                               m.max_decode_seq_len, latent_decode=kernel,

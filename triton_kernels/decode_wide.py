@@ -1,0 +1,209 @@
+r"""Pre-RoPE decode for head groups whose key up-projection is too wide for one program.
+
+:mod:`.decode` keeps a head group's whole key up-projection ``B_k[g]`` (per RoPE
+section ``pad(r_k) x pad(G * rotary_dim / 2)``) in one program for the whole
+context. Past :data:`.decode.TRITON_MAX_KEY_TILE` elements that no longer fits
+in shared memory: the default J-LRD grouping of Llama-3-8B (8 KV heads of 128,
+one group) at ratio 0.5 has rank 512, i.e. 512 x 512 per section. This kernel
+splits such a group across programs, one per KV head, and its rank across a
+loop. Per sequence ``b``, KV head ``j`` (``jj``-th of head group ``g``) and
+context tile of ``BLOCK_N`` positions ``t``::
+
+    K_j  = sum_c C_k[:, c:c+RC] @ B_k[g][c:c+RC, columns of head jj]   [BLOCK_N, d]
+    K_j  <- key bias / QK-norm (optional), then RoPE by the absolute position t
+    S    = q_j K_j^T                      [QPK, BLOCK_N]  the KV head's query heads
+    online softmax (base 2); O += P @ C_v  [QPK, r_v]     the group's value latents
+
+(the math of :func:`vllm_lowrank.attention.latent_attention.decode_attention`,
+Palu eq. 3-6 per head). Shared memory holds one ``[BLOCK_N, RC]`` latent chunk,
+``[RC, pad(d/2)]`` weight chunks and the ``[BLOCK_N, pad(r_v)]`` value tile, so
+every grouping and rank runs. The price: a group's latents are read once per KV
+head (``G`` times; the repeats mostly hit L2), ``B_k`` is re-read from L2 for
+every tile, and the cos/sin rows are read per token (any RoPE table, rotation
+or not). Pre-RoPE decode of wide groups costs ``2 r G d`` multiply-adds per
+token and group whatever the kernel (benchmarks/README.md, "GPU serving inside
+vLLM"), so wide groups are compute-bound on a GPU in any case.
+
+Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
+one scale/zero pair per row and group or per power-of-two channel group
+(:func:`.tiles.load_latent`). Windows and the token-adaptive latent span bound
+the tiles as in :mod:`.decode`; the partial outputs and their base-2
+log-sum-exp have :mod:`.decode`'s split-K format and are merged by
+:func:`.tiles.reduce_splits_kernel`. The host side is
+:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`, which
+chooses this kernel (``KernelConfig.wide``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import add_combine, key_bias, load_latent, max_combine, transform_keys
+
+
+@triton.jit
+def wide_decode_kernel(
+    n_splits,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    G: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr,
+    HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
+    CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
+    SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
+    WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
+):
+    """Grid ``(n_splits, num_kv_heads, B)``: split ``s`` of sequence ``b`` for KV
+    head ``j``. ``w_ptr``: :func:`.decode.pack_key_weights` (``[num_groups, 3,
+    pad(r_k), CW]``, head ``jj``'s rotary columns at ``jj * HALF ..``, its rest at
+    ``jj * REST ..``); ``maps_ptr``/``gt_ptr``: :class:`.decode._Prepared`'s maps
+    and group table. ``HALF``/``REST``: rotary half and unrotated rest of one
+    head (``H1``/``H3`` their power-of-two pads, ``H3 = 0`` without a rest);
+    ``RC``: rank chunk (a multiple of ``K_QG`` when that is > 0)."""
+    s = tl.program_id(0)
+    j = tl.program_id(1)
+    b = tl.program_id(2)
+    g = j // G
+    jj = j % G
+    k_off = tl.load(gt_ptr + 0 * num_groups + g)
+    v_off = tl.load(gt_ptr + 1 * num_groups + g)
+    rk = tl.load(gt_ptr + 2 * num_groups + g)
+    rv = tl.load(gt_ptr + 3 * num_groups + g)
+    kpar = tl.load(gt_ptr + 4 * num_groups + g)
+    vpar = tl.load(gt_ptr + 5 * num_groups + g)
+    ocol = tl.load(gt_ptr + 6 * num_groups + g)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    first = seq_len * 0
+    end = seq_len
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    if SPAN:
+        first = tl.maximum(first, sink)
+        end = seq_len - recent
+    n_tiles = tl.where(end > first, (end - first + BLOCK_N - 1) // BLOCK_N, 0)
+    per = (n_tiles + n_splits - 1) // n_splits
+    t_lo = s * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+
+    # The KV head's query heads and their (permuted) rotary / rest dimensions.
+    hq = tl.arange(0, Q_PAD)
+    hm = hq < QPK
+    qrow = q_ptr + b.to(tl.int64) * s_qb + (j * QPK + hq).to(tl.int64) * s_qh
+    p = tl.arange(0, H1)
+    pvalid = p < HALF
+    src1 = tl.load(maps_ptr + 0 * CW + p, mask=pvalid, other=0)
+    src2 = tl.load(maps_ptr + 1 * CW + p, mask=pvalid, other=0)
+    pair = tl.load(maps_ptr + 6 * CW + p, mask=pvalid, other=0)
+    qm = hm[:, None] & pvalid[None, :]
+    q1 = tl.load(qrow[:, None] + src1[None, :], mask=qm, other=0.0).to(DT)  # [Q_PAD, H1]
+    q2 = tl.load(qrow[:, None] + src2[None, :], mask=qm, other=0.0).to(DT)
+    if H3 > 0:
+        e = tl.arange(0, H3)
+        evalid = e < REST
+        src3 = tl.load(maps_ptr + 2 * CW + e, mask=evalid, other=-1)
+        q3 = tl.load(qrow[:, None] + src3[None, :], mask=hm[:, None] & evalid[None, :],
+                     other=0.0).to(DT)
+    else:
+        e = p
+        evalid = pvalid
+        src3 = src1
+        q3 = q1
+    wg = w_ptr + g.to(tl.int64) * s_wg
+    rr = tl.arange(0, RC)
+    c1 = jj * HALF + p
+    c3 = jj * REST + e
+    if K_BIAS or K_NORM:
+        inv_hd = 1.0 / head_dim.to(tl.float32)
+        zero_h = p * 0
+        kb1, kb2, kb3 = key_bias(kb_ptr, j, head_dim, src1, src2, src3, zero_h, e * 0,
+                                 pvalid, 1, H3, K_BIAS)
+        nw1 = kb1
+        nw2 = kb1
+        nw3 = kb3
+        if K_NORM:
+            nw1 = tl.load(kn_ptr + src1, mask=pvalid, other=0.0)
+            nw2 = tl.load(kn_ptr + src2, mask=pvalid, other=0.0)
+            if H3 > 0:
+                nw3 = tl.load(kn_ptr + src3, mask=evalid, other=0.0)
+
+    i = tl.arange(0, BLOCK_N)
+    m_i = tl.full([Q_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([Q_PAD], 0.0, tl.float32)
+    acc = tl.full([Q_PAD, RV_PAD], 0.0, tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for t in range(t_lo, t_hi):
+        pos = first + t * BLOCK_N + i
+        valid = pos < end  # rows from the end on are never loaded (null blocks)
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
+        k2 = k1
+        if H3 > 0:
+            k3 = tl.full([BLOCK_N, H3], 0.0, tl.float32)
+        else:
+            k3 = k1  # no unrotated rest: a placeholder
+        for rc in range(0, rk, RC):
+            if QUANT:
+                coff = k_off + (rc * K_BITS) // 8
+                par = kpar
+                if K_QG > 0:
+                    par = kpar + rc // K_QG
+            else:
+                coff = k_off + rc
+                par = kpar
+            ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par, k_scale_off,
+                                   k_zero_off, DT, QUANT, K_BITS, RC, K_QG, ALIGNED, 1, False)
+            wrow = wg + (rc + rr)[:, None] * CW
+            w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
+            w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
+            k1 = tl.dot(ck, w1, k1)
+            k2 = tl.dot(ck, w2, k2)
+            if H3 > 0:
+                w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :], other=0.0)
+                k3 = tl.dot(ck, w3, k3)
+        if K_BIAS or K_NORM:
+            k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, zero_h,
+                                        e * 0, inv_hd, norm_eps, H3, 1, K_BIAS, K_NORM)
+        rm = valid[:, None] & pvalid[None, :]
+        ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
+        si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
+        kr1 = (k1 * ci - k2 * si).to(DT)
+        kr2 = (k2 * ci + k1 * si).to(DT)
+        sc = tl.dot(q1, tl.trans(kr1))
+        sc = tl.dot(q2, tl.trans(kr2), sc)  # [Q_PAD, BLOCK_N]
+        if H3 > 0:
+            sc = tl.dot(q3, tl.trans(k3.to(DT)), sc)
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
+        cv, _, _ = load_latent(cache_ptr, row, valid, v_off, rv, vpar, v_scale_off,
+                               v_zero_off, DT, QUANT, V_BITS, RV_PAD, V_QG, ALIGNED, 1, False)
+        acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    c = tl.arange(0, RV_PAD)
+    cols = ocol + (jj * QPK + hq)[:, None] * rv + c[None, :]
+    om = hm[:, None] & (c[None, :] < rv)
+    heads = j * QPK + hq
+    if SPLIT:
+        bs = b.to(tl.int64) * n_splits + s
+        tl.store(po_ptr + bs * out_width + cols, o, mask=om)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + bs * num_heads + heads, lse, mask=hm)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om)
+        if LSE:
+            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n, mask=hm)

@@ -1,0 +1,291 @@
+"""Device helpers shared by the decode kernels (:mod:`.decode`, :mod:`.decode_wide`).
+
+- latent tile loads: float rows, or packed 8/4/3/2-bit codes with their float16
+  scale/zero pairs (:func:`load_latent`; the slot format of
+  :class:`vllm_lowrank.quantization.SlotLayout`), dequantized to the dot dtype;
+- the key transforms applied to rebuilt keys before RoPE (key bias, QK-norm);
+- the split-K merge of partial outputs by their log-sum-exp (:func:`reduce_splits_kernel`).
+
+Only builtins of ``triton.language`` are used inside the kernels (no ``tl.max`` /
+``tl.sum`` / ``tl.zeros`` / ``tl.cdiv``, which are themselves ``@triton.jit``
+functions).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def load_f16_param(ptrs, mask, ALIGNED: tl.constexpr):
+    """fp16 values at byte pointers ``ptrs`` (uint8), as float32."""
+    if ALIGNED:
+        v = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
+        return v.to(tl.float32)
+    else:
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptrs + 1, mask=mask, other=0).to(tl.int32)
+        bits = (lo | (hi << 8)).to(tl.uint16)
+        return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr,
+                RMULT: tl.constexpr):
+    """Unpack the ``PAD`` (>= r) codes of each row: ``rows`` [N] uint8 pointers to
+    the slots, ``code_off`` byte offset of the group's codes, ``r`` (a multiple of
+    8, and of ``RMULT``) codes stored. Returns int32 [N, PAD] (0 beyond ``r`` and
+    on invalid rows).
+
+    Code ``c`` sits at bit ``c * BITS`` of the little-endian stream
+    (:func:`vllm_lowrank.quantization.pack`). Every byte is loaded once, as a row
+    of contiguous bytes (vectorizable), and expanded in registers with broadcast
+    shifts and a reshape; no ``tl.interleave`` (miscompiled by triton 3.6):
+
+    - 8/4/2 bits: bytes ``[N, PAD*BITS/8]``; byte ``j`` holds codes
+      ``j*CPB .. j*CPB+CPB-1`` (``CPB = 8/BITS``) at bits ``0, BITS, ...``:
+      ``(byte[:, :, None] >> (BITS * arange(CPB))) & mask`` -> ``[N, PAD/CPB, CPB]``
+      -> row-major reshape to ``[N, PAD]``.
+    - 3 bits: 8 codes fill 3 bytes (codes straddle bytes); the 3 bytes of each
+      octet are loaded as 3 strided tiles ``[N, PAD/8]`` and joined into a 24-bit
+      word, then ``(word[:, :, None] >> (3 * arange(8))) & 7`` -> reshape."""
+    if BITS == 8:
+        c = tl.arange(0, PAD)
+        x = tl.load(rows[:, None] + code_off + c[None, :],
+                    mask=valid[:, None] & (c[None, :] < r), other=0)
+        return x.to(tl.int32)
+    elif BITS == 3:
+        NOCT: tl.constexpr = PAD // 8
+        o = tl.arange(0, NOCT)
+        m = valid[:, None] & (o[None, :] < r // 8)
+        base = rows[:, None] + code_off + 3 * o[None, :]
+        b0 = tl.load(base, mask=m, other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)  # [N, NOCT]
+        sh = tl.arange(0, 8) * 3
+        codes = (word[:, :, None] >> sh[None, None, :]) & 7  # [N, NOCT, 8]
+        return tl.reshape(codes, [rows.shape[0], PAD])
+    else:
+        CPB: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = PAD // CPB
+        j = tl.arange(0, NB)
+        rb = r // CPB  # bytes stored
+        if RMULT // CPB > 1:
+            rb = tl.multiple_of(rb, RMULT // CPB)
+        x = tl.load(rows[:, None] + code_off + j[None, :],
+                    mask=valid[:, None] & (j[None, :] < rb), other=0).to(tl.int32)
+        sh = tl.arange(0, CPB) * BITS
+        codes = (x[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)  # [N, NB, CPB]
+        return tl.reshape(codes, [rows.shape[0], PAD])
+
+
+@triton.jit
+def codes_f32(codes, OFFSET: tl.constexpr):
+    """``codes - OFFSET`` as float32 for int32 codes ``0 <= c < 2^22``, through
+    the exponent bits (``2^23 + c`` is the float with those low mantissa bits):
+    exact, and two full-rate ALU/FMA operations instead of one quarter-rate
+    integer conversion."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def load_pair(rows, valid, par, scale_off, zero_off, ALIGNED: tl.constexpr):
+    """Scale and zero point ``par`` of each row (``rows`` [N] uint8 slot pointers),
+    float32 [N] each (0 on invalid rows)."""
+    sc = load_f16_param(rows + scale_off + 2 * par, valid, ALIGNED)
+    ze = load_f16_param(rows + zero_off + 2 * par, valid, ALIGNED)
+    return sc, ze
+
+
+@triton.jit
+def load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero_off,
+                 DT: tl.constexpr, QUANT: tl.constexpr, BITS: tl.constexpr,
+                 PAD: tl.constexpr, QG: tl.constexpr, ALIGNED: tl.constexpr,
+                 RMULT: tl.constexpr, POST: tl.constexpr):
+    """``(x, scale, zero)``: the latent tile ``x`` [N, PAD] in ``DT`` and, for a
+    post-scaled packed side (``POST``), the rows' scale and zero point [N] float32.
+
+    ``POST`` (packed, one pair per row and group, ``QG = 0``): ``x`` holds the
+    centred codes ``code - 2^(BITS-1)`` (integers in ``[-128, 127]``: exact in
+    bf16/fp16/fp32 and tf32), ``zero`` the matching ``zero + 2^(BITS-1) * scale``,
+    so that latent = ``x * scale + zero`` is applied after the dot. Centring keeps
+    the products in the dot as small as the latents (uncentred codes are all
+    positive: their sum nearly cancels against the zero-point term, which
+    magnified the rounding of the probabilities and the accumulation, measured
+    rel. error 1.3e-2 at 8 x 128k). Invalid rows get scale = zero = 0 (their
+    centred codes are -2^(BITS-1); callers multiply them by 0 or by a zero
+    probability). Otherwise ``x`` is the dequantized (or float) latent tile and
+    ``scale``/``zero`` are unused zeros; ``x`` is zero on invalid rows and, for a
+    float cache, beyond rank ``r``.
+
+    Float cache: ``row_off``/``col_off`` in elements. Quantized cache: in bytes;
+    ``par_base`` is the group's first scale/zero index, ``QG`` channels per
+    scale/zero pair (0: one pair per row, one head group). A power-of-two ``QG``
+    loads the ``[N, PAD/QG]`` pairs once and broadcasts them over
+    ``[N, PAD/QG, QG]``; any other ``QG`` gathers one pair per element."""
+    c = tl.arange(0, PAD)
+    sc_out = tl.full([valid.shape[0]], 0.0, tl.float32)
+    ze_out = sc_out
+    if POST:
+        rows = cache_ptr + row_off
+        x = codes_f32(load_codes(rows, col_off, r, valid, BITS, PAD, RMULT),
+                       1 << (BITS - 1))
+        sc_out, ze_out = load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
+        ze_out = ze_out + (1 << (BITS - 1)) * sc_out
+    elif QUANT:
+        rows = cache_ptr + row_off
+        codes = codes_f32(load_codes(rows, col_off, r, valid, BITS, PAD, RMULT), 0)
+        if QG == 0:
+            sc, ze = load_pair(rows, valid, par_base, scale_off, zero_off, ALIGNED)
+            x = codes * sc[:, None] + ze[:, None]
+        elif (QG & (QG - 1)) == 0:
+            NQ: tl.constexpr = PAD // QG
+            qi = tl.arange(0, NQ)
+            pm = valid[:, None] & (qi[None, :] * QG < r)
+            pidx = 2 * (par_base + qi)
+            sc = load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
+            ze = load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
+            x3 = tl.reshape(codes, [rows.shape[0], NQ, QG]) * sc[:, :, None] + ze[:, :, None]
+            x = tl.reshape(x3, [rows.shape[0], PAD])
+        else:
+            pm = valid[:, None] & (c[None, :] < r)
+            pidx = 2 * (par_base + c // QG)
+            sc = load_f16_param(rows[:, None] + scale_off + pidx[None, :], pm, ALIGNED)
+            ze = load_f16_param(rows[:, None] + zero_off + pidx[None, :], pm, ALIGNED)
+            x = codes * sc + ze
+        # No select on the tile: invalid rows have zero codes and parameters (masked
+        # loads), so they are 0; channels c >= r of a valid row hold the zero point
+        # (QG = 0) but only meet zero-padded operands (query columns >= r_k, B_k
+        # rows >= r_k) or output columns that are never stored (>= r_v).
+    else:
+        x = tl.load(cache_ptr + row_off[:, None] + col_off + c[None, :],
+                    mask=valid[:, None] & (c[None, :] < r), other=0.0)
+    return x.to(DT), sc_out, ze_out
+
+
+@triton.jit
+def transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3, inv_hd, norm_eps,
+                    C3: tl.constexpr, G: tl.constexpr, K_BIAS: tl.constexpr,
+                    K_NORM: tl.constexpr):
+    """Key bias and per-head RMSNorm of a rebuilt (unrotated) key tile.
+
+    ``k1``/``k2`` [N, C1] float32 are the two RoPE sections (column ``c`` of KV
+    head ``kvh1[c]``), ``k3`` [N, CW] the unrotated rest (KV head ``kvh3[c]``;
+    ignored when ``C3 == 0``); padding columns (``kvh = -1``) are zero and stay
+    zero. ``kb*`` are the bias values of each column, ``nw*`` the norm weights
+    (0 on padding columns). RMSNorm (Zhang & Sennrich 2019, eq. 4) per token and
+    KV head over the whole head (both rotary halves and the rest)::
+
+        k <- k / sqrt(sum(k^2) * inv_hd + norm_eps) * w      (inv_hd = 1 / head_dim)
+
+    applied after the bias, before RoPE (the torch path's ``KeyTransform``)."""
+    if K_BIAS:
+        k1 = k1 + kb1[None, :]
+        k2 = k2 + kb2[None, :]
+        if C3 > 0:
+            k3 = k3 + kb3[None, :]
+    if K_NORM:
+        sq = k1 * k1 + k2 * k2  # same KV head per column in both rotary sections
+        if G == 1:
+            ss = tl.reduce(sq, 1, add_combine)
+            if C3 > 0:
+                ss += tl.reduce(k3 * k3, 1, add_combine)
+            rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]  # [N, 1]
+            k1 = k1 * rs * nw1[None, :]
+            k2 = k2 * rs * nw2[None, :]
+            if C3 > 0:
+                k3 = k3 * rs * nw3[None, :]
+        else:
+            r1 = sq * 0.0
+            r3 = k3 * 0.0
+            for j in tl.static_range(G):
+                m1 = (kvh1 == j)[None, :]
+                ss = tl.reduce(tl.where(m1, sq, 0.0), 1, add_combine)
+                if C3 > 0:
+                    m3 = (kvh3 == j)[None, :]
+                    ss += tl.reduce(tl.where(m3, k3 * k3, 0.0), 1, add_combine)
+                rs = tl.rsqrt(ss * inv_hd + norm_eps)[:, None]
+                r1 = tl.where(m1, rs, r1)
+                if C3 > 0:
+                    r3 = tl.where(m3, rs, r3)
+            k1 = k1 * r1 * nw1[None, :]
+            k2 = k2 * r1 * nw2[None, :]
+            if C3 > 0:
+                k3 = k3 * r3 * nw3[None, :]
+    return k1, k2, k3
+
+
+@triton.jit
+def key_bias(kb_ptr, grp, head_dim, src1, src2, src3, kvh1, kvh3, pvalid, G: tl.constexpr,
+              C3: tl.constexpr, K_BIAS: tl.constexpr):
+    """Bias of head group ``grp`` per packed key column: ``(kb1, kb2, kb3)``
+    float32 ``[C1]``, ``[C1]``, ``[CW]`` from ``bias [num_kv_heads * head_dim]``
+    (column of KV head ``kvh`` and dimension ``src``; 0 on padding columns).
+    Without ``K_BIAS``: zeros of the same shapes (a norm without a bias)."""
+    if K_BIAS:
+        kb1 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src1, mask=pvalid, other=0.0)
+        kb2 = tl.load(kb_ptr + (grp * G + kvh1) * head_dim + src2, mask=pvalid, other=0.0)
+        kb3 = kb1
+        if C3 > 0:
+            kb3 = tl.load(kb_ptr + (grp * G + kvh3) * head_dim + src3, mask=src3 >= 0,
+                          other=0.0)
+    else:
+        kb1 = src1 * 0.0
+        kb2 = kb1
+        kb3 = src3 * 0.0
+    return kb1, kb2, kb3
+
+
+@triton.jit
+def reduce_splits_kernel(po_ptr, plse_ptr, out_ptr, head_of_col_ptr, n_splits, out_width,
+                   num_heads, lse_ptr, S_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                   LSE: tl.constexpr, H_PAD: tl.constexpr):
+    """Merge the split partials: ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)``.
+
+    ``LSE``: the column block 0 of each sequence also stores the merged natural
+    log-sum-exp per head, ``lse [B, num_heads] = ln 2 * (M + log2 sum_s 2^(lse_s - M))``
+    (``-inf`` where every split is empty)."""
+    b = tl.program_id(0)
+    cb = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < out_width
+    hd = tl.load(head_of_col_ptr + c, mask=cm, other=0)
+    sp = tl.arange(0, S_PAD)
+    sm = sp < n_splits
+    base = b.to(tl.int64) * n_splits + sp  # [S_PAD]
+    lse = tl.load(plse_ptr + base[:, None] * num_heads + hd[None, :],
+                  mask=sm[:, None] & cm[None, :], other=float("-inf"))
+    mx = tl.reduce(lse, 0, max_combine)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx[None, :])
+    o = tl.load(po_ptr + base[:, None] * out_width + c[None, :],
+                mask=sm[:, None] & cm[None, :] & (w > 0.0), other=0.0)
+    num = tl.reduce(w * o, 0, add_combine)
+    den = tl.reduce(w, 0, add_combine)
+    tl.store(out_ptr + b.to(tl.int64) * out_width + c, num / tl.where(den > 0.0, den, 1.0),
+             mask=cm)
+    if LSE:
+        if cb == 0:
+            hh = tl.arange(0, H_PAD)
+            hm = hh < num_heads
+            lh = tl.load(plse_ptr + base[:, None] * num_heads + hh[None, :],
+                         mask=sm[:, None] & hm[None, :], other=float("-inf"))
+            mh = tl.reduce(lh, 0, max_combine)
+            mh = tl.where(mh == float("-inf"), 0.0, mh)
+            dh = tl.reduce(tl.exp2(lh - mh[None, :]), 0, add_combine)
+            lse_h = tl.where(dh > 0.0,
+                             (mh + tl.log2(tl.where(dh > 0.0, dh, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(lse_ptr + b.to(tl.int64) * num_heads + hh, lse_h, mask=hm)
