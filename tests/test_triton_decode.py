@@ -862,6 +862,50 @@ def test_wide_span(sink, recent, window, bits, splits):
     assert (lse[fin] - ref_lse[fin]).abs().max() < LSE_TOL
 
 
+def channel_key_cache(plan, nblk, page, g, bits, kct):
+    """Random latents packed with per-channel keys over groups of ``kct``
+    positions (every group complete, as the token-adaptive writer leaves the
+    latent span): ``(slots, layout, key rows, value rows)``."""
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, *bits, k_channel_tokens=kct)
+    slots = layout.encode_complete(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    return (slots, layout, *layout.decode(slots))
+
+
+@pytest.mark.parametrize("group_size,kr,vr,bits,kct,page,span,splits", [
+    (1, (8, 24, 16, 32), (16, 8, 32, 24), (4, 4), 16, 16, None, 2),  # 20-byte shares
+    (4, (56,), (40,), (2, 4), 32, 32, None, 1),     # 7-byte shares: float16s split over slots
+    (2, (40, 16), (24, 64), (4, 8), 16, 32, (4, 17), 3),  # latent span (TALE) with LSE
+])
+def test_wide_channel_keys(group_size, kr, vr, bits, kct, page, span, splits):
+    """Per-channel keys (KIVI) read by the wide kernel against the float64
+    reference on ``SlotLayout.decode``'s values and against the torch path."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
+                                                       v_ranks=vr, page=page, seed=59)
+    slots, layout, kd, vd = channel_key_cache(plan, nblk, page, g, bits, kct)
+    assert layout.k_share_bytes == 4 * sum(kr) // kct
+    rope = make_rope(32)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    sink, recent = span or (0, 0)
+    cache = slots.view(nblk, 1, page, -1)
+    out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
+                   sink=sink, recent=recent, return_lse=True)
+    ref, ref_lse = span_reference(plan, k_up, rope, 32 ** -0.5, q, gather(kd, bt, lens, page),
+                                  gather(vd, bt, lens, page), lens, in_span(sink, recent, None))
+    assert rel_err(out, ref) < TOL32
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - ref_lse[fin]).abs().max() < LSE_TOL
+    cpu = decode_attention(plan, k_up, rope, 32 ** -0.5, q, cache, bt.clamp(max=nblk - 1),
+                           lens, int(lens.max()), layout=layout, sink=sink, recent=recent)
+    assert rel_err(out, cpu.double()) < TOL32
+    with pytest.raises(ValueError, match="wide-group kernel only"):
+        run(plan, k_up, rope, q, cache, bt, lens, layout=layout,
+            config=dec.KernelConfig(wide=False))
+
+
 def test_wide_chosen_for_large_key_tiles(monkeypatch):
     """The default launch takes the wide kernel exactly when a group's key tile
     exceeds TRITON_MAX_KEY_TILE (J-LRD on Llama-3-8B's 8 KV heads of 128 at rank
@@ -904,6 +948,7 @@ def test_wide_errors():
     (2, None, "pre_rope", False),      # uneven ranks, 16-bit latents
     (1, (8, 4), "pre_rope", True),     # packed, token-adaptive span with its LSE
     (1, (4, 4), "post_rope", False),
+    (2, "channel", "pre_rope", True),  # per-channel keys (wide kernel) and the span
 ])
 def test_self_check(monkeypatch, group_size, bits, mode, span):
     """The self-check passes the kernel as it is and refuses one whose output
@@ -917,7 +962,8 @@ def test_self_check(monkeypatch, group_size, bits, mode, span):
     rope = make_rope(32, max_pos=1024)
     layer = types.SimpleNamespace(
         plan=plan, k_up=k_up.to(DEV), post_rope=mode == "post_rope",
-        layout=SlotLayout(kr, vr, *bits) if bits else None,
+        layout=(SlotLayout(kr, vr, 4, 4, k_channel_tokens=16) if bits == "channel"
+                else SlotLayout(kr, vr, *bits) if bits else None),
         rope_table=lambda device: rope, key_transform=lambda: None)
     kw = dict(mode=mode, layout=layer.layout, transform=None, window=None,
               sink=16 if span else 0, recent=33 if span else 0)

@@ -1120,14 +1120,15 @@ def _wide_config(plan, prep: _Prepared, device) -> dict:
 
 
 def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
-                 cfg: KernelConfig, rope, rotary_dim: int, num_splits: int, bsz: int):
+                 cfg: KernelConfig, layout, rotary_dim: int, num_splits: int, bsz: int):
     """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
     for the grid kernel (same pointers, tables and split-K buffers)."""
     from .decode_wide import wide_decode_kernel
 
     sh = plan.shape
     half, rest = rotary_dim // 2, sh.head_dim - rotary_dim
-    k_qg = common["K_QG"]
+    chan = layout is not None and layout.k_per_channel
+    k_qg = 0 if chan else common["K_QG"]
     rc = cfg.rank_chunk or dflt["rank_chunk"]
     if k_qg and (k_qg & (k_qg - 1)):
         rc = prep.rk_max_pad  # a chunk must start on a group boundary: one chunk
@@ -1137,6 +1138,7 @@ def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
     wide_decode_kernel[(num_splits, sh.num_kv_heads, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
+        layout.k_share_offset if chan else 0, sum(plan.k_ranks),
         G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=_pow2(sh.queries_per_kv),
         HALF=half, H1=_pow2(half), REST=rest, H3=_pow2(rest) if rest else 0, CW=prep.cw,
         RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
@@ -1144,7 +1146,9 @@ def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
         K_BITS=common["K_BITS"], V_BITS=common["V_BITS"], K_QG=k_qg, V_QG=common["V_QG"],
         ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
         K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
-        LSE=common["LSE"], num_warps=common["num_warps"], num_stages=common["num_stages"])
+        LSE=common["LSE"], K_CHAN=chan, KCT=layout.k_channel_tokens if chan else 1,
+        SHARE=layout.k_share_bytes if chan else 1, num_warps=common["num_warps"],
+        num_stages=common["num_stages"])
 
 
 _CUDA_STATE: dict = {}
@@ -1283,7 +1287,10 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             is given. The last dimension must be contiguous.
         block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 (>= 1).
         max_seq_len: ``max(seq_lens)`` as a host int (sizes the split).
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of a packed cache.
+        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of a packed cache
+            (with per-channel keys: the wide-group kernel, every key group in
+            the attended span complete, ``block_size`` a multiple of
+            ``k_channel_tokens``).
         num_splits: Context splits per sequence and group (``None``: heuristic;
             1: no reduce pass).
         schedule: ``None`` for the plain grid; ``"lpt"`` or a
@@ -1420,8 +1427,15 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if query.shape[-1] < max(plan.k_ranks):
             raise ValueError("post_rope queries need >= max(k_ranks) columns")
 
-    wide = cfg.wide if cfg.wide is not None else (
-        mode == "pre_rope" and prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE)
+    per_channel = quant and layout.k_per_channel
+    wide = cfg.wide if cfg.wide is not None else (per_channel or (
+        mode == "pre_rope" and prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE))
+    if per_channel and not wide:
+        raise ValueError("per-channel keys decode on the wide-group kernel only "
+                         "(KernelConfig.wide=False was given)")
+    if per_channel and kv_cache.shape[2] % layout.k_channel_tokens:
+        raise ValueError(f"block_size {kv_cache.shape[2]} is not a multiple of the "
+                         f"per-channel key group ({layout.k_channel_tokens} tokens)")
     if wide and mode != "pre_rope":
         raise ValueError("the wide-group kernel rebuilds keys: pre_rope mode only")
     if wide and schedule is not None:
@@ -1541,7 +1555,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         int(window) if use_window else 0, sink, recent,
     )
     if wide:
-        _launch_wide(plan, prep, args, common, dflt, cfg, rope, rotary_dim, num_splits, bsz)
+        _launch_wide(plan, prep, args, common, dflt, cfg, layout, rotary_dim, num_splits, bsz)
     elif schedule is None:
         _decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:

@@ -26,7 +26,9 @@ vLLM"), so wide groups are compute-bound on a GPU in any case.
 
 Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
 one scale/zero pair per row and group or per power-of-two channel group
-(:func:`.tiles.load_latent`). Windows and the token-adaptive latent span bound
+(:func:`.tiles.load_latent`), and per-channel keys (KIVI: scale/zero per
+channel and group of positions, :func:`.tiles.load_channel_keys`; only this
+kernel reads them). Windows and the token-adaptive latent span bound
 the tiles as in :mod:`.decode`; the partial outputs and their base-2
 log-sum-exp have :mod:`.decode`'s split-K format and are merged by
 :func:`.tiles.reduce_splits_kernel`. The host side is
@@ -39,7 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import add_combine, key_bias, load_latent, max_combine, transform_keys
+from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, max_combine,
+                    transform_keys)
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def wide_decode_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
     G: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr,
     HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
     CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
@@ -58,6 +61,7 @@ def wide_decode_kernel(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
     WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
 ):
     """Grid ``(n_splits, num_kv_heads, B)``: split ``s`` of sequence ``b`` for KV
     head ``j``. ``w_ptr``: :func:`.decode.pack_key_weights` (``[num_groups, 3,
@@ -65,7 +69,10 @@ def wide_decode_kernel(
     ``jj * REST ..``); ``maps_ptr``/``gt_ptr``: :class:`.decode._Prepared`'s maps
     and group table. ``HALF``/``REST``: rotary half and unrotated rest of one
     head (``H1``/``H3`` their power-of-two pads, ``H3 = 0`` without a rest);
-    ``RC``: rank chunk (a multiple of ``K_QG`` when that is > 0)."""
+    ``RC``: rank chunk (a multiple of ``K_QG`` when that is > 0). ``K_CHAN``:
+    per-channel keys over groups of ``KCT`` positions, parameters in ``SHARE``
+    bytes per slot from ``share_off`` (:func:`.tiles.load_channel_keys`;
+    ``rk_total``: key channels of the layer)."""
     s = tl.program_id(0)
     j = tl.program_id(1)
     b = tl.program_id(2)
@@ -150,16 +157,22 @@ def wide_decode_kernel(
         else:
             k3 = k1  # no unrotated rest: a placeholder
         for rc in range(0, rk, RC):
-            if QUANT:
-                coff = k_off + (rc * K_BITS) // 8
-                par = kpar
-                if K_QG > 0:
-                    par = kpar + rc // K_QG
+            if K_CHAN:
+                ck = load_channel_keys(cache_ptr, row, pos, valid, k_off + (rc * K_BITS) // 8,
+                                       rk - rc, (k_off * 8) // K_BITS + rc, s_tok, share_off,
+                                       rk_total, DT, K_BITS, RC, KCT, SHARE)
             else:
-                coff = k_off + rc
-                par = kpar
-            ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par, k_scale_off,
-                                   k_zero_off, DT, QUANT, K_BITS, RC, K_QG, ALIGNED, 1, False)
+                if QUANT:
+                    coff = k_off + (rc * K_BITS) // 8
+                    par = kpar
+                    if K_QG > 0:
+                        par = kpar + rc // K_QG
+                else:
+                    coff = k_off + rc
+                    par = kpar
+                ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par, k_scale_off,
+                                       k_zero_off, DT, QUANT, K_BITS, RC, K_QG, ALIGNED, 1,
+                                       False)
             wrow = wg + (rc + rr)[:, None] * CW
             w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
             w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)

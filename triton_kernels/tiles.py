@@ -176,6 +176,48 @@ def load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero
 
 
 @triton.jit
+def _share_byte(cache_ptr, gbase, o, s_tok, share_off, SHARE: tl.constexpr, mask):
+    """Byte ``o`` [PAD] of each row's token-group parameter stream: slot
+    ``o // SHARE`` of the group (``gbase`` [N]: the group's first slot), byte
+    ``share_off + o % SHARE`` of that slot; int32 [N, PAD]."""
+    ptr = cache_ptr + gbase[:, None] + (o // SHARE).to(tl.int64)[None, :] * s_tok \
+        + share_off + (o % SHARE)[None, :]
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def load_channel_keys(cache_ptr, row_off, pos, valid, code_off, r, ch0, s_tok, share_off,
+                      rk_total, DT: tl.constexpr, BITS: tl.constexpr, PAD: tl.constexpr,
+                      KCT: tl.constexpr, SHARE: tl.constexpr):
+    """Per-channel quantized key latents (KIVI sec. 3.2; the layout of
+    :class:`vllm_lowrank.quantization.SlotLayout` with ``k_channel_tokens``):
+    channels ``ch0 .. ch0 + PAD - 1`` of the rows at positions ``pos`` [N]
+    (``row_off`` [N] their slots' byte offsets, ``valid`` [N]), dequantized to
+    ``DT`` [N, PAD] (0 on invalid rows and channels ``>= r``).
+
+    Codes are per token (``code_off``: byte offset of channel ``ch0``'s code in
+    the slot); scale and zero are per channel and per aligned group of ``KCT``
+    positions (inside one KV block), stored as the group's stream
+    ``[scales (rk_total) | zeros (rk_total)]`` float16 spread over its ``KCT``
+    slots, ``SHARE`` bytes each from ``share_off``: channel ``c``'s scale is
+    stream bytes ``2c, 2c + 1``, its zero ``2 (rk_total + c)``, ``+ 1`` (read
+    byte by byte: an odd ``SHARE`` splits a float16 over two slots)."""
+    codes = codes_f32(load_codes(cache_ptr + row_off, code_off, r, valid, BITS, PAD, 1), 0)
+    c = tl.arange(0, PAD)
+    m = valid[:, None] & (c[None, :] < r)
+    gbase = row_off - (pos % KCT).to(tl.int64) * s_tok  # the group's first slot
+    o_s = 2 * (ch0 + c)
+    o_z = 2 * (rk_total + ch0 + c)
+    sb = _share_byte(cache_ptr, gbase, o_s, s_tok, share_off, SHARE, m) | \
+        (_share_byte(cache_ptr, gbase, o_s + 1, s_tok, share_off, SHARE, m) << 8)
+    zb = _share_byte(cache_ptr, gbase, o_z, s_tok, share_off, SHARE, m) | \
+        (_share_byte(cache_ptr, gbase, o_z + 1, s_tok, share_off, SHARE, m) << 8)
+    sc = sb.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    ze = zb.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return (codes * sc + ze).to(DT)
+
+
+@triton.jit
 def transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, kvh1, kvh3, inv_hd, norm_eps,
                     C3: tl.constexpr, G: tl.constexpr, K_BIAS: tl.constexpr,
                     K_NORM: tl.constexpr):

@@ -285,6 +285,28 @@ class SlotLayout:
         tail = vc.new_zeros(*vc.shape[:-1], self.slot_bytes - self.k_share_offset)
         return torch.cat([kc, vc, *as_bytes, tail], dim=-1)  # K share and padding
 
+    def encode_complete(self, k_latent: torch.Tensor, v_latent: torch.Tensor) -> torch.Tensor:
+        """:meth:`encode` of ``[T, Rk]``, ``[T, Rv]`` latents at positions ``0 ..
+        T - 1`` with every per-channel key group complete: the K codes and shares
+        are filled as :meth:`encode_key_groups` writes them (what a cache holds
+        once its groups are complete).
+
+        Raises:
+            ValueError: per-channel keys and ``T`` not a multiple of
+                ``k_channel_tokens``.
+        """
+        slots = self.encode(k_latent, v_latent)
+        if not self.k_per_channel:
+            return slots
+        g = self.k_channel_tokens
+        if k_latent.shape[0] % g:
+            raise ValueError(f"{k_latent.shape[0]} rows are not whole groups of {g} tokens")
+        codes, share = self.encode_key_groups(k_latent.reshape(-1, g, k_latent.shape[-1]))
+        groups = slots.view(-1, g, slots.shape[-1])
+        groups[..., :self.k_codes_bytes] = codes
+        groups[..., self.k_share_offset:self.natural_bytes] = share
+        return slots
+
     def encode_key_groups(self, k_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel keys of complete token groups.
 

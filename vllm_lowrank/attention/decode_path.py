@@ -7,9 +7,10 @@ Three implementations compute the same decode attention from the latent cache:
   with one rank per layer and 16-bit latents
   (:func:`~vllm_lowrank.triton_kernels.decode.cuda_path_blocker` says why not);
 - ``triton``: :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention`
-  (any grouping, uneven ranks, packed 8/4/3/2-bit per-token sides, key bias /
+  (any grouping, uneven ranks, packed 8/4/3/2-bit per-token sides, per-channel
+  keys, key bias /
   QK-norm, sliding windows, the token-adaptive span; groups whose key tile does
-  not fit one program run its wide-group variant,
+  not fit one program, and per-channel keys, run its wide-group variant,
   :mod:`vllm_lowrank.triton_kernels.decode_wide`);
 - ``torch``: :func:`~vllm_lowrank.attention.latent_attention.decode_attention`
   (every cache format, every device; on CUDA slower and never captured in a
@@ -66,15 +67,13 @@ def fused_decode():
 
 
 def fused_supports(layout) -> bool:
-    """Whether the fused kernels read this cache format: unquantized caches and
-    packed 8/4/3/2-bit per-token (or channel-grouped) sides. A side kept as raw
-    float16 inside a packed slot, and per-channel keys (KIVI), take the torch
-    path."""
+    """Whether the fused kernels read this cache format: unquantized caches,
+    packed 8/4/3/2-bit per-token (or channel-grouped) sides and per-channel keys
+    (KIVI; the wide-group Triton kernel). A side kept as raw float16 inside a
+    packed slot takes the torch path."""
     from vllm_lowrank.quantization import RAW_BITS
 
-    if layout is None:
-        return True
-    return RAW_BITS not in (layout.k_bits, layout.v_bits) and not layout.k_per_channel
+    return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
 
 
 def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
@@ -116,7 +115,7 @@ def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
     if layout is None:
         rows = lat.to(dtype)
     else:
-        rows = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        rows = layout.encode_complete(lat[:, :plan.k_width], lat[:, plan.k_width:])
     cache = rows.view(num_blocks, 1, block_size, -1).to(device)
     post_rope = kw["mode"] == "post_rope"
     width = max(plan.k_ranks) if post_rope else plan.shape.head_dim
@@ -170,8 +169,8 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
         return DecodePath("torch", "not on a CUDA device")
     if not fused_supports(layer.layout):
         return _logged(layer, DecodePath(
-            "torch", "the fused kernels read neither per-channel keys nor a raw 16-bit "
-                     "side inside a packed slot"))
+            "torch", "the fused kernels do not read a raw 16-bit side inside a packed "
+                     "slot"))
     plan, layout = layer.plan, layer.layout
     rope = layer.rope_table(device)
     span = dict(sink=layer.exact.sink, recent=layer.exact.recent + 1) \
@@ -188,7 +187,8 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
         or dec._cuda_unavailable()
     refused = []
     candidates = [] if why is not None else [("cuda", "in the CUDA kernel's scope")]
-    wide = not layer.post_rope and dec.needs_wide(plan, layout, rope.rotary_dim)
+    wide = not layer.post_rope and (layout is not None and layout.k_per_channel
+                                    or dec.needs_wide(plan, layout, rope.rotary_dim))
     kernel = "wide-group Triton kernel (one program per KV head)" if wide else "Triton kernel"
     candidates.append(("triton", f"{kernel}; outside the CUDA kernel's scope: {why}"))
     for name, reason in candidates:
