@@ -138,10 +138,11 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
     """
     import torch
 
-    from vllm_lowrank.attention.exact_cache import ExactSlot
+    from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.calibration.allocate import serving_config
     from vllm_lowrank.config import LowRankConfig
-    from vllm_lowrank.models.compression import exact_tokens, slot_layouts
+    from vllm_lowrank.format.exact import exact_tokens
+    from vllm_lowrank.models.compression import slot_layouts
 
     if "allocate" in cfg:  # serving settings as recorded, bits per layer as built
         settings = serving_config(serving)

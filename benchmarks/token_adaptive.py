@@ -51,7 +51,7 @@ def main() -> None:
     from vllm_lowrank.cli import resolve_model
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.evaluation import run_setting
-    from vllm_lowrank.models.compression import exact_tokens
+    from vllm_lowrank.format.exact import exact_tokens
 
     model = resolve_model(args.model)
     block = args.block_size

@@ -93,7 +93,7 @@ def test_string_shorthand_in_additional_config():
 
 
 def test_channel_group_must_divide_the_block():
-    from vllm_lowrank.models.compression import exact_tokens
+    from vllm_lowrank.format.exact import exact_tokens
 
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 4, "token_adaptive": True,
                                    "k_quant": "channel", "k_channel_tokens": 48})

@@ -15,7 +15,7 @@ from test_latent_attention import make_rope
 from test_token_adaptive import SCALE, as_stored, make_v_up, reference
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
-from vllm_lowrank.attention.exact_cache import ExactSlot
+from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
 from vllm_lowrank.quantization import SlotLayout, quantize, quantize_channels
 

@@ -13,7 +13,7 @@ import torch
 
 from test_latent_attention import BLOCK, fill, rotate64, setup_case
 from vllm_lowrank.attention import token_adaptive as tale
-from vllm_lowrank.attention.exact_cache import ExactSlot
+from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.attention.rope import RopeTable
 
 SCALE = 0.3

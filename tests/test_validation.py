@@ -150,7 +150,7 @@ def test_engine_config_refusals(capsys, model_path, compression, fragment):
 
 # ------------------------------------------------------------------ artifacts
 def _serving(**kw) -> dict:
-    from vllm_lowrank.calibration.allocate import SERVING_KEYS
+    from vllm_lowrank.calibration.schema import SERVING_KEYS
 
     cfg = LowRankConfig(**kw)
     return {k: getattr(cfg, k) for k in SERVING_KEYS}

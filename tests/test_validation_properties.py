@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from test_validation import _config_flag, _refused, _serving
 
 from vllm_lowrank.calibration import artifact as art
+from vllm_lowrank.format.exact import exact_tokens
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization.bases import GroupBasis
 from vllm_lowrank.factorization.plan import AttentionShape
@@ -135,7 +136,7 @@ def _serve(path: str) -> dict:
     cfg, bits = comp.allocation_settings(cfg, artifact, path)
     shapes = {i: SHAPE for i in range(artifact.manifest["model"]["num_layers"])}
     plans = comp.allocate(cfg, shapes, artifact, per_layer=cfg.token_adaptive)
-    exact = comp.exact_tokens(cfg, 32)
+    exact = exact_tokens(cfg, 32)
     compression = comp.ModelCompression(cfg=cfg, plans=plans, artifact=artifact,
                                         artifact_path=path, exact_tokens=exact, bits=bits,
                                         one_page=cfg.token_adaptive)

@@ -25,6 +25,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_lowrank.errors import LowRankConfigError
+
 ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
 
@@ -57,10 +59,6 @@ INTEGER_MAXIMA = {
 }
 """Largest accepted value of every free integer setting (bits are a choice
 from a list; the lower bounds are checked one by one in ``validate``)."""
-
-
-class LowRankConfigError(ValueError):
-    """A ``--kv-compression`` setting is invalid; the message names the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +113,7 @@ class LowRankConfig:
             model dtype, bit for bit) or 8 (per-token, per-head int8 with
             float16 scale/zero: half the bytes, +0.0 % perplexity on the
             embedded model when the whole cache is stored so; see
-            :class:`~vllm_lowrank.attention.exact_cache.ExactSlot`).
+            :class:`~vllm_lowrank.format.exact.ExactSlot`).
         k_quant: ``"token"`` (per-token scale/zero, Palu) or ``"channel"``
             (per-channel scale/zero over groups of ``k_channel_tokens`` tokens,
             KIVI sec. 3.2). ``"channel"`` needs quantized keys and

@@ -28,7 +28,7 @@ import re
 import stat
 from typing import Any
 
-from vllm_lowrank.config import LowRankConfigError
+from vllm_lowrank.errors import LowRankConfigError
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest ``--kv-compression-config`` file (1 MiB; a real one is < 1 KiB)."""

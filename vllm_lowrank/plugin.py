@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm.lowrank")
+from vllm_lowrank.attention import BACKEND_NAME, BACKEND_PATH
 
-BACKEND_NAME = "LOWRANK_LATENT"
-BACKEND_PATH = "vllm_lowrank.attention.backend.LatentAttentionBackend"
+logger = logging.getLogger("vllm.lowrank")
 
 
 def register() -> None:

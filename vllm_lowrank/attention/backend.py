@@ -43,11 +43,12 @@ from vllm.v1.attention.backend import (
 from vllm.model_executor.layers.attention.attention import get_attention_context
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from vllm_lowrank.attention import BACKEND_NAME
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
 from vllm_lowrank.attention.decode_path import (DecodePath, decode_path, fused_decode,
                                                 graph_safe_decode)
-from vllm_lowrank.plugin import BACKEND_NAME
+from vllm_lowrank.attention.exact_cache import ExactTokensSpec
 
 
 class LatentAttentionBackend(AttentionBackend):
@@ -170,8 +171,6 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        from vllm_lowrank.attention.exact_cache import ExactTokensSpec
-
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
         # the exact-token group's metadata serves its block table only

@@ -221,10 +221,10 @@ def graph_safe_decode(vllm_config, device: torch.device) -> bool:
     the torch path, and token-adaptive layers (their exact part is attended in
     torch), are not: vLLM then runs decode eagerly. Chooses every layer's path
     (warming its kernel) as a side effect, before any capture."""
-    from vllm_lowrank.attention.layer import LatentAttention
-
+    # LatentAttention layers are the ones carrying a plan (this module sits below
+    # attention.layer, which imports the backend)
     layers = [layer for layer in vllm_config.compilation_config.static_forward_context.values()
-              if isinstance(layer, LatentAttention)]
+              if getattr(layer, "plan", None) is not None and hasattr(layer, "exact")]
     dtype = vllm_config.model_config.dtype
     paths = [decode_path(layer, dtype, device, vllm_config) for layer in layers]
     return all(layer.exact is None and path.name != "torch"

@@ -16,15 +16,20 @@ dispatch, cache binding) and changes three things:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 from vllm_lowrank.attention.backend import LatentAttentionBackend
+from vllm_lowrank.attention.exact_cache import ExactTokensSpec
 from vllm_lowrank.attention.latent_attention import KeyTransform
 from vllm_lowrank.attention.rope import RopeTable, rope_table_for
 from vllm_lowrank.factorization.plan import LayerPlan
+from vllm_lowrank.format.exact import ExactSlot
 
 
 class LatentAttention(Attention):
@@ -44,9 +49,9 @@ class LatentAttention(Attention):
             (``1.0`` for Gemma's ``x * (1 + w)``, ``0.0`` for ``x * w``).
         key_bias: Rebuilt keys get the k_proj bias (buffer ``k_bias``).
         sliding_window: Tokens each query sees (itself included), or ``None``.
-        exact_tokens: :class:`~vllm_lowrank.attention.exact_cache.ExactTokens`
+        exact_tokens: :class:`~vllm_lowrank.format.exact.ExactTokens`
             of the token-adaptive mode (TALE), or ``None``. The layer then owns an
-            :class:`~vllm_lowrank.attention.exact_cache.ExactTokenCache`
+            :class:`~vllm_lowrank.attention.layer.ExactTokenCache`
             (``exact``), :meth:`forward` also takes the exact post-RoPE keys and
             values, and the output is per-head values ``[T, num_heads *
             head_dim]`` for the model's own ``o_proj``
@@ -105,8 +110,6 @@ class LatentAttention(Attention):
                                 dtype=torch.float32), persistent=False)
         self.exact = None
         if exact_tokens is not None:
-            from vllm_lowrank.attention.exact_cache import ExactSlot, ExactTokenCache
-
             dtype = self.kv_cache_torch_dtype
             latent_bytes = (layout.slot_bytes if layout is not None else
                             (plan.k_width + plan.v_width) * dtype.itemsize)
@@ -202,3 +205,54 @@ class LatentAttention(Attention):
                 query, key, value, output, encoded, kv_cache_dummy_dep=dep
             )
         return output
+
+
+class ExactTokenCache(nn.Module, AttentionLayerBase):
+    """The exact-token cache layer of one latent attention layer.
+
+    Registered in vLLM's static forward context under ``prefix`` (its own
+    cache group, block table and slot mapping); it has no weights and no
+    forward. The latent attention backend writes and reads it.
+
+    Args:
+        slot: Layout of one slot (:class:`ExactSlot`).
+        sink: Sink tokens (rounded up to whole blocks by the caller).
+        recent: Recent tokens kept exact.
+        prefix: Layer name (``...self_attn.attn.exact``).
+
+    Attributes:
+        kv_cache: ``[num_blocks, 1, block_size, slot.slot_bytes]`` uint8, bound by vLLM.
+    """
+
+    def __init__(self, slot: ExactSlot, sink: int, recent: int, prefix: str) -> None:
+        super().__init__()
+        self.slot = slot
+        self.sink = sink
+        self.recent = recent
+        self.layer_name = prefix
+        self.kv_cache = torch.tensor([])
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        """:class:`ExactTokensSpec` with window ``recent + 1`` and the sinks."""
+        return ExactTokensSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.slot.kv_width,
+            head_size_v=self.slot.kv_width,
+            dtype=torch.uint8,
+            state_content_bytes=self.slot.slot_bytes,
+            sliding_window=self.recent + 1,
+            sink=self.sink,
+        )
+
+    def get_attn_backend(self):
+        """The latent backend: its metadata builder gives this group's block
+        table and slot mapping."""
+        return LatentAttentionBackend
+
+    def forward(self):  # pragma: no cover - never called
+        raise RuntimeError("ExactTokenCache is read and written by the latent backend")

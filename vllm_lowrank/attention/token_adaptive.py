@@ -24,7 +24,7 @@ model's own (not folded with ``B_v``).
 Shapes: the exact cache is ``[num_blocks, 1, block_size, slot_bytes]`` uint8;
 each slot starts with ``[k | v]`` (post-RoPE keys; model dtype or int8), then,
 with per-channel key quantization, the staged key latent ``c_k`` (``Rk``
-elements), then padding (:class:`vllm_lowrank.attention.exact_cache.ExactSlot`).
+elements), then padding (:class:`vllm_lowrank.format.exact.ExactSlot`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from vllm_lowrank.attention import latent_attention as latent
-from vllm_lowrank.attention.exact_cache import ExactSlot
+from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.factorization.plan import LayerPlan
 
 QUERY_CHUNK = latent.PREFILL_QUERY_CHUNK

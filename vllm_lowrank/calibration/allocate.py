@@ -30,14 +30,12 @@ from typing import Any
 import torch
 
 from vllm_lowrank.calibration import artifact as art
+from vllm_lowrank.calibration.schema import SERVING_KEYS
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import budget as bud
 
 logger = logging.getLogger("vllm.lowrank")
 
-SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "exact_bits", "k_quant",
-                "k_channel_tokens", "quant_group_size", "hadamard")
-"""Settings an allocation assumes and records; serving takes them from the artifact."""
 
 
 def serving_config(raw: Mapping[str, Any]) -> LowRankConfig:
@@ -87,7 +85,7 @@ def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int, exa
 
     Without exact tokens (``exact`` ``None``): ``diag(energy)`` of the fisher
     bases (eq. 1). With exact tokens (an
-    :class:`~vllm_lowrank.attention.exact_cache.ExactTokens`): ``B G B^T`` with ``G`` the gradient
+    :class:`~vllm_lowrank.format.exact.ExactTokens`): ``B G B^T`` with ``G`` the gradient
     second moment of the keys and values read from latents only
     (:func:`~vllm_lowrank.calibration.collect.collect_far_gradients`): the
     calibration Fisher is dominated by what the exact tokens already cover
@@ -134,10 +132,10 @@ def exact_costs(cfg: LowRankConfig, kv_widths: dict[int, int], head_dim: int, co
                 block_size: int):
     """``{layer: f(choice, slot)}``: amortised bytes per token of the exact
     tokens in a 16-bit deployment (``None`` without ``token_adaptive``): their
-    slots (:class:`~vllm_lowrank.attention.exact_cache.ExactSlot`, stored at
+    slots (:class:`~vllm_lowrank.format.exact.ExactSlot`, stored at
     ``cfg.exact_bits``) times their share of a ``context``-token sequence."""
-    from vllm_lowrank.attention.exact_cache import ExactSlot
-    from vllm_lowrank.models.compression import exact_tokens
+    from vllm_lowrank.format.exact import ExactSlot
+    from vllm_lowrank.format.exact import exact_tokens
 
     exact = exact_tokens(cfg, block_size)
     if exact is None:
@@ -250,7 +248,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     one_page = cfg.token_adaptive if one_page is None else one_page
     model, tok = load_hf_model(model_path)
     latents = calibration_latents(model, tok, artifact, num_windows)
-    from vllm_lowrank.models.compression import exact_tokens
+    from vllm_lowrank.format.exact import exact_tokens
 
     results = []
     for window in _exact_windows(cfg, choose_knobs):

@@ -17,7 +17,7 @@ field the plugin reads:
   ``1..group_size * head_dim``), and for a byte-budget allocation ``bits``
   (one ``[k_bits, v_bits]`` per layer from
   :data:`~vllm_lowrank.config.STORAGE_BITS`) and ``serving`` (keys from
-  :data:`~vllm_lowrank.calibration.allocate.SERVING_KEYS`, each valid as a
+  :data:`SERVING_KEYS`, each valid as a
   ``--kv-compression-config`` setting; a key missing from an artifact made
   before it existed keeps the config's value).
 
@@ -49,6 +49,10 @@ ALLOCATIONS = (*RANK_ALLOCATIONS, "bytes")
 
 _MODEL_STRINGS = ("architecture", "fingerprint")
 _MODEL_INTEGERS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
+
+SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "exact_bits", "k_quant",
+                "k_channel_tokens", "quant_group_size", "hadamard")
+"""Settings an allocation assumes and records; serving takes them from the artifact."""
 
 
 def _refuse(path: str, field: str, problem: str) -> LowRankConfigError:
@@ -174,7 +178,6 @@ def _per_layer(raw: Any, path: str, field: str, num_layers: int) -> dict[int, An
 
 
 def _check_serving(serving: Any, path: str) -> None:
-    from vllm_lowrank.calibration.allocate import SERVING_KEYS
 
     if not isinstance(serving, dict):
         raise _refuse(path, "ranks.serving", "must be an object of the settings the "

@@ -142,7 +142,7 @@ def check_token_windows(cfg: LowRankConfig, max_model_len: int, block_size: int)
     """
     if not cfg.token_adaptive:
         return
-    from vllm_lowrank.models.compression import exact_tokens
+    from vllm_lowrank.format.exact import exact_tokens
 
     for key in ("sink_tokens", "recent_tokens"):
         value = getattr(cfg, key)

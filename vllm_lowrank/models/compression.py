@@ -31,7 +31,6 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,9 +39,7 @@ from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
 from vllm_lowrank.factorization.ranks import energy_plans
-
-if TYPE_CHECKING:
-    from vllm_lowrank.attention.exact_cache import ExactTokens
+from vllm_lowrank.format.exact import ExactTokens, exact_tokens
 
 logger = logging.getLogger("vllm.lowrank")
 
@@ -68,7 +65,7 @@ class ModelCompression:
         artifact: Calibrated bases, or ``None`` for weight SVD.
         artifact_path: Where the artifact came from (for messages).
         exact_tokens: What the token-adaptive mode keeps at full rank
-            (:func:`exact_tokens`), or ``None`` when it is off.
+            (:func:`vllm_lowrank.format.exact.exact_tokens`), or ``None`` when it is off.
         bits: ``{layer: (k_bits, v_bits)}`` fixed by a byte-budget allocation
             (:mod:`vllm_lowrank.calibration.allocate`), or ``None``: the
             config's bits everywhere.
@@ -393,33 +390,6 @@ def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequen
         one_page = len({sum(k) + sum(v) for k, v in ranks}) == 1
     pad = page_padding([make(k, v, b).slot_bytes for (k, v), b in zip(ranks, bits)], one_page)
     return [make(k, v, b, pad) for (k, v), b in zip(ranks, bits)]
-
-
-def exact_tokens(cfg: LowRankConfig, block_size: int):
-    """:class:`~vllm_lowrank.attention.exact_cache.ExactTokens` of the
-    token-adaptive mode: sink and recent tokens rounded up to whole blocks of
-    ``block_size`` tokens (their blocks are stored whole anyway) and
-    ``cfg.exact_bits``; ``None`` when ``cfg.token_adaptive`` is off.
-
-    Token-adaptive layers own a second (exact) KV cache group, so vLLM's
-    hybrid allocator needs one page size across layers: the plans then get
-    one latent width per layer, as for hybrid models
-    (:func:`mixes_attention_kinds`).
-
-    Raises:
-        LowRankConfigError: per-channel key groups that do not divide the block.
-    """
-    if not cfg.token_adaptive:
-        return None
-    if cfg.k_quant == "channel" and block_size % cfg.k_channel_tokens:
-        raise LowRankConfigError(
-            f"k_channel_tokens={cfg.k_channel_tokens} must divide the KV block size "
-            f"{block_size} (a per-channel key group lies inside one block); use a "
-            f"divisor of {block_size} or change --block-size")
-    from vllm_lowrank.attention.exact_cache import ExactTokens
-
-    return ExactTokens(-(-cfg.sink_tokens // block_size) * block_size,
-                       -(-cfg.recent_tokens // block_size) * block_size, cfg.exact_bits)
 
 
 def mixes_attention_kinds(hf_config) -> bool:

@@ -72,7 +72,7 @@ class LatentSelfAttention(nn.Module):
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
             sides, or ``None`` for no rotation.
-        exact_tokens: :class:`~vllm_lowrank.attention.exact_cache.ExactTokens` of the
+        exact_tokens: :class:`~vllm_lowrank.format.exact.ExactTokens` of the
             token-adaptive mode, or ``None``.
         cache_config, quant_config: vLLM configs.
         prefix: Module prefix (``model.layers.N.self_attn``).

@@ -1,0 +1,155 @@
+"""Exact tokens of the token-adaptive mode: which tokens, and their slot format.
+
+TALE (``../shared/papers/tale.md``, sec. 2.2) keeps the first (sink) and the
+most recent tokens of every sequence exact; :class:`ExactTokens` says how many
+and at which precision, :class:`ExactSlot` how one token's post-RoPE key and
+value (and, with per-channel keys, its staged key latent) are laid out in a
+slot of the exact cache (:mod:`vllm_lowrank.attention.exact_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from vllm_lowrank.config import EXACT_BITS, LowRankConfig, LowRankConfigError
+
+
+def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
+    """:class:`ExactTokens` of the token-adaptive mode: sink and recent tokens
+    rounded up to whole blocks of ``block_size`` tokens (their blocks are stored
+    whole anyway) and ``cfg.exact_bits``; ``None`` when ``cfg.token_adaptive``
+    is off.
+
+    Raises:
+        LowRankConfigError: per-channel key groups that do not divide the block.
+    """
+    if not cfg.token_adaptive:
+        return None
+    if cfg.k_quant == "channel" and block_size % cfg.k_channel_tokens:
+        raise LowRankConfigError(
+            f"k_channel_tokens={cfg.k_channel_tokens} must divide the KV block size "
+            f"{block_size} (a per-channel key group lies inside one block); use a "
+            f"divisor of {block_size} or change --block-size")
+    return ExactTokens(-(-cfg.sink_tokens // block_size) * block_size,
+                       -(-cfg.recent_tokens // block_size) * block_size, cfg.exact_bits)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactTokens:
+    """What the token-adaptive mode keeps at full rank, per sequence.
+
+    Attributes:
+        sink: Leading tokens, a whole number of KV blocks.
+        recent: Most recent tokens, a whole number of KV blocks.
+        bits: Storage of their keys and values (:data:`EXACT_BITS`; 16 = the
+            model dtype).
+    """
+
+    sink: int
+    recent: int
+    bits: int = 16
+
+    @property
+    def count(self) -> int:
+        """Tokens held per sequence, in-flight tokens aside (``sink + recent``)."""
+        return self.sink + self.recent
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactSlot:
+    """Byte layout of one exact-cache slot::
+
+        [ k | v | c_k (staged) | padding ]
+
+    - ``bits=16``: ``k`` and ``v`` are ``kv_width`` elements of ``dtype`` each
+      (post-RoPE keys), bit for bit what the model computed.
+    - ``bits=8``: ``k`` and ``v`` are per-token, per-head asymmetric int8
+      codes with one float16 scale/zero pair per head and side (the packed
+      format of :class:`~vllm_lowrank.quantization.SlotLayout`, ``head_dim``
+      channels per group). On the embedded model this storage costs +0.0 %
+      perplexity when applied to the whole cache (``../shared/notes/baselines.md``,
+      row q2) and halves the bytes of the exact tokens.
+    - ``c_k``: ``staged_width`` elements of ``dtype`` (per-channel key
+      quantization, :func:`vllm_lowrank.attention.token_adaptive.write_key_groups`),
+      kept in the model dtype at both settings: they are quantized again, per
+      channel, once their group is complete.
+    - The slot is padded up to a multiple of ``latent_slot_bytes`` (see the
+      module docstring).
+
+    Args:
+        kv_width: ``num_kv_heads * head_dim``.
+        head_dim: Channels per head (the int8 scale group).
+        dtype: Model dtype.
+        bits: :data:`~vllm_lowrank.config.EXACT_BITS`.
+        staged_width: ``Rk`` staged key-latent elements, or 0.
+        latent_slot_bytes: Bytes of the owning layer's latent slot.
+
+    Raises:
+        ValueError: ``bits`` not in ``EXACT_BITS``, or ``head_dim`` not
+            dividing ``kv_width``.
+    """
+
+    kv_width: int
+    head_dim: int
+    dtype: torch.dtype
+    bits: int = 16
+    staged_width: int = 0
+    latent_slot_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bits not in EXACT_BITS:
+            raise ValueError(f"exact_bits={self.bits} not in {EXACT_BITS}")
+        if self.kv_width % self.head_dim:
+            raise ValueError(f"head_dim {self.head_dim} does not divide kv_width {self.kv_width}")
+
+    @functools.cached_property
+    def _layout(self):
+        """Per-head int8 layout of ``[k | v]`` (``bits=8``), else ``None``."""
+        if self.bits == 16:
+            return None
+        from vllm_lowrank.quantization import SlotLayout
+
+        heads = (self.head_dim,) * (self.kv_width // self.head_dim)
+        return SlotLayout(heads, heads, self.bits, self.bits)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of ``[k | v]`` (with their scales and zeros)."""
+        if self._layout is not None:
+            return self._layout.natural_bytes
+        return 2 * self.kv_width * self.dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the whole slot, padding included."""
+        raw = self.kv_bytes + self.staged_width * self.dtype.itemsize
+        return cdiv(raw, self.latent_slot_bytes) * self.latent_slot_bytes
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor,
+               staged: torch.Tensor | None = None) -> torch.Tensor:
+        """``key``/``value`` ``[T, kv_width]`` and ``staged`` ``[T,
+        staged_width]`` (or ``None``) -> ``[T, slot_bytes]`` uint8 rows."""
+        if self._layout is not None:
+            parts = [self._layout.encode(key, value)]
+        else:
+            parts = [torch.cat((key, value), -1).to(self.dtype).contiguous().view(torch.uint8)]
+        if staged is not None:
+            parts.append(staged.to(self.dtype).contiguous().view(torch.uint8))
+        rows = torch.cat(parts, dim=-1)
+        return torch.nn.functional.pad(rows, (0, self.slot_bytes - rows.shape[-1]))
+
+    def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., slot_bytes]`` uint8 -> ``(k, v)``, each ``[..., kv_width]`` float32."""
+        if self._layout is not None:
+            return self._layout.decode(rows[..., :self.kv_bytes])
+        kv = rows[..., :self.kv_bytes].clone().view(self.dtype).float()  # clone: aligned
+        return kv[..., :self.kv_width], kv[..., self.kv_width:]
+
+    def staged(self, rows: torch.Tensor) -> torch.Tensor:
+        """The staged key latents of ``[..., slot_bytes]`` rows:
+        ``[..., staged_width]`` float32."""
+        stop = self.kv_bytes + self.staged_width * self.dtype.itemsize
+        return rows[..., self.kv_bytes:stop].clone().view(self.dtype).float()
