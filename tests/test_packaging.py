@@ -23,3 +23,18 @@ def test_triton_kernels_is_namespaced(tmp_path):
     assert out[0] == "vllm_lowrank.triton_kernels"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(vllm_lowrank.__file__)))
     assert out[1] == "None" or not os.path.abspath(out[1]).startswith(repo + os.sep)
+
+
+def test_every_subpackage_is_installed():
+    """pyproject's explicit package list names every sub-package of the source
+    tree (a missing one installs in an editable checkout but not from a wheel or
+    a Docker build)."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(root).parts)
+             for p in (root / "vllm_lowrank").rglob("__init__.py")}
+    assert found - {"vllm_lowrank"} and found <= listed, sorted(found - listed)

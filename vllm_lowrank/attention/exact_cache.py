@@ -5,10 +5,10 @@ looks most: the first tokens (attention sinks) and the most recent ones stay
 exact, the middle of the context is read from the latent cache, and the tokens
 being computed always see their own exact keys and values (lazy
 approximation). Each latent attention layer in this mode owns one
-:class:`ExactTokenCache`, a second vLLM cache layer whose paged blocks hold
+:class:`~vllm_lowrank.attention.layer.ExactTokenCache`, a second vLLM cache layer whose paged blocks hold
 post-RoPE keys and values, ``[k | v]`` (``2 * num_kv_heads * head_dim``
 elements of the model dtype per token, or per-head int8 with
-``exact_bits: 8``; padded, see below; :class:`ExactSlot`).
+``exact_bits: 8``; padded, see below; :class:`~vllm_lowrank.format.exact.ExactSlot`).
 
 Why a vLLM cache group rather than a buffer of our own: vLLM then allocates,
 frees, prefix-caches and preempts these blocks like any other, and its capacity
@@ -34,7 +34,7 @@ Page sizes: vLLM's hybrid allocator needs one page size for all groups and
 enlarges the block size of groups with smaller pages when the larger page is a
 multiple of theirs (otherwise it pads the smaller page, which would waste the
 latent cache's savings). The exact slot is therefore padded up to a multiple
-of the latent slot (:attr:`ExactSlot.slot_bytes`): the latent group gets an integer
+of the latent slot (:attr:`~vllm_lowrank.format.exact.ExactSlot.slot_bytes`): the latent group gets an integer
 multiple of the block size and loses nothing; the padding costs at most one
 latent slot per exact token.
 """
