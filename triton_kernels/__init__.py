@@ -3,7 +3,8 @@
 - :mod:`.decode` -- fused paged decode attention over latent KV:
   :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
   key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
-  or packed low-bit caches; split-K with a reduce; uneven ranks per head group).
+  or packed low-bit caches; split-K with a reduce; uneven ranks per head group):
+  the host side; the kernels are in :mod:`.decode_kernels`.
 - :mod:`.decode_wide` -- the same decode for head groups whose key
   up-projection does not fit one program (J-LRD at large ranks): one program
   per KV head, the rank in chunks.
