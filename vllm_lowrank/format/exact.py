@@ -126,7 +126,7 @@ class ExactSlot:
     def slot_bytes(self) -> int:
         """Bytes of the whole slot, padding included."""
         raw = self.kv_bytes + self.staged_width * self.dtype.itemsize
-        return cdiv(raw, self.latent_slot_bytes) * self.latent_slot_bytes
+        return -(-raw // self.latent_slot_bytes) * self.latent_slot_bytes
 
     def encode(self, key: torch.Tensor, value: torch.Tensor,
                staged: torch.Tensor | None = None) -> torch.Tensor:
