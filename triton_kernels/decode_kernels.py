@@ -130,7 +130,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import add_combine, key_bias, load_latent, load_pair, max_combine, transform_keys
+from .tiles import (add_combine, key_bias, load_latent, load_pair, max_combine,
+                    group_row, split_tiles, transform_keys)
 
 # ----------------------------------------------------------------------------------
 # Device code
@@ -275,13 +276,7 @@ def _attend_chunk(
     KPOST: tl.constexpr = QUANT and MODE == 1 and K_QG == 0
     VPOST: tl.constexpr = QUANT and MODE == 1 and V_QG == 0
     # Group table rows (see _Prepared.group_table).
-    k_off = tl.load(gt_ptr + 0 * num_groups + g)
-    v_off = tl.load(gt_ptr + 1 * num_groups + g)
-    rk = tl.load(gt_ptr + 2 * num_groups + g)
-    rv = tl.load(gt_ptr + 3 * num_groups + g)
-    kpar = tl.load(gt_ptr + 4 * num_groups + g)
-    vpar = tl.load(gt_ptr + 5 * num_groups + g)
-    ocol = tl.load(gt_ptr + 6 * num_groups + g)
+    k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
     if OFF_MULT > 1:
         # Offsets are sums of ranks (multiples of 8): lets the compiler emit
         # 16-byte vector loads / cp.async for the latent rows.
@@ -312,30 +307,14 @@ def _attend_chunk(
     # pre-RoPE mode; with VPOST each group's pair is loaded on its own).
 
     seq_len = tl.load(seq_lens_ptr + b)
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    if WINDOW or SPAN:
-        # Keys at positions first <= t < end only (WINDOW: first = seq_len -
-        # window; SPAN: first >= sink, end = seq_len - recent; otherwise end =
-        # seq_len). The tiles start at the first visible key (tile k covers
-        # first + k * BLOCK_N ..): nothing before it is in any tile, so the rows
-        # need only the end mask, as in the plain kernel (measured on an H200:
-        # a second, lower mask on BLOCK_N-aligned tiles cost 3-7 %); the splits
-        # cut these tiles; each has a visible key, so the running max is finite
-        # after the first; an empty span has no tiles.
-        first = seq_len * 0
-        end = seq_len
-        if WINDOW:
-            first = tl.maximum(seq_len - window, 0)
-        if SPAN:
-            first = tl.maximum(first, sink)
-            end = seq_len - recent
-        n_tiles = tl.where(end > first, (end - first + BLOCK_N - 1) // BLOCK_N, 0)
-        per = (n_tiles + n_splits - 1) // n_splits
-        t_lo = s * per
-    else:
-        per = (n_tiles + n_splits - 1) // n_splits
-        t_lo = s * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    # Keys at positions first <= t < end only (WINDOW: first = seq_len - window;
+    # SPAN: first >= sink, end = seq_len - recent). The tiles start at the first
+    # visible key: nothing before it is in any tile, so the rows need only the
+    # end mask, as in the plain kernel (measured on an H200: a second, lower mask
+    # on BLOCK_N-aligned tiles cost 3-7 %); each tile has a visible key, so the
+    # running max is finite after the first; an empty span has no tiles.
+    first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
+                                         BLOCK_N, WINDOW, SPAN)
 
     h = tl.arange(0, HG_PAD)
     hmask = h < GPP * HG

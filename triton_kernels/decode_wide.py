@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, max_combine,
-                    transform_keys)
+                    group_row, split_tiles, transform_keys)
 
 
 @triton.jit
@@ -78,26 +78,11 @@ def wide_decode_kernel(
     b = tl.program_id(2)
     g = j // G
     jj = j % G
-    k_off = tl.load(gt_ptr + 0 * num_groups + g)
-    v_off = tl.load(gt_ptr + 1 * num_groups + g)
-    rk = tl.load(gt_ptr + 2 * num_groups + g)
-    rv = tl.load(gt_ptr + 3 * num_groups + g)
-    kpar = tl.load(gt_ptr + 4 * num_groups + g)
-    vpar = tl.load(gt_ptr + 5 * num_groups + g)
-    ocol = tl.load(gt_ptr + 6 * num_groups + g)
+    k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
 
     seq_len = tl.load(seq_lens_ptr + b)
-    first = seq_len * 0
-    end = seq_len
-    if WINDOW:
-        first = tl.maximum(seq_len - window, 0)
-    if SPAN:
-        first = tl.maximum(first, sink)
-        end = seq_len - recent
-    n_tiles = tl.where(end > first, (end - first + BLOCK_N - 1) // BLOCK_N, 0)
-    per = (n_tiles + n_splits - 1) // n_splits
-    t_lo = s * per
-    t_hi = tl.minimum(t_lo + per, n_tiles)
+    first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
+                                         BLOCK_N, WINDOW, SPAN)
 
     # The KV head's query heads and their (permuted) rotary / rest dimensions.
     hq = tl.arange(0, Q_PAD)

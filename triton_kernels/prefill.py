@@ -28,19 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .tiles import add_combine, max_combine
+
 LOG2E = 1.4426950408889634
-
-
-# Only builtins of triton.language inside the kernel (see decode.py: the
-# interpreter cannot run triton's own jit helpers such as tl.max / tl.sum).
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
 
 
 @triton.jit
@@ -96,14 +86,14 @@ def _prefill_kernel(
             if WINDOW:
                 visible = visible & (cols[None, :] > last[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             v = tl.load(v_ptr + key_rows[:, None] * s_vt + v_off + dvs[None, :],
                         mask=col_ok[:, None] & (dvs[None, :] < r_v), other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
-            l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+            l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * s_ot + o_col + dvs[None, :],

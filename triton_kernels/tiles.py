@@ -176,6 +176,46 @@ def load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero
 
 
 @triton.jit
+def group_row(gt_ptr, num_groups, g):
+    """Head group ``g``'s row of the group table (int32 ``[8, num_groups]``,
+    :class:`vllm_lowrank.triton_kernels.decode._Prepared`): ``(k_off, v_off, r_k,
+    r_v, k_par, v_par, out_col)``: the key and value latents' offsets in a slot
+    (elements, or bytes in a packed slot), the ranks, the first scale/zero pair
+    of each side, the first output column."""
+    k_off = tl.load(gt_ptr + 0 * num_groups + g)
+    v_off = tl.load(gt_ptr + 1 * num_groups + g)
+    rk = tl.load(gt_ptr + 2 * num_groups + g)
+    rv = tl.load(gt_ptr + 3 * num_groups + g)
+    kpar = tl.load(gt_ptr + 4 * num_groups + g)
+    vpar = tl.load(gt_ptr + 5 * num_groups + g)
+    ocol = tl.load(gt_ptr + 6 * num_groups + g)
+    return k_off, v_off, rk, rv, kpar, vpar, ocol
+
+
+@triton.jit
+def split_tiles(seq_len, s, n_splits, window, sink, recent, BLOCK_N: tl.constexpr,
+                WINDOW: tl.constexpr, SPAN: tl.constexpr):
+    """``(first, end, t_lo, t_hi)``: a sequence of ``seq_len`` tokens attends
+    positions ``first <= t < end`` (``WINDOW``: ``t >= seq_len - window``;
+    ``SPAN``, the token-adaptive latent span: ``t >= sink``, ``end = seq_len -
+    recent``; otherwise ``0 .. seq_len``), cut into tiles of ``BLOCK_N``
+    positions from ``first`` (tile ``k`` covers ``first + k * BLOCK_N ..``);
+    split ``s`` of ``n_splits`` takes tiles ``t_lo <= k < t_hi`` (flash-decoding's
+    even cut; empty when there are fewer tiles than splits)."""
+    first = seq_len * 0
+    end = seq_len
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    if SPAN:
+        first = tl.maximum(first, sink)
+        end = seq_len - recent
+    n_tiles = tl.where(end > first, (end - first + BLOCK_N - 1) // BLOCK_N, 0)
+    per = (n_tiles + n_splits - 1) // n_splits
+    t_lo = s * per
+    return first, end, t_lo, tl.minimum(t_lo + per, n_tiles)
+
+
+@triton.jit
 def _share_byte(cache_ptr, gbase, o, s_tok, share_off, SHARE: tl.constexpr, mask):
     """Byte ``o`` [PAD] of each row's token-group parameter stream: slot
     ``o // SHARE`` of the group (``gbase`` [N]: the group's first slot), byte
