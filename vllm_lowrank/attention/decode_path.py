@@ -151,8 +151,10 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     variant where a head group's key tile is too large for one program) where
     :func:`fused_supports` the cache format, else the torch path. A fused
     kernel is taken only if it runs and passes :func:`self_check` (within
-    :data:`SELF_CHECK_TOL`); that first run also builds everything the kernel
-    caches (packed key weights, group tables, the RoPE check, compiled code).
+    :data:`SELF_CHECK_TOL`); it then runs once more on a one-token dummy batch
+    with the split of ``max_model_len`` (the launch a CUDA graph captures), so
+    that everything it caches (packed key weights, group tables, the RoPE
+    check, compiled code) is built before any capture.
     Logs one line per distinct layer configuration (a warning when a kernel was
     refused).
 
@@ -177,7 +179,8 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
         if layer.exact is not None else dict(sink=0, recent=0)
     kw = dict(mode="post_rope" if layer.post_rope else "pre_rope", layout=layout,
               transform=layer.key_transform(), window=window, **span)
-    q = torch.zeros(1, plan.shape.num_heads, plan.shape.head_dim, dtype=dtype, device=device)
+    width = max(plan.k_ranks) if layer.post_rope else plan.shape.head_dim
+    q = torch.zeros(1, plan.shape.num_heads, width, dtype=dtype, device=device)
     slot = layout.slot_bytes if layout is not None else plan.k_width + plan.v_width
     cache = torch.zeros(1, 1, block_size, slot, device=device,
                         dtype=torch.uint8 if layout is not None else dtype)
@@ -194,6 +197,12 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     for name, reason in candidates:
         try:
             err = self_check(layer, name, dtype, device, block_size, max_model_len, kw)
+            if err <= SELF_CHECK_TOL:
+                # the launch a CUDA graph captures (split for max_model_len), compiled
+                # and its tables built now, before any capture
+                fused_decode()(plan, layer.k_up, rope, 1.0, q, cache, table, one,
+                               max_model_len, backend=name,
+                               return_lse=layer.exact is not None, **kw)
         except Exception as exc:  # noqa: BLE001 (compilation, resources: not served)
             refused.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             continue
