@@ -979,3 +979,42 @@ def test_self_check(monkeypatch, group_size, bits, mode, span):
         return res * 1.1
     monkeypatch.setattr(dec, "latent_decode_attention", off)
     assert dp.self_check(layer, "triton", torch.float32, DEV, 16, 1024, kw) > dp.SELF_CHECK_TOL
+
+
+def test_decode_path_choice(monkeypatch, caplog):
+    """The selection loop: a candidate that raises is skipped with its reason
+    (here the CUDA kernel, which cannot run on this device under the
+    interpreter), the next one that agrees is taken; when none agrees the layer
+    decodes on the torch path, logged as a warning naming every refusal."""
+    import logging
+    import types
+
+    from vllm_lowrank.attention import decode_path as dp
+
+    kr, vr = (40, 16), (24, 64)
+    plan, k_up, *_ = make_problem(group_size=2, k_ranks=kr, v_ranks=vr, seed=61)
+    rope = make_rope(32, max_pos=1024)
+    layer = types.SimpleNamespace(plan=plan, k_up=k_up.to(DEV), post_rope=False, layout=None,
+                                  exact=None, rope_table=lambda device: rope,
+                                  key_transform=lambda: None)
+    kw = dict(mode="pre_rope", layout=None, transform=None, window=None, sink=0, recent=0)
+    q = torch.zeros(1, 8, 32, device=DEV)
+    cache = torch.zeros(1, 1, 16, plan.k_width + plan.v_width, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    warm = (plan, layer.k_up, rope, 1.0, q, cache, torch.zeros(1, 1, dtype=torch.int32,
+                                                               device=DEV), one, 1024)
+    candidates = [("cuda", "fast"), ("triton", "general")]
+    if ON_GPU:
+        candidates = [("cuda-missing", "fast"), ("triton", "general")]  # a backend that raises
+    path = dp.first_agreeing(layer, candidates, torch.float32, DEV, 16, 1024, kw, warm)
+    assert path.name == "triton" and path.reason.startswith("general (")
+    assert "ValueError" in path.reason
+
+    kernel = dec.latent_decode_attention
+    monkeypatch.setattr(dec, "latent_decode_attention",
+                        lambda *a, **k: kernel(*a, **k) * 2.0)
+    with caplog.at_level(logging.WARNING, logger="vllm.lowrank"):
+        path = dp.first_agreeing(layer, [("triton", "general")], torch.float32, DEV, 16, 1024,
+                                 kw, warm)
+    assert path.name == "torch" and "disagrees with the torch path" in path.reason
+    assert any("decode path torch" in r.getMessage() for r in caplog.records)

@@ -188,25 +188,38 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     why = dec.cuda_path_blocker(plan, rope, q, cache, table, one, max_model_len, **kw) \
         or dec._cuda_unavailable()
-    refused = []
-    candidates = [] if why is not None else [("cuda", "in the CUDA kernel's scope")]
     wide = not layer.post_rope and (layout is not None and layout.k_per_channel
                                     or dec.needs_wide(plan, layout, rope.rotary_dim))
     kernel = "wide-group Triton kernel (one program per KV head)" if wide else "Triton kernel"
-    candidates.append(("triton", f"{kernel}; outside the CUDA kernel's scope: {why}"))
+    candidates = [("triton", f"{kernel}; outside the CUDA kernel's scope: {why}")]
+    if why is None:
+        candidates = [("cuda", "in the CUDA kernel's scope"), ("triton", kernel)]
+    warm = (plan, layer.k_up, rope, 1.0, q, cache, table, one, max_model_len)
+    return first_agreeing(layer, candidates, dtype, device, block_size, max_model_len, kw,
+                          warm)
+
+
+def first_agreeing(layer, candidates, dtype: torch.dtype, device: torch.device,
+                   block_size: int, max_model_len: int, kw: dict, warm: tuple) -> DecodePath:
+    """The first of ``candidates`` (``[(backend, reason)]``, ``"cuda"`` or
+    ``"triton"``) that runs, passes :func:`self_check` and then runs the warm-up
+    call ``fused_decode()(*warm, ...)`` (the launch a CUDA graph captures, with
+    the split of ``max_model_len``: compiled and its tables built now, before
+    any capture); else the torch path, logged as a warning with every
+    candidate's reason for refusal. Logs the choice (:func:`_logged`)."""
+    refused = []
     for name, reason in candidates:
         try:
             err = self_check(layer, name, dtype, device, block_size, max_model_len, kw)
             if err <= SELF_CHECK_TOL:
-                # the launch a CUDA graph captures (split for max_model_len), compiled
-                # and its tables built now, before any capture
-                fused_decode()(plan, layer.k_up, rope, 1.0, q, cache, table, one,
-                               max_model_len, backend=name,
-                               return_lse=layer.exact is not None, **kw)
+                fused_decode()(*warm, backend=name, return_lse=layer.exact is not None, **kw)
         except Exception as exc:  # noqa: BLE001 (compilation, resources: not served)
-            refused.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            first_line = (str(exc).splitlines() or [""])[0][:200]
+            refused.append(f"{name}: {type(exc).__name__}: {first_line}")
             continue
         if err <= SELF_CHECK_TOL:
+            if refused:
+                reason = f"{reason} ({'; '.join(refused)})"
             return _logged(layer, DecodePath(name, reason))
         refused.append(f"{name}: disagrees with the torch path (error {err:.2g} > "
                        f"{SELF_CHECK_TOL})")
