@@ -78,6 +78,23 @@ def test_published_state_is_exported(tmp_path, monkeypatch):
     assert ("vllm_lowrank_kv_cache_capacity_tokens", {"engine": "0"}, 4096.0) in samples
 
 
+def test_decode_paths_are_exported(tmp_path, monkeypatch):
+    """Paths recorded after publish() rewrite the state: one gauge per path
+    counting layers; a path recorded before publish() is kept for it."""
+    cfg = LowRankConfig(mode="lowrank", ratio=0.5, rank_allocation="uniform")
+    plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
+    c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
+    monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(metrics, "_WORKER", {"decode_paths": {}})
+    metrics.record_decode_path("model.layers.0.self_attn.attn", "triton")
+    metrics.publish(_Model(c))
+    metrics.record_decode_path("model.layers.1.self_attn.attn", "triton")
+    metrics.record_decode_path("model.layers.2.self_attn.attn", "torch")
+    paths = {l["path"]: v for n, l, v in _collect(tmp_path)
+             if n == "vllm_lowrank_decode_layers"}
+    assert paths == {"triton": 2, "torch": 1}
+
+
 def test_summary_reports_the_bits_in_force_per_layer():
     """The worker state says which bits each layer stores: the config's where no
     allocation fixed them, the allocation's per-layer choice where one did; and no
@@ -252,6 +269,12 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     block = int(cache_info["block_size"])
     assert capacity["vllm_lowrank_kv_cache_capacity_tokens"] * stored <= budget
     assert (capacity["vllm_lowrank_kv_cache_capacity_tokens"] + block) * stored > budget
+
+    # decode paths: chosen at the first decode step on a CPU (every layer: torch)
+    compressed_server.greedy(max_tokens=2)
+    paths = {l["path"]: v for n, l, v in parse_metrics("\n".join(
+        _scrape_lowrank(compressed_server))) if n == "vllm_lowrank_decode_layers"}
+    assert paths == {"torch": hf.num_hidden_layers}
 
 
 @pytest.mark.slow

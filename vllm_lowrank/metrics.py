@@ -37,6 +37,10 @@ Metrics (all gauges):
   artifact's method; or ``svd``, weight SVD without calibration) and which
   artifact (``artifact``: its manifest digest ``blake2b:<hex>``, or ``none``;
   never its path, as ``/metrics`` is unauthenticated).
+- ``vllm_lowrank_decode_layers{path}``: latent attention layers (of the first
+  tensor-parallel shard) whose decode runs on ``path`` (``cuda``, ``triton`` or
+  ``torch``; :mod:`vllm_lowrank.attention.decode_path`), once chosen: at
+  start-up on a GPU, at the first decode step on a CPU.
 - ``vllm_lowrank_kv_cache_capacity_tokens{engine}``: KV cache tokens vLLM
   allocated (with or without compression), the figure vLLM logs as "KV cache
   size: N tokens" (``kv_cache_size_tokens``: max concurrency x max_model_len,
@@ -214,6 +218,19 @@ def publish(model) -> str | None:
                  groups_per_layer={str(i): p.num_groups
                                    for i, p in compression.plans.items()})
     path = os.path.join(directory, f"worker-dp{ranks['dp']}-pp{ranks['pp']}-tp{ranks['tp']}.json")
+    state["decode_paths"] = dict(_WORKER["decode_paths"])
+    if not _write_state(directory, path, state):
+        return None
+    _WORKER.update(path=path, directory=directory, state=state)
+    return path
+
+
+_WORKER: dict[str, Any] = {"decode_paths": {}}
+"""This worker's published state (``path``, ``directory``, ``state``) and the
+decode path of each latent layer chosen so far (``decode_paths``)."""
+
+
+def _write_state(directory: str, path: str, state: dict[str, Any]) -> bool:
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
@@ -223,8 +240,18 @@ def publish(model) -> str | None:
     except OSError as e:
         logger.warning("vllm-lowrank: cannot write metrics state to %s (%s); "
                        "vllm_lowrank_* metrics will show compression disabled", path, e)
-        return None
-    return path
+        return False
+    return True
+
+
+def record_decode_path(layer_name: str, path: str) -> None:
+    """Worker half: the decode path (``cuda``, ``triton``, ``torch``) chosen for
+    the latent attention layer ``layer_name``, added to this worker's published
+    state (rewritten, atomically; nothing is written before :func:`publish`)."""
+    _WORKER["decode_paths"][layer_name] = path
+    if "path" in _WORKER:
+        _WORKER["state"]["decode_paths"] = dict(_WORKER["decode_paths"])
+        _write_state(_WORKER["directory"], _WORKER["path"], _WORKER["state"])
 
 
 def read_states(directory: str) -> list[dict[str, Any]]:
@@ -275,8 +302,14 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
             for side in ("k", "v"):
                 for g, r in enumerate(entry[f"{side}_ranks"]):
                     ranks[(int(layer), side, s["parallel"]["tp"] * local + g)] = int(r)
-    first = states[0]
+    first = min(states, key=lambda s: (s["parallel"]["pp"], s["parallel"]["tp"]))
+    paths: dict[str, int] = {}
+    for s in states:
+        if s["parallel"]["tp"] == first["parallel"]["tp"]:  # every pipeline stage once
+            for name in s.get("decode_paths", {}).values():
+                paths[name] = paths.get(name, 0) + 1
     return {
+        "decode_layers": paths,
         "configured_ratio": first["configured_ratio"],
         "method": first["method"],
         "artifact": first["artifact"],
@@ -311,7 +344,7 @@ class LowRankCollector:
         return [GaugeMetricFamily(PREFIX + n, "") for n in (
             "compression_enabled", "configured_ratio", "kv_compression_ratio",
             "original_bytes_per_token", "stored_bytes_per_token", "layer_rank", "info",
-            "kv_cache_capacity_tokens")]
+            "decode_layers", "kv_cache_capacity_tokens")]
 
     def collect(self) -> Iterator:
         """Yield the gauges; never raises (a broken state file is skipped)."""
@@ -370,6 +403,15 @@ class LowRankCollector:
                                      labels=["method", "artifact"])
             info.add_metric([str(view["method"]), str(view["artifact"])], 1)
             yield info
+            if view["decode_layers"]:
+                fam = GaugeMetricFamily(
+                    PREFIX + "decode_layers",
+                    "Latent attention layers whose decode runs on a path (cuda: the "
+                    "CUDA kernel, triton: the Triton kernels, torch: the torch path)",
+                    labels=["path"])
+                for name, count in sorted(view["decode_layers"].items()):
+                    fam.add_metric([name], count)
+                yield fam
         capacity = self._capacity()
         if capacity:
             fam = GaugeMetricFamily(

@@ -227,12 +227,16 @@ def first_agreeing(layer, candidates, dtype: torch.dtype, device: torch.device,
 
 
 def decode_path(layer, dtype: torch.dtype, device: torch.device, vllm_config) -> DecodePath:
-    """``layer.decode_path``, chosen on first use by :func:`choose_decode_path`."""
+    """``layer.decode_path``, chosen on first use by :func:`choose_decode_path`
+    (and published to ``/metrics``, :func:`vllm_lowrank.metrics.record_decode_path`)."""
     path = layer.__dict__.get("decode_path")
     if path is None:
+        from vllm_lowrank import metrics
+
         path = choose_decode_path(layer, dtype, device, vllm_config.cache_config.block_size,
                                   layer.sliding_window, vllm_config.model_config.max_model_len)
         layer.__dict__["decode_path"] = path
+        metrics.record_decode_path(layer.layer_name, path.name)
     return path
 
 
