@@ -261,13 +261,21 @@ def test_artifact_allocation_settings_apply_and_conflicts_are_refused():
     a = art.Artifact(manifest={"ranks": {"fixed": True, "layers": {"0": [[8], [16]]},
                                          "bits": {"0": [4, 3]}, "serving": serving}},
                      bases={})
-    cfg, bits = allocation_settings(LowRankConfig(mode="lowrank"), a, "DIR")
+    def given(**keys):  # what the user typed (from_dict records the keys given)
+        return LowRankConfig.from_dict({"mode": "lowrank", **keys})
+
+    cfg, bits = allocation_settings(given(), a, "DIR")
     assert bits == {0: (4, 3)}
     assert cfg.token_adaptive and cfg.sink_tokens == 32 and cfg.k_quant == "channel"
     with pytest.raises(LowRankConfigError, match="fixes K/V bits per layer"):
-        allocation_settings(LowRankConfig(mode="lowrank", v_bits=4), a, "DIR")
+        allocation_settings(given(v_bits=4), a, "DIR")
+    with pytest.raises(LowRankConfigError, match="fixes K/V bits per layer"):
+        allocation_settings(given(k_bits=16), a, "DIR")  # explicit, at the default value
     with pytest.raises(LowRankConfigError, match="allocated for recent_tokens=128"):
-        allocation_settings(LowRankConfig(mode="lowrank", recent_tokens=64), a, "DIR")
+        allocation_settings(given(recent_tokens=64), a, "DIR")
+    with pytest.raises(LowRankConfigError, match="allocated for sink_tokens=32"):
+        allocation_settings(given(sink_tokens=4), a, "DIR")  # explicit, at the default value
+    assert allocation_settings(given(recent_tokens=128, hadamard=True), a, "DIR")[0] == cfg
     plain = art.Artifact(manifest={"ranks": None}, bases={})
     assert allocation_settings(LowRankConfig(mode="lowrank"), plain, "DIR")[1] is None
 

@@ -121,6 +121,11 @@ class LowRankConfig:
             latents staged in the exact cache while its tokens are recent.
         k_channel_tokens: Tokens per per-channel key group; must divide the KV
             block size.
+        explicit: The keys the user gave (:meth:`from_dict`), whatever their
+            value: settings an artifact's allocation fixes replace the others
+            and refuse a conflicting explicit one
+            (:func:`vllm_lowrank.models.compression.allocation_settings`). Not a
+            config key.
     """
 
     mode: str = "none"
@@ -141,6 +146,8 @@ class LowRankConfig:
     exact_bits: int = 16
     k_quant: str = "token"
     k_channel_tokens: int = 32
+    explicit: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False,
+                                            metadata={"internal": True})
 
     @property
     def quantized(self) -> bool:
@@ -164,7 +171,8 @@ class LowRankConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict (``ranks`` keys become strings)."""
-        d = dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+             if not f.metadata.get("internal")}
         if self.ranks is not None:
             d["ranks"] = {str(k): list(v) for k, v in self.ranks.items()}
         return d
@@ -181,7 +189,7 @@ class LowRankConfig:
                 f"--kv-compression-config must be a JSON object, got "
                 f"{type(raw).__name__}; e.g. '{{\"ratio\": 0.5}}'"
             )
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise LowRankConfigError(
@@ -202,7 +210,7 @@ class LowRankConfig:
             nullable = key in ("group_size", "quant_group_size")
             if key in kwargs and not (nullable and kwargs[key] is None):
                 kwargs[key] = _integer(key, kwargs[key])
-        cfg = cls(**kwargs)
+        cfg = cls(**kwargs, explicit=frozenset(raw))
         cfg.validate()
         return cfg
 

@@ -328,8 +328,9 @@ def allocation_settings(cfg: LowRankConfig, artifact: art.Artifact, path: str):
 
     The allocation was solved for particular serving settings (exact tokens,
     per-channel keys, Hadamard, quantization groups); they are taken from the
-    artifact. A setting given explicitly with another value is refused, as are
-    ``k_bits`` / ``v_bits`` (the artifact fixes bits per layer).
+    artifact. A setting the user gave (:attr:`LowRankConfig.explicit`, even at
+    its default value) with another value is refused, as are ``k_bits`` /
+    ``v_bits`` (the artifact fixes bits per layer).
 
     Raises:
         LowRankConfigError: a conflicting setting.
@@ -337,15 +338,14 @@ def allocation_settings(cfg: LowRankConfig, artifact: art.Artifact, path: str):
     stored = artifact.manifest.get("ranks") or {}
     if "bits" not in stored:
         return cfg, None
-    defaults = LowRankConfig()
-    if (cfg.k_bits, cfg.v_bits) != (defaults.k_bits, defaults.v_bits):
+    if {"k_bits", "v_bits"} & cfg.explicit:
         raise LowRankConfigError(
             f"{path} fixes K/V bits per layer (a byte-budget allocation); drop "
             f"k_bits/v_bits (got {cfg.k_bits}/{cfg.v_bits}) or use another artifact")
     serving = stored["serving"]
     for key, value in serving.items():
         given = getattr(cfg, key)
-        if given != getattr(defaults, key) and given != value:
+        if key in cfg.explicit and given != value:
             raise LowRankConfigError(
                 f"{path} was allocated for {key}={value!r}; drop {key} (got {given!r}) "
                 "or allocate again with it")
