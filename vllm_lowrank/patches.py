@@ -26,6 +26,7 @@ import logging
 import sys
 from typing import Any
 
+from vllm_lowrank import compat
 from vllm_lowrank.config import (
     ADDITIONAL_CONFIG_KEY,
     METHODS,
@@ -101,7 +102,7 @@ class _ConfigAction(argparse.Action):
 
 def _add_cli_args(original, parser):
     parser = original(parser)
-    if any(g.title == GROUP_TITLE for g in parser._action_groups):
+    if GROUP_TITLE in compat.argument_group_titles(parser):
         return parser
     group = parser.add_argument_group(title=GROUP_TITLE, description=GROUP_DESCRIPTION)
     group.add_argument(

@@ -19,7 +19,15 @@ def register() -> None:
     cache spec of the token-adaptive mode (in vLLM's ``KVCacheSpecRegistry``:
     the scheduler process looks its manager up there), the model classes of
     every supported architecture and the ``vllm_lowrank_*`` Prometheus metrics
-    (idempotent)."""
+    (idempotent). On a vLLM release series other than
+    :data:`vllm_lowrank.compat.SUPPORTED_VLLM` it registers nothing and logs one
+    error line naming the versions (stock vLLM keeps working)."""
+    from vllm_lowrank import compat
+
+    why = compat.unsupported_vllm()
+    if why:
+        logger.error("%s", why)
+        return
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

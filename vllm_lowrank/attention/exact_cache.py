@@ -46,6 +46,8 @@ import dataclasses
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheSpec, SlidingWindowSpec
 
+from vllm_lowrank import compat
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExactTokensSpec(SlidingWindowSpec):
@@ -187,9 +189,5 @@ def register_spec() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(ExactTokensSpec, _manager_class(),
-                                 uniform_type_base_spec=ExactTokensSpec)
+    compat.register_kv_cache_spec(ExactTokensSpec, _manager_class())
     _REGISTERED = True

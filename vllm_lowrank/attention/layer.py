@@ -21,9 +21,9 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
+from vllm_lowrank import compat
 from vllm_lowrank.attention.backend import LatentAttentionBackend
 from vllm_lowrank.attention.exact_cache import ExactTokensSpec
 from vllm_lowrank.attention.latent_attention import KeyTransform
@@ -199,7 +199,7 @@ class LatentAttention(Attention):
             unified_attention_with_output(query, key, value, output, self.layer_name,
                                           kv_cache_dummy_dep=dep)
         else:
-            encoded = _encode_layer_name(self.layer_name)
+            encoded = compat.encode_layer_name(self.layer_name)
             dep = torch.ops.vllm.unified_kv_cache_update(key, value, encoded)
             torch.ops.vllm.unified_attention_with_output(
                 query, key, value, output, encoded, kv_cache_dummy_dep=dep

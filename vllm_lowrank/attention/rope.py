@@ -2,7 +2,7 @@
 
 Keys are cached before RoPE (position-free latents) and rotated at attention
 time, so the backend needs the model's own rotation: the same cos/sin table as
-vLLM's rotary module (``RotaryEmbedding._compute_cos_sin_cache``, which covers
+vLLM's rotary module (:func:`vllm_lowrank.compat.rotary_cos_sin`, which covers
 Llama-3, linear, NTK and YaRN scaling), in float32, shared by all layers that
 use the same rotary module.
 """
@@ -13,6 +13,8 @@ import dataclasses
 import weakref
 
 import torch
+
+from vllm_lowrank import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +38,7 @@ class RopeTable:
     def from_rotary_module(cls, rotary, device: torch.device | None = None) -> RopeTable:
         """Build from a vLLM ``RotaryEmbedding`` (float32 recomputation of its
         ``cos_sin_cache``, so no bf16 rounding of the angles)."""
-        cache = rotary._compute_cos_sin_cache().float()
+        cache = compat.rotary_cos_sin(rotary).float()
         if device is not None:
             cache = cache.to(device)
         cos, sin = cache.chunk(2, dim=-1)

