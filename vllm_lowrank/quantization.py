@@ -127,6 +127,14 @@ def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return codes.transpose(-1, -2), scale[..., 0], zero[..., 0]
 
 
+def latent_rotation(width: int, layer: int, group: int, side: str) -> torch.Tensor:
+    """The :func:`hadamard_rotation` folded into head group ``group``'s ``side``
+    (``"k"`` or ``"v"``) latent of layer ``layer`` (seed ``1000 layer + 10 group
+    + [side == "v"]``): the one rule shared by the weight folding and the
+    byte-budget allocator, which must see the same rotation."""
+    return hadamard_rotation(width, seed=layer * 1000 + 10 * group + (side == "v"))
+
+
 def hadamard_rotation(width: int, seed: int = 0) -> torch.Tensor:
     """Randomised block Walsh-Hadamard rotation ``R`` (``[width, width]``, float32,
     orthogonal), for folding into factors (Palu eq. 8: ``A R``, ``R^T B``).

@@ -54,7 +54,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-BITS = (16, 8, 4, 3, 2)
+from vllm_lowrank.config import STORAGE_BITS
+
+BITS = STORAGE_BITS
 """Storage widths the allocator chooses from (16: float16, no scale/zero)."""
 
 
@@ -87,9 +89,9 @@ class Storage:
 def _rotation(rank: int, layer: int, group: int, side: str) -> torch.Tensor:
     """The Hadamard rotation the serving path folds into this latent
     (:func:`vllm_lowrank.factorization.fold.rotate_latents`, seed = layer)."""
-    from vllm_lowrank.quantization import hadamard_rotation
+    from vllm_lowrank.quantization import latent_rotation
 
-    return hadamard_rotation(rank, seed=layer * 1000 + 10 * group + (side == "v")).double()
+    return latent_rotation(rank, layer, group, side).double()
 
 
 def _store(y: torch.Tensor, bits: int, storage: Storage, per_channel: bool) -> torch.Tensor:
