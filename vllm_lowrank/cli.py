@@ -9,6 +9,8 @@ Subcommands:
   (:mod:`vllm_lowrank.calibration.allocate`).
 - ``perplexity MODEL --config JSON [--config JSON ...]``: baseline and compressed
   perplexity through vLLM on held-out real text, as a table.
+- ``inspect ARTIFACT [--json]``: what an artifact holds (model, method,
+  calibration, per-layer ranks and bits, serving settings, bytes per token).
 
 ``MODEL`` is a Hugging Face folder or an embedded model alias
 (``smollm2-135m``, ``gemma3-270m``). Bad input prints one line and exits with status 2.
@@ -170,6 +172,82 @@ def _perplexity(args) -> None:
         print(f"| {label} | {tokens} | {cap} | " + " | ".join(cells) + " |")
 
 
+def describe_artifact(path: str) -> dict:
+    """What the artifact at ``path`` holds, JSON-safe (validated like serving
+    loads it): ``path``, ``digest``, ``model`` (id, architecture, layers,
+    fingerprint, attention shape), ``method``, ``group_size``, ``calibration``,
+    ``plugin_version``; with a fixed allocation also ``allocation``,
+    ``layers`` (``{layer: {"k_ranks", "v_ranks", "k_bits", "v_bits"}}``),
+    ``serving`` and ``latent_bytes_per_token`` (all layers' latent slots,
+    unpadded; exact tokens of the token-adaptive mode not included),
+    ``bf16_kv_bytes_per_token`` and ``compression`` (their ratio); without one,
+    ``ranks: null`` (serving derives them from ``ratio`` and
+    ``rank_allocation``).
+
+    Raises:
+        LowRankConfigError: not a valid artifact.
+    """
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.quantization import RAW_BITS, SlotLayout
+
+    artifact = art.load_artifact(path)
+    m = artifact.manifest
+    model = m["model"]
+    out = {"path": path, "digest": artifact.digest, "model": dict(model),
+           "method": m["method"], "group_size": m["group_size"],
+           "calibration": m.get("calibration"), "plugin_version": m.get("plugin_version"),
+           "ranks": None}
+    ranks = m.get("ranks") or {}
+    if not ranks.get("fixed"):
+        return out
+    serving = ranks.get("serving") or {}
+    bits = ranks.get("bits") or {}
+    layers, stored = {}, 0
+    for layer, (k_ranks, v_ranks) in sorted(ranks["layers"].items(), key=lambda kv: int(kv[0])):
+        kb, vb = bits.get(layer, (RAW_BITS, RAW_BITS))
+        layers[layer] = {"k_ranks": list(k_ranks), "v_ranks": list(v_ranks),
+                         "k_bits": kb, "v_bits": vb}
+        if (kb, vb) == (RAW_BITS, RAW_BITS):
+            stored += 2 * (sum(k_ranks) + sum(v_ranks))
+        else:
+            group = serving.get("quant_group_size")
+            channel = serving.get("k_channel_tokens") \
+                if serving.get("k_quant") == "channel" and kb != RAW_BITS else None
+            stored += SlotLayout(k_ranks, v_ranks, kb, vb, group, group, channel).natural_bytes
+    original = 2 * 2 * model["num_layers"] * model["num_kv_heads"] * model["head_dim"]
+    out.update(ranks={"allocation": ranks.get("allocation"), "ratio": ranks.get("ratio")},
+               layers=layers, serving=serving, latent_bytes_per_token=stored,
+               bf16_kv_bytes_per_token=original, compression=original / stored)
+    return out
+
+
+def _inspect(args) -> None:
+    info = describe_artifact(args.artifact)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return
+    model = info["model"]
+    print(f"artifact   {info['path']} ({info['digest']}, vllm-lowrank "
+          f"{info['plugin_version']})")
+    print(f"model      {model['id']} ({model['architecture']}, {model['num_layers']} layers, "
+          f"{model['num_kv_heads']} KV heads of {model['head_dim']}, fingerprint "
+          f"{model['fingerprint']})")
+    print(f"bases      method {info['method']}, head groups of {info['group_size']} KV heads, "
+          f"calibration {json.dumps(info['calibration'], sort_keys=True)}")
+    if info["ranks"] is None:
+        print("ranks      chosen at serve time from ratio and rank_allocation")
+        return
+    print(f"allocation {info['ranks']['allocation']} (ratio {info['ranks']['ratio']}); "
+          f"serving {json.dumps(info['serving'], sort_keys=True)}")
+    print(f"bytes      {info['latent_bytes_per_token']} latent bytes per token against "
+          f"{info['bf16_kv_bytes_per_token']} of bf16 K/V: {info['compression']:.2f}x "
+          f"(exact tokens not included)")
+    print("| layer | K ranks | V ranks | K bits | V bits |")
+    print("|---|---|---|---|---|")
+    for layer, e in info["layers"].items():
+        print(f"| {layer} | {e['k_ranks']} | {e['v_ranks']} | {e['k_bits']} | {e['v_bits']} |")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--no-baseline", action="store_true")
     s.set_defaults(func=_perplexity)
+
+    s = sub.add_parser("inspect", help="what an artifact holds (ranks, bits, bytes per token)")
+    s.add_argument("artifact", help="artifact directory")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(func=_inspect)
     return p
 
 
