@@ -252,7 +252,7 @@ def _heuristic_splits(plan, p, kernel="triton"):
         warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
         return choose_num_splits(p["q"].shape[0], plan.num_groups, int(p["lens"].max()),
                                  32 * warps, n_sm, 1)
-    prep = dec._prepare(plan, p["layout"], HEAD_DIM, True, torch.device("cuda"))
+    prep = dec.prepare(plan, p["layout"], HEAD_DIM, True, torch.device("cuda"))
     d = dec._default_config(plan, prep, "pre_rope", torch.device("cuda"),
                             p["layout"] is not None)
     return choose_num_splits(p["q"].shape[0], plan.num_groups // d["groups_per_program"],

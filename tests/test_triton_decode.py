@@ -30,6 +30,7 @@ from vllm_lowrank.quantization import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
 import vllm_lowrank.triton_kernels.schedule as sched  # noqa: E402
+from vllm_lowrank.triton_kernels.decode_prep import rank_classes  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # float32 caches: exact float32 under the interpreter; tf32 tensor-core dots on GPUs.
@@ -349,7 +350,7 @@ def test_lpt_schedule_matches_plain_grid():
 def test_rank_classes_merge():
     shape = AttentionShape(8 * 32, 8, 8, 32)
     plan = LayerPlan(shape, 1, (8, 16, 24, 32, 8, 16, 24, 32), (32, 8, 16, 8, 24, 32, 8, 16))
-    classes, gcls = dec._rank_classes(plan)
+    classes, gcls = rank_classes(plan)
     assert len(classes) <= 4
     for (rk, rv), c in zip(zip(plan.k_ranks, plan.v_ranks), gcls):
         assert classes[c][0] >= rk and classes[c][1] >= rv

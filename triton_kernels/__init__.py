@@ -4,7 +4,8 @@
   :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
   key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
   or packed low-bit caches; split-K with a reduce; uneven ranks per head group):
-  the host side; the kernels are in :mod:`.decode_kernels`.
+  the host side; the kernels are in :mod:`.decode_kernels`, the cached
+  per-plan preparation in :mod:`.decode_prep`.
 - :mod:`.decode_wide` -- the same decode for head groups whose key
   up-projection does not fit one program (J-LRD at large ranks): one program
   per KV head, the rank in chunks.

@@ -22,236 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
-import weakref
-from collections import OrderedDict
 
 import torch
 import triton
 import triton.language as tl
 
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
+from .decode_prep import (MAX_CLASSES, WEIGHT_CACHE, Prepared, cached_for, key_weights,
+                          pow2, prepare, rope_is_rotation, sm_count)
 from .tiles import reduce_splits_kernel
 
 LOG2E = 1.4426950408889634
-_MAX_CLASSES = 4
-
-
-# ----------------------------------------------------------------------------------
-# Host side: one-time preparation (cached), launch
-# ----------------------------------------------------------------------------------
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, math.ceil(math.log2(max(1, x)))))
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """Per (plan, layout, rope geometry, device) tables; built once."""
-
-    group_table: torch.Tensor  # int32 [8, num_groups]: k_off v_off rk rv kpar vpar ocol cls
-    maps: torch.Tensor  # int32 [7, CW] (see .decode_kernels._attend_chunk)
-    head_of_col: torch.Tensor  # int32 [out_width]
-    classes: tuple[tuple[int, int], ...]  # (RK_PAD, RV_PAD) per class
-    group_class: tuple[int, ...]
-    c1: int
-    c3: int
-    cw: int
-    rk_max_pad: int
-    offsets: list  # host copy of the groups' K and V offsets (elements or bytes)
-
-
-_PREP_CACHE: OrderedDict = OrderedDict()
-_WEIGHT_CACHE: OrderedDict = OrderedDict()
-_ROPE_CHECK: OrderedDict = OrderedDict()
-_SM_COUNT: dict = {}
-_CACHE_SIZE = 256
-
-
-def _cache_put(cache: OrderedDict, key, value):
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
-
-
-def _layout_key(layout):
-    if layout is None:
-        return None
-    return (layout.k_ranks, layout.v_ranks, layout.k_bits, layout.v_bits,
-            layout.k_groups, layout.v_groups, layout.slot_bytes)
-
-
-def _rank_classes(plan) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-    """Group the head groups into at most four ``(pad(r_k), pad(r_v))`` classes."""
-    pads = [(_pow2(rk), _pow2(rv)) for rk, rv in zip(plan.k_ranks, plan.v_ranks)]
-    classes = sorted(set(pads))
-    while len(classes) > _MAX_CLASSES:
-        # Merge the two classes with the smallest key pads (raise to the larger).
-        (a, av), (b_, bv) = classes[0], classes[1]
-        merged = (max(a, b_), max(av, bv))
-        classes = sorted(set([merged] + classes[2:]))
-        pads = [p if p in classes else next(c for c in classes
-                                             if c[0] >= p[0] and c[1] >= p[1])
-                for p in pads]
-    return tuple(classes), tuple(classes.index(p) for p in pads)
-
-
-def _prepare(plan, layout, rotary_dim: int, neox: bool, device) -> _Prepared:
-    key = (plan, _layout_key(layout), rotary_dim, neox, str(device))
-    hit = _PREP_CACHE.get(key)
-    if hit is not None:
-        return hit
-    sh = plan.shape
-    d, gs, ng = sh.head_dim, plan.group_size, plan.num_groups
-    hg = plan.heads_per_group
-    half = rotary_dim // 2
-    rest = d - rotary_dim
-    c1 = _pow2(gs * half)
-    c3 = _pow2(gs * rest) if rest else 0
-    cw = max(c1, c3)
-    maps = torch.full((7, cw), -1, dtype=torch.int32)
-    for c in range(gs * half):
-        j, p = divmod(c, half)
-        maps[0, c] = p if neox else 2 * p
-        maps[1, c] = p + half if neox else 2 * p + 1
-        maps[3, c] = j
-        maps[4, c] = j
-        maps[6, c] = p
-    for c in range(gs * rest):
-        j, e = divmod(c, rest)
-        maps[2, c] = rotary_dim + e
-        maps[5, c] = j
-    classes, gcls = _rank_classes(plan)
-    rows = [[0] * ng for _ in range(8)]
-    if layout is None:
-        k_offs = plan.k_offsets()
-        v_offs = [plan.k_width + o for o in plan.v_offsets()]
-        kpar = vpar = [0] * ng
-    else:
-        from vllm_lowrank.quantization import packed_bytes
-
-        if tuple(layout.k_ranks) != tuple(plan.k_ranks) or \
-                tuple(layout.v_ranks) != tuple(plan.v_ranks):
-            raise ValueError("layout ranks do not match the plan's ranks")
-        k_offs, v_offs, kpar, vpar = [], [], [], []
-        kb, vb, kp, vp = 0, layout.v_codes_offset, 0, 0
-        for r_k, r_v, qk, qv in zip(plan.k_ranks, plan.v_ranks, layout.k_groups,
-                                    layout.v_groups):
-            k_offs.append(kb)
-            v_offs.append(vb)
-            kpar.append(kp)
-            vpar.append(vp)
-            kb += packed_bytes(r_k, layout.k_bits)
-            vb += packed_bytes(r_v, layout.v_bits)
-            kp += r_k // qk
-            vp += r_v // qv
-    v_out = plan.v_offsets()
-    for g in range(ng):
-        rows[0][g] = k_offs[g]
-        rows[1][g] = v_offs[g]
-        rows[2][g] = plan.k_ranks[g]
-        rows[3][g] = plan.v_ranks[g]
-        rows[4][g] = kpar[g]
-        rows[5][g] = vpar[g]
-        rows[6][g] = hg * v_out[g]
-        rows[7][g] = gcls[g]
-    head_of_col = torch.empty(plan.out_width, dtype=torch.int32)
-    for g in range(ng):
-        base = hg * v_out[g]
-        for h in range(hg):
-            head_of_col[base + h * plan.v_ranks[g]: base + (h + 1) * plan.v_ranks[g]] = \
-                g * hg + h
-    prep = _Prepared(
-        group_table=torch.tensor(rows, dtype=torch.int32).to(device),
-        maps=maps.to(device),
-        head_of_col=head_of_col.to(device),
-        classes=classes,
-        group_class=gcls,
-        c1=c1, c3=c3, cw=cw,
-        rk_max_pad=max(c[0] for c in classes),
-        offsets=list(k_offs) + list(v_offs),
-    )
-    _cache_put(_PREP_CACHE, key, prep)
-    return prep
-
-
-def pack_key_weights(plan, k_up: torch.Tensor, prep: _Prepared, dtype: torch.dtype
-                     ) -> torch.Tensor:
-    """``B_k`` of every group, columns permuted into the three RoPE sections and
-    zero-padded: ``[num_groups, 3, rk_max_pad, CW]`` in ``dtype``."""
-    ng, gw, d = plan.num_groups, plan.group_width, plan.shape.head_dim
-    maps = prep.maps.cpu()
-    out = torch.zeros(ng, 3, prep.rk_max_pad, prep.cw, dtype=torch.float32,
-                      device=k_up.device)
-    for g, k_off in enumerate(plan.k_offsets()):
-        r = plan.k_ranks[g]
-        blk = k_up[k_off:k_off + r, g * gw:(g + 1) * gw].float()
-        for sec in range(3):
-            src, kvh = maps[sec], maps[3 + sec]
-            ok = (src >= 0).nonzero().flatten()
-            if ok.numel():
-                cols = (kvh[ok] * d + src[ok]).to(k_up.device)
-                out[g, sec, :r, ok.to(k_up.device)] = blk[:, cols]
-    return out.to(dtype).contiguous()
-
-
-def _cached_for(cache: OrderedDict, tensor: torch.Tensor, extra, build):
-    """Cache keyed by a tensor's identity: the entry holds a weak reference and is
-    used only while that very tensor is alive (an address reused by a new tensor
-    does not hit) and unmodified in place (``_version``). Inference tensors
-    (vLLM runs under ``torch.inference_mode()``) keep no version counter: they
-    are keyed by identity alone (the weights read here are not modified in
-    place once serving starts)."""
-    version = -1 if tensor.is_inference() else tensor._version
-    key = (tensor.data_ptr(), version, tuple(tensor.shape), tensor.dtype,
-           str(tensor.device), extra)
-    hit = cache.get(key)
-    if hit is not None and hit[0]() is tensor:
-        return hit[1]
-    value = build()
-    _cache_put(cache, key, (weakref.ref(tensor), value))
-    return value
-
-
-def _key_weights(plan, k_up, prep, dtype, rotary_dim, neox):
-    return _cached_for(_WEIGHT_CACHE, k_up, (plan, rotary_dim, neox, dtype),
-                       lambda: pack_key_weights(plan, k_up, prep, dtype))
-
-
-def rope_is_rotation(rope, block_n: int = 128) -> bool:
-    """True when ``table[p0 + i] = table[p0] * table[i] / table[0]`` (as complex
-    numbers per pair), i.e. the table is ``m_j * exp(1j * t * theta_j)``: the
-    assumption of the fast RoPE path. The tolerance allows the float32 rounding of
-    the angles ``t * theta_j`` in the table (a few ulp of ``t * theta_max``), far
-    below any structural difference. Checked once per table (one device sync)."""
-    def check() -> bool:
-        cos, sin = rope.cos.double(), rope.sin.double()
-        n = cos.shape[0]
-        z = torch.complex(cos, sin)
-        if n < 2:
-            return True
-        i = torch.arange(min(block_n, n), device=cos.device)
-        step = max(1, (n - i.numel()) // 64)
-        p0 = torch.arange(0, n - i.numel() + 1, step, device=cos.device)
-        pred = z[p0][:, None] * z[i][None] / z[0]
-        actual = z[p0[:, None] + i[None]]
-        mag = z.abs().amax().clamp_min(1e-30)
-        err = (pred - actual).abs().amax(-1) / mag  # [P, I]
-        theta_max = torch.angle(z[1] / z[0]).abs().amax()
-        allowed = 1e-5 + 16 * 2.0 ** -24 * (p0[:, None] + i[None]).double() * theta_max
-        return bool((err <= allowed).all()) and bool((sin[0].abs() <= 1e-6 * mag).all())
-
-    return _cached_for(_ROPE_CHECK, rope.cos, (id(rope.sin), block_n), check)
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,7 +62,7 @@ def needs_wide(plan, layout, rotary_dim: int) -> bool:
     """Whether a head group's key up-projection tile exceeds
     :data:`TRITON_MAX_KEY_TILE`, so that pre-RoPE decode splits each group across
     programs (:mod:`.decode_wide`). Checked without compiling."""
-    prep = _prepare(plan, layout, rotary_dim, True, "cpu")
+    prep = prepare(plan, layout, rotary_dim, True, "cpu")
     return prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE
 
 
@@ -325,7 +107,7 @@ def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: in
     return best
 
 
-def _default_config(plan, prep: _Prepared, mode: str, device, quant: bool) -> dict:
+def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dict:
     """Launch parameters per case, measured on an H200 with triton 3.6
     (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
     checked correct on that compiler are chosen: triton 3.6 miscompiles several
@@ -356,7 +138,7 @@ def _default_config(plan, prep: _Prepared, mode: str, device, quant: bool) -> di
                 programs_per_sm=2, groups_per_program=1)
 
 
-def _wide_config(plan, prep: _Prepared, device) -> dict:
+def _wide_config(plan, prep: Prepared, device) -> dict:
     """Launch parameters of the wide-group kernel (:mod:`.decode_wide`): value
     tiles of ``BLOCK_N x pad(r_v)`` up to 32 K elements, rank chunks of 64 (a
     power-of-two per-channel-group size above 64 sets the chunk; any other
@@ -372,7 +154,7 @@ def _wide_config(plan, prep: _Prepared, device) -> dict:
                 programs_per_sm=2, rank_chunk=64)
 
 
-def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
+def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
                  cfg: KernelConfig, layout, rotary_dim: int, num_splits: int, bsz: int):
     """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
     for the grid kernel (same pointers, tables and split-K buffers)."""
@@ -392,8 +174,8 @@ def _launch_wide(plan, prep: _Prepared, args: tuple, common: dict, dflt: dict,
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
         layout.k_share_offset if chan else 0, sum(plan.k_ranks),
-        G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=_pow2(sh.queries_per_kv),
-        HALF=half, H1=_pow2(half), REST=rest, H3=_pow2(rest) if rest else 0, CW=prep.cw,
+        G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=pow2(sh.queries_per_kv),
+        HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,
         RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
         PAGE=common["PAGE"], DT=common["DT"], QUANT=common["QUANT"],
         K_BITS=common["K_BITS"], V_BITS=common["V_BITS"], K_QG=k_qg, V_QG=common["V_QG"],
@@ -493,13 +275,13 @@ def _cuda_decode(plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens
                  max_seq_len, num_splits, out, return_lse):
     from vllm_lowrank import cuda_ext
 
-    weights = _cached_for(_WEIGHT_CACHE, k_up, ("cuda", plan, rope.neox, kv_cache.dtype),
+    weights = cached_for(WEIGHT_CACHE, k_up, ("cuda", plan, rope.neox, kv_cache.dtype),
                           lambda: cuda_ext.pack_key_weights_t(plan, k_up, rope.neox,
                                                               kv_cache.dtype))
     if num_splits is None:
         warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
         num_splits = choose_num_splits(query.shape[0], plan.num_groups, max_seq_len,
-                                       32 * warps, _sm_count(query.device), 1)
+                                       32 * warps, sm_count(query.device), 1)
     return cuda_ext.latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, weights,
                                            rope, scale, num_splits=num_splits, out=out,
                                            return_lse=return_lse)
@@ -665,9 +447,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
 
     rotary_dim = rope.rotary_dim if mode == "pre_rope" else sh.head_dim
     neox = rope.neox if mode == "pre_rope" else True
-    prep = _prepare(plan, layout, rotary_dim, neox, device)
+    prep = prepare(plan, layout, rotary_dim, neox, device)
     if mode == "pre_rope":
-        weights = _key_weights(plan, k_up, prep, dt_torch, rotary_dim, neox)
+        weights = key_weights(plan, k_up, prep, dt_torch, rotary_dim, neox)
         cos, sin = rope.cos, rope.sin
         if cos.device != device:
             raise ValueError("rope tables must be on the query's device")
@@ -700,7 +482,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     num_stages = cfg.num_stages or dflt["num_stages"]
     trans = cfg.transposed if cfg.transposed is not None else dflt["transposed"]
     pps = cfg.programs_per_sm or dflt["programs_per_sm"]
-    n_sm = _sm_count(device)
+    n_sm = sm_count(device)
     ng = plan.num_groups
     hg = plan.heads_per_group
     if wide:
@@ -741,7 +523,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         po = out
         plse = lse if return_lse else out  # the kernel stores the final LSE there
 
-    classes = list(prep.classes) + [(16, 16)] * (_MAX_CLASSES - len(prep.classes))
+    classes = list(prep.classes) + [(16, 16)] * (MAX_CLASSES - len(prep.classes))
     if quant:
         k_qg = 0 if all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
             else layout.k_groups[0]
@@ -783,7 +565,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     common = dict(
         MODE=0 if mode == "pre_rope" else 1, ROPE_DIRECT=rope_direct,
         TRANS=trans,
-        HG=hg, HG_PAD=_pow2(gpp * hg), QPK=sh.queries_per_kv, GPP=gpp,
+        HG=hg, HG_PAD=pow2(gpp * hg), QPK=sh.queries_per_kv, GPP=gpp,
         C1=prep.c1, C3=prep.c3, CW=prep.cw,
         BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=_DT[dt_torch],
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
@@ -833,6 +615,6 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         block_c = 128
         reduce_splits_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
             po, plse, out, prep.head_of_col, num_splits, plan.out_width, num_heads,
-            lse if return_lse else plse, S_PAD=_pow2(num_splits, 2), BLOCK_C=block_c,
-            LSE=bool(return_lse), H_PAD=_pow2(num_heads, 2), num_warps=4)
+            lse if return_lse else plse, S_PAD=pow2(num_splits, 2), BLOCK_C=block_c,
+            LSE=bool(return_lse), H_PAD=pow2(num_heads, 2), num_warps=4)
     return (out, lse) if return_lse else out

@@ -275,7 +275,7 @@ def _attend_chunk(
     into ``plse_ptr`` ``[B, num_heads]`` (``-inf`` for an empty span)."""
     KPOST: tl.constexpr = QUANT and MODE == 1 and K_QG == 0
     VPOST: tl.constexpr = QUANT and MODE == 1 and V_QG == 0
-    # Group table rows (see _Prepared.group_table).
+    # Group table rows (see .decode_prep.Prepared.group_table).
     k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
     if OFF_MULT > 1:
         # Offsets are sums of ranks (multiples of 8): lets the compiler emit

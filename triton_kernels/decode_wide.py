@@ -64,9 +64,9 @@ def wide_decode_kernel(
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
 ):
     """Grid ``(n_splits, num_kv_heads, B)``: split ``s`` of sequence ``b`` for KV
-    head ``j``. ``w_ptr``: :func:`.decode.pack_key_weights` (``[num_groups, 3,
+    head ``j``. ``w_ptr``: :func:`.decode_prep.pack_key_weights` (``[num_groups, 3,
     pad(r_k), CW]``, head ``jj``'s rotary columns at ``jj * HALF ..``, its rest at
-    ``jj * REST ..``); ``maps_ptr``/``gt_ptr``: :class:`.decode._Prepared`'s maps
+    ``jj * REST ..``); ``maps_ptr``/``gt_ptr``: :class:`.decode_prep.Prepared`'s maps
     and group table. ``HALF``/``REST``: rotary half and unrotated rest of one
     head (``H1``/``H3`` their power-of-two pads, ``H3 = 0`` without a rest);
     ``RC``: rank chunk (a multiple of ``K_QG`` when that is > 0). ``K_CHAN``:

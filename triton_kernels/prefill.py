@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_prep import pow2
 from .tiles import add_combine, max_combine
 
 LOG2E = 1.4426950408889634
@@ -100,13 +101,6 @@ def _prefill_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dvs[None, :] < r_v))
 
 
-def _pow2(x: int, lo: int = 16) -> int:
-    p = lo
-    while p < x:
-        p *= 2
-    return p
-
-
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -165,7 +159,7 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     dt = keys.dtype
     block_m = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
     block_n = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
-    dv = _pow2(max_rank_v)
+    dv = pow2(max_rank_v)
     grid = (triton.cdiv(max_q_len, block_m), num_heads, n)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1),
@@ -174,7 +168,7 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         out, out.stride(0),
         heads, cu_q, cu_k,
         float(scale) * LOG2E, int(window or 0), dk, num_heads // nkh,
-        DK=_pow2(dk), DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
+        DK=pow2(dk), DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
         WINDOW=window is not None, DT=_DT[dt],
         num_warps=4 if dv <= 64 else 8, num_stages=2,
     )

@@ -178,7 +178,7 @@ def load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero
 @triton.jit
 def group_row(gt_ptr, num_groups, g):
     """Head group ``g``'s row of the group table (int32 ``[8, num_groups]``,
-    :class:`vllm_lowrank.triton_kernels.decode._Prepared`): ``(k_off, v_off, r_k,
+    :class:`vllm_lowrank.triton_kernels.decode_prep.Prepared`): ``(k_off, v_off, r_k,
     r_v, k_par, v_par, out_col)``: the key and value latents' offsets in a slot
     (elements, or bytes in a packed slot), the ranks, the first scale/zero pair
     of each side, the first output column."""
