@@ -135,6 +135,11 @@ def _allocate(args) -> None:
 def _perplexity(args) -> None:
     from vllm_lowrank.evaluation import run_setting
 
+    from vllm_lowrank.calibration.text import read_text_file
+
+    for text in args.text:  # a user's file is checked before any engine starts
+        if text not in ("wikipedia", "bbc"):
+            read_text_file(text, "evaluation text")
     model = resolve_model(args.model)
     settings = [None] if not args.no_baseline else []
     for text in args.config:
@@ -306,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face folder or embedded alias")
     s.add_argument("--config", action="append", default=[],
                    help="a --kv-compression-config (JSON or path); repeatable")
-    s.add_argument("--text", nargs="+", default=["wikipedia"], choices=["wikipedia", "bbc"])
+    s.add_argument("--text", nargs="+", default=["wikipedia"],
+                   help="wikipedia (held out from calibration), bbc, or your own .txt / "
+                        ".jsonl file (a \"text\" field per line); several allowed")
     s.add_argument("--tokens", type=int, default=16384, help="tokens per text")
     s.add_argument("--window", type=int, default=1024)
     s.add_argument("--dtype", default="float32")

@@ -26,10 +26,21 @@ TEXTS = ("wikipedia", "bbc")
 
 
 def eval_windows(tokenizer, text: str, num_windows: int, window: int) -> list[list[int]]:
-    """Held-out token windows of ``text`` (``wikipedia`` or ``bbc``)."""
+    """Held-out token windows of ``text``: ``wikipedia`` (the articles kept out
+    of calibration), ``bbc``, or the path of a user's own ``.txt`` / ``.jsonl``
+    file (:func:`~vllm_lowrank.calibration.text.read_text_file`).
+
+    Raises:
+        LowRankConfigError: an unreadable file, or too little text for the windows.
+    """
     from vllm_lowrank.calibration import text as texts
 
-    docs = texts.wikipedia_split("heldout") if text == "wikipedia" else list(texts.bbc_news())
+    if text == "wikipedia":
+        docs = texts.wikipedia_split("heldout")
+    elif text == "bbc":
+        docs = list(texts.bbc_news())
+    else:
+        docs = texts.read_text_file(text, "evaluation text")
     return texts.token_windows(tokenizer, docs, num_windows, window)
 
 

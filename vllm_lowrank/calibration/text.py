@@ -89,8 +89,9 @@ def bbc_news() -> tuple[str, ...]:
     return tuple(texts)
 
 
-def read_text_file(path: str) -> list[str]:
-    """Documents of a user file: JSONL (``{"text": ...}`` per line) or plain text.
+def read_text_file(path: str, what: str = "calibration text") -> list[str]:
+    """Documents of a user file: JSONL (``{"text": ...}`` per line) or plain text
+    (``what`` names it in errors).
 
     Raises:
         LowRankConfigError: missing, non-regular, oversized, unreadable or
@@ -98,7 +99,7 @@ def read_text_file(path: str) -> list[str]:
     """
     from vllm_lowrank.inputs import MAX_TEXT_BYTES, parse_json, read_text
 
-    content = read_text(path, "calibration text", MAX_TEXT_BYTES)
+    content = read_text(path, what, MAX_TEXT_BYTES)
     if path.endswith((".jsonl", ".json")):
         docs = []
         for n, line in enumerate(content.splitlines(), 1):

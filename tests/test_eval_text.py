@@ -1,0 +1,42 @@
+"""Perplexity on a user's own text: ``vllm-lowrank perplexity --text FILE``."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+
+def test_own_file_gives_its_own_tokens(tmp_path, model_path):
+    from transformers import AutoTokenizer
+
+    from vllm_lowrank.evaluation import eval_windows
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    text = " ".join(f"Line {i} of a held-out report on river levels." for i in range(200))
+    path = tmp_path / "mine.txt"
+    path.write_text(text)
+    windows = eval_windows(tok, str(path), 2, 64)
+    ids = tok.encode(text + "\n\n", add_special_tokens=False)
+    assert windows == [ids[:64], ids[64:128]]
+
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": text}) for _ in range(2)))
+    assert eval_windows(tok, str(jsonl), 2, 64) == windows
+
+
+@pytest.mark.parametrize("content,match", [(None, "does not exist|not found|no such"),
+                                           ('{"txt": 1}\n', "string \"text\" field")])
+def test_bad_file_is_refused_before_any_engine(tmp_path, capsys, content, match):
+    from vllm_lowrank import cli
+
+    path = tmp_path / "bad.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["perplexity", "not-a-model-folder", "--text", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("vllm-lowrank: error:")
+    assert re.search(match, err, re.I), err
