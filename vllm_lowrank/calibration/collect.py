@@ -26,6 +26,18 @@ import dataclasses
 import torch
 
 
+def progress(items, what: str):
+    """``items`` with a progress bar on stderr (``tqdm``, ``what`` as its label)
+    when stderr is a terminal; the plain sequence otherwise (logs, tests)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=what, unit="window", leave=False)
+
+
 @dataclasses.dataclass
 class LayerStats:
     """Accumulated statistics of one layer (see module docstring)."""
@@ -124,7 +136,7 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
     for p in params:
         p.requires_grad_(False)
     try:
-        for ids in windows:
+        for ids in progress(windows, "calibration windows"):
             ids_t = torch.tensor([ids])
             if not gradients:
                 with torch.no_grad():
@@ -173,7 +185,7 @@ def collect_projected(model, windows: list[list[int]],
         handles.append(layer.self_attn.k_proj.register_forward_pre_hook(on_kv_input))
     try:
         with torch.no_grad():
-            for ids in windows:
+            for ids in progress(windows, "projected windows"):
                 model(torch.tensor([ids]), use_cache=False)
     finally:
         for h in handles:
@@ -256,7 +268,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
         p.requires_grad_(False)
     tokens = 0
     try:
-        for ids in windows:
+        for ids in progress(windows, "gradient windows"):
             ids_t = torch.tensor([ids])
             leaves.clear()
             logits = model(ids_t, use_cache=False).logits[0, :-1]
