@@ -34,15 +34,15 @@ FROM ${BASE_IMAGE}:${BASE_TAG} AS vllm-base
 # vllm_lowrank/cuda_ext.py builds lazily on the GPU (torch cpp_extension JIT,
 # one module per GPU arch, `vllm_lowrank_cuda_sm<arch>`); its load() needs a
 # visible GPU, so it cannot run in `docker build`. This stage builds the same
-# modules ahead of time for every arch of TORCH_CUDA_ARCH_LIST (sm_80, sm_90),
-# with cuda_ext's name, sources (read from the module) and nvcc flags (mirrored:
-# keep in sync with cuda_ext.load), into the JIT cache layout under
+# modules ahead of time for every arch of TORCH_CUDA_ARCH_LIST (sm_80, sm_89,
+# sm_90) with cuda_ext.build (the name, sources and nvcc flags load() uses on a
+# GPU), into the JIT cache layout under
 # TORCH_EXTENSIONS_DIR: <dir>/vllm_lowrank_cuda_sm90/vllm_lowrank_cuda_sm90.so.
 # The sources sit at the same path as in the served image, so the JIT there
 # finds the build up to date instead of compiling again.
 FROM vllm-base AS cuda-ext
 ARG BUILD_CUDA_EXT=1
-ENV TORCH_CUDA_ARCH_LIST="8.0;9.0" \
+ENV TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0" \
     TORCH_EXTENSIONS_DIR=/opt/vllm-lowrank/torch_extensions \
     CUDA_HOME=/usr/local/cuda \
     MAX_JOBS=4 \
@@ -74,12 +74,9 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
          && rm -rf /var/lib/apt/lists/*; \
        fi \
     && python3 -c "import os, sys; sys.path.insert(0, os.getcwd()); \
-import torch.utils.cpp_extension as ext; from vllm_lowrank import cuda_ext as ce; \
-src = [str(ce.source_dir() / s) for s in ce._SOURCES]; \
-archs = [a.replace('.', '') for a in os.environ['TORCH_CUDA_ARCH_LIST'].split(';')]; \
-[ext.load(name=f'{ce._NAME}_sm{a}', sources=src, extra_cflags=['-O3'], \
-extra_cuda_cflags=['-O3', '-std=c++17', f'-gencode=arch=compute_{a},code=sm_{a}', '--use_fast_math'], \
-verbose=True) for a in archs]" \
+from vllm_lowrank import cuda_ext; \
+[cuda_ext.build(a.replace('.', ''), verbose=True) \
+ for a in os.environ['TORCH_CUDA_ARCH_LIST'].split(';')]" \
     && ls -lR "${TORCH_EXTENSIONS_DIR}"
 
 ################################ serving image ################################
@@ -121,7 +118,7 @@ ENV HOME=/home/vllm \
     HF_HOME=/home/vllm/.cache/huggingface \
     VLLM_LOWRANK_CACHE=/home/vllm/.cache/vllm_lowrank \
     TORCH_EXTENSIONS_DIR=/opt/vllm-lowrank/torch_extensions \
-    TORCH_CUDA_ARCH_LIST="8.0;9.0" \
+    TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0" \
     CUDA_HOME=/usr/local/cuda \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1

@@ -90,18 +90,38 @@ def load(verbose: bool = False):
             "without its vllm_lowrank.csrc data; reinstall vllm-lowrank")
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
-    flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-             "--use_fast_math"]
     try:
-        _EXT = cpp_extension.load(
-            name=f"{_NAME}_sm{arch}", sources=[str(src / s) for s in _SOURCES],
-            extra_cuda_cflags=flags, extra_cflags=["-O3"], verbose=verbose)
+        _EXT = build(arch, verbose=verbose)
     except Exception as exc:  # compiler errors, wrong toolkit for this GPU, ...
         raise RuntimeError(
             f"building {_NAME} from {src} failed ({type(exc).__name__}: {exc}); check "
             "that nvcc supports sm_" + arch + " and matches torch.version.cuda="
             f"{torch.version.cuda}") from exc
     return _EXT
+
+
+def nvcc_flags(arch: str) -> list[str]:
+    """nvcc flags of the module for compute capability ``arch`` (``"90"`` for
+    sm_90): the one list used by :func:`load` on a GPU and by the Dockerfile's
+    ahead-of-time build."""
+    return ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            "--use_fast_math"]
+
+
+def build(arch: str, verbose: bool = False):
+    """Build (or find up to date in ``TORCH_EXTENSIONS_DIR``) and import the
+    module ``vllm_lowrank_cuda_sm<arch>`` with torch's JIT builder; no GPU needed
+    (the Dockerfile builds every arch of ``TORCH_CUDA_ARCH_LIST`` this way).
+
+    Raises:
+        Whatever ``torch.utils.cpp_extension.load`` raises (compiler errors).
+    """
+    from torch.utils import cpp_extension
+
+    src = source_dir()
+    return cpp_extension.load(
+        name=f"{_NAME}_sm{arch}", sources=[str(src / s) for s in _SOURCES],
+        extra_cuda_cflags=nvcc_flags(arch), extra_cflags=["-O3"], verbose=verbose)
 
 
 def group_table(plan, layout, side: str) -> torch.Tensor:
