@@ -165,10 +165,10 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
         window: The layer's sliding window, or ``None``.
         max_model_len: Longest sequence.
     """
-    from vllm_lowrank.triton_kernels import decode as dec
-
     if device.type != "cuda":
         return DecodePath("torch", "not on a CUDA device")
+    from vllm_lowrank.triton_kernels import decode as dec
+
     if not fused_supports(layer.layout):
         return _logged(layer, DecodePath(
             "torch", "the fused kernels do not read a raw 16-bit side inside a packed "
