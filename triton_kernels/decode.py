@@ -62,7 +62,10 @@ def needs_wide(plan, layout, rotary_dim: int) -> bool:
     """Whether a head group's key up-projection tile exceeds
     :data:`TRITON_MAX_KEY_TILE`, so that pre-RoPE decode splits each group across
     programs (:mod:`.decode_wide`). Checked without compiling."""
-    prep = prepare(plan, layout, rotary_dim, True, "cpu")
+    return _key_tile_too_large(prepare(plan, layout, rotary_dim, True, "cpu"))
+
+
+def _key_tile_too_large(prep: Prepared) -> bool:
     return prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE
 
 
@@ -464,7 +467,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
 
     per_channel = quant and layout.k_per_channel
     wide = cfg.wide if cfg.wide is not None else (per_channel or (
-        mode == "pre_rope" and prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE))
+        mode == "pre_rope" and _key_tile_too_large(prep)))
     if per_channel and not wide:
         raise ValueError("per-channel keys decode on the wide-group kernel only "
                          "(KernelConfig.wide=False was given)")
