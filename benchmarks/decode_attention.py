@@ -78,6 +78,16 @@ SHAPES = {"1x32k": (1, 32768), "16x8k": (16, 8192), "16x32k": (16, 32768),
           "64x4k": (64, 4096), "8x128k": (8, 131072)}
 
 
+def parse_shape(name):
+    """``"16x32k"`` -> ``(16, 32768)``: batch x context tokens (``k`` = 1,024)."""
+    try:
+        bsz, length = name.lower().split("x")
+        mult = 1024 if length.endswith("k") else 1
+        return int(bsz), int(length.rstrip("k")) * mult
+    except ValueError:
+        raise SystemExit(f"--shapes: {name!r} is not BATCHxCONTEXT (e.g. 16x32k)") from None
+
+
 # ---------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------
@@ -365,7 +375,7 @@ def main():
 
     sdpa = {}
     for name in shapes:
-        bsz, length = SHAPES[name]
+        bsz, length = parse_shape(name)
         sdpa[name] = sdpa_case(bsz, length)
         torch.cuda.empty_cache()
 
@@ -391,7 +401,7 @@ def main():
         plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
         for qname in quants:
             for name in shapes:
-                bsz, length = SHAPES[name]
+                bsz, length = parse_shape(name)
                 p = make_problem(plan, bsz, length, qbits[qname])
                 ref = reference(plan, rope, p, HEAD_DIM ** -0.5)
                 # The CUDA kernel serves the unquantized cache (backend="auto" picks
@@ -450,7 +460,7 @@ def grouping_rows(rope, shapes, ratio, sdpa, wide_sweep=False):
              f"{'x sdpa':>6} {'TFLOP/s':>7} {'rel':>8}"]
     cuda_ok = _cuda_kernel_available()
     for name in shapes:
-        bsz, length = SHAPES[name]
+        bsz, length = parse_shape(name)
         ts = sdpa[name][0]
         for gs in (1, 2, 4, 8):
             r = int(round(ratio * gs * HEAD_DIM))
@@ -519,7 +529,7 @@ def variant_rows(rope, shapes, ratio, window=4096):
     scale = HEAD_DIM ** -0.5
     lines = [f"{'shape':>7} {'ratio':>5} {'variant':>16} {'us':>8} {'vs plain':>8} {'max_abs':>8}"]
     for name in shapes:
-        bsz, length = SHAPES[name]
+        bsz, length = parse_shape(name)
         p = make_problem(plan, bsz, length, None)
         max_len = int(p["lens"].max())
         base = None
@@ -563,7 +573,7 @@ def span_rows(rope, shapes, ratio, sink=4, recent=128):
     lines = [f"{'shape':>7} {'ratio':>5} {'variant':>22} {'us':>8} {'vs plain':>8} "
              f"{'max_abs':>8} {'lse_abs':>8}"]
     for name in shapes:
-        bsz, length = SHAPES[name]
+        bsz, length = parse_shape(name)
         p = make_problem(plan, bsz, length, None)
         max_len = int(p["lens"].max())
         base = None
@@ -611,7 +621,7 @@ def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
     for ratio, name in [(r_, n_) for r_ in ratios for n_ in shapes]:
         r = int(round(ratio * HEAD_DIM))
         plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
-        bsz, length = SHAPES[name]
+        bsz, length = parse_shape(name)
         for qname, bits in (("none", None), ("k8v4", (8, 4))):
             p = make_problem(plan, bsz, length, bits)
             nbytes = kernel_bytes(plan, p) - sum(2 * max(16, r) * 64 * 2 for _ in plan.k_ranks) \
@@ -730,7 +740,7 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
         r = int(round(ratio * HEAD_DIM))
         plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
         for name in shapes:
-            bsz, length = SHAPES[name]
+            bsz, length = parse_shape(name)
             p = make_problem(plan, bsz, length, None)
             nbytes = kernel_bytes(plan, p)
             ref = reference(plan, rope, p, scale, mode=mode)

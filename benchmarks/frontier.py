@@ -84,6 +84,15 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     # the allocator also choosing Hadamard, per-channel/per-token keys and the window
     "allocated 8x, int8 exact, knobs chosen": ("ours", {"allocate": 8.0, **TALE, "exact_bits": 8,
                                                         "choose_knobs": True}),
+    # the presets as a user selects them (vllm_lowrank/presets.py)
+    **{f"preset {name}": ("ours", {"preset": name}) for name in ("2x", "lossless", "4x", "8x")},
+    # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
+    "G=1 latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "group_size": 1, "ratio": 0.75, "k_bits": 4, "v_bits": 4}),
+    "G=1 latent 0.5, K4 per channel, V4, sink 32 + recent 128": (
+        "ours", {**TALE, "group_size": 1, "ratio": 0.5, "k_bits": 4, "v_bits": 4}),
+    "G=1 latent 0.5, 16-bit, sink 32 + recent 128": (
+        "ours", {**TALE, "group_size": 1, "ratio": 0.5, "k_quant": "token"}),
 }
 
 
@@ -143,13 +152,16 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.format.exact import exact_tokens
     from vllm_lowrank.models.compression import slot_layouts
+    from vllm_lowrank.presets import PRESETS
 
-    if "allocate" in cfg:  # serving settings as recorded, bits per layer as built
+    if "allocate" in cfg:  # serving settings as recorded
         settings = serving_config(serving)
-        bits = [tuple(la["bits"]) for la in layers.values()]
-    else:
+    else:  # a preset's settings filled in
         settings = LowRankConfig.from_dict({"mode": "lowrank", **cfg})
-        bits = None
+    # an allocation's bits differ by layer: as the workers built them
+    allocated = "allocate" in cfg or (settings.preset is not None
+                                      and PRESETS[settings.preset].allocate is not None)
+    bits = [tuple(la["bits"]) for la in layers.values()] if allocated else None
     ranks = [(la["k_ranks"], la["v_ranks"]) for la in layers.values()]
     layouts = (slot_layouts(settings, ranks, bits, one_page=settings.token_adaptive)
                or [None] * len(ranks))

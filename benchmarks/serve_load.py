@@ -27,6 +27,7 @@ Bounded: loopback only, ``--requests`` requests per run, each run cut at
 
     .venv/bin/python -P benchmarks/serve_load.py
     .venv/bin/python -P benchmarks/serve_load.py --requests 48 --ratios 0.5
+    .venv/bin/python -P benchmarks/serve_load.py --ratios --presets 2x lossless 4x 8x
 """
 
 from __future__ import annotations
@@ -177,7 +178,9 @@ def run_setting(name: str, extra: list[str], model: str, prompts: list[list[int]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="folder or embedded alias")
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25])
+    p.add_argument("--ratios", type=float, nargs="*", default=[0.5, 0.25])
+    p.add_argument("--presets", nargs="*", default=[],
+                   help="presets to serve as well (2x, lossless, 4x, 8x)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=1008,
                    help="1008 + 16 output tokens = 8 whole 128-token CPU blocks")
@@ -206,7 +209,10 @@ def main() -> None:
     settings = [("off", [])] + [
         (f"lowrank ratio {r}", ["--kv-compression", "lowrank",
                                 "--kv-compression-config", json.dumps({"ratio": r})])
-        for r in args.ratios]
+        for r in args.ratios] + [
+        (f"preset {name}", ["--kv-compression", "lowrank",
+                            "--kv-compression-config", json.dumps({"preset": name})])
+        for name in args.presets]
     rows = [run_setting(name, extra, model, prompts, args) for name, extra in settings]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 LAYERS = (
     ("errors",),
-    ("inputs", "config", "compat"),
+    ("inputs", "presets", "config", "compat"),
     ("quantization", "metrics"),
     ("format", "factorization"),
     ("cuda_ext", "csrc", "triton_kernels"),

@@ -118,8 +118,9 @@ class PagedSequence:
         self.cache = torch.full((12, 1, LATENT_BLOCK, layout.slot_bytes), 0, dtype=torch.uint8)
         self.exact = torch.full((20, 1, EXACT_BLOCK, self.slot.slot_bytes), 0xFF,
                                 dtype=torch.uint8)
-        self.table = torch.randperm(12)[: -(-n_max // LATENT_BLOCK)].to(torch.int32)
-        self.exact_table = torch.randperm(20)[: -(-n_max // EXACT_BLOCK)].to(torch.int32)
+        # block 0 is vLLM's null block: no request owns it
+        self.table = (1 + torch.randperm(11))[: -(-n_max // LATENT_BLOCK)].to(torch.int32)
+        self.exact_table = (1 + torch.randperm(19))[: -(-n_max // EXACT_BLOCK)].to(torch.int32)
         self.n = 0
 
     def slots(self, table, block, pos):
@@ -154,8 +155,13 @@ class PagedSequence:
         return torch.cat([k] + v, dim=-1)
 
 
+@pytest.mark.parametrize("graph_safe", [True, False])
 @pytest.mark.parametrize("pad", [0, 6])
-def test_groups_are_quantized_once_complete_and_read_back(pad):
+def test_groups_are_quantized_once_complete_and_read_back(pad, graph_safe, monkeypatch):
+    """Both write paths: without a host sync (every step here is short) and
+    with one (the prefill path, forced by a zero token limit)."""
+    if not graph_safe:
+        monkeypatch.setattr(tale, "GRAPH_SAFE_TOKENS", 0)
     plan, layout = make_layer(pad)
     seq = PagedSequence(plan, layout, 96)
     rk = plan.k_width
@@ -183,6 +189,8 @@ def test_groups_are_quantized_once_complete_and_read_back(pad):
             assert not row[:layout.k_codes_bytes].any()
             ex = seq.exact[int(seq.exact_table[t // EXACT_BLOCK]), 0, t % EXACT_BLOCK]
             assert torch.equal(seq.slot.staged(ex), seq.lat[t, :rk])
+        # the null blocks that padding and non-final tokens rewrite keep their content
+        assert not seq.cache[0].any() and bool((seq.exact[0] == 0xFF).all())
 
 
 @pytest.mark.parametrize("n,sink,recent,pad,exact_bits", [

@@ -143,15 +143,17 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
 
 def _wide_config(plan, prep: Prepared, device) -> dict:
     """Launch parameters of the wide-group kernel (:mod:`.decode_wide`): value
-    tiles of ``BLOCK_N x pad(r_v)`` up to 32 K elements, rank chunks of 64 (a
+    tiles of ``BLOCK_N x pad(r_v)`` up to 16 K elements, rank chunks of 64 (a
     power-of-two per-channel-group size above 64 sets the chunk; any other
-    group size, one chunk of the padded rank)."""
+    group size, one chunk of the padded rank). On an H100 at G = 8, rank 512
+    the launch sweep put ``BLOCK_N`` 32, 4 warps, chunk 64 first (1.2-1.3x the
+    ``BLOCK_N`` 64 launch; benchmarks/README.md, "GPU serving inside vLLM")."""
     rv_pad = max(c[1] for c in prep.classes)
     if device.type != "cuda":  # interpreter: small tiles, several rank chunks
         return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
                     programs_per_sm=1, rank_chunk=16)
     block_n = 64
-    while block_n > 16 and block_n * rv_pad > 32 * 1024:
+    while block_n > 16 and block_n * rv_pad > 16 * 1024:
         block_n //= 2
     return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=False,
                 programs_per_sm=2, rank_chunk=64)

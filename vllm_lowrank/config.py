@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_lowrank.errors import LowRankConfigError
+from vllm_lowrank.presets import expand as expand_preset
 
 ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
@@ -67,6 +68,9 @@ class LowRankConfig:
 
     Attributes:
         mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
+        preset: A measured recipe (:data:`vllm_lowrank.presets.PRESETS`:
+            ``"2x"``, ``"lossless"``, ``"4x"``, ``"8x"``) whose settings fill
+            the keys the user did not give; ``None``: none.
         ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
             ``1.0`` keeps full rank: identity factors; greedy tokens equal the
             stock engine's in float32, in bf16 they differ by rounding (README).
@@ -129,6 +133,7 @@ class LowRankConfig:
     """
 
     mode: str = "none"
+    preset: str | None = None
     ratio: float = 0.5
     group_size: int | None = None
     ranks: Mapping[int, tuple[int, int]] | None = None
@@ -196,7 +201,7 @@ class LowRankConfig:
                 f"unknown --kv-compression-config key(s) {unknown}; "
                 f"valid keys: {sorted(known)}"
             )
-        kwargs = dict(raw)
+        kwargs = expand_preset(raw)
         if "ranks" in kwargs and kwargs["ranks"] is not None:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
         if "ratio" in kwargs:

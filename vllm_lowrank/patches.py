@@ -14,7 +14,10 @@ its target; :func:`apply` refuses to patch twice and logs what it replaced.
   ``--additional-config`` on the same command line cannot overwrite them.
 - ``EngineArgs.create_engine_config``: validates the settings against the model
   (architecture, head counts, ranks) in the front-end process, before any engine
-  process starts. From the CLI a problem is one line on stderr and exit code 2;
+  process starts; gives a preset its measured KV block size when
+  ``--block-size`` is not set, and the token-adaptive mode a per-request
+  prefill chunk (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`) when
+  ``--long-prefill-token-threshold`` is not set. From the CLI a problem is one line on stderr and exit code 2;
   from Python it is a :class:`~vllm_lowrank.config.LowRankConfigError`.
 """
 
@@ -37,6 +40,8 @@ from vllm_lowrank.config import (
     config_from_additional,
     parse_config_text,
 )
+from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+from vllm_lowrank.presets import PRESETS, get_preset
 
 logger = logging.getLogger("vllm.lowrank")
 
@@ -52,6 +57,8 @@ GROUP_DESCRIPTION = (
 _D = LowRankConfig()
 CONFIG_HELP = (
     "Settings of the latent cache, inline JSON or a path to a JSON file. Keys: "
+    f"preset ({' | '.join(PRESETS)}: a measured recipe; keys given beside it override "
+    "its settings); "
     f"ratio (fraction of the K+V width kept, 0 < ratio <= 1, default {_D.ratio}); "
     "group_size (KV heads decomposed together: 1 = per head, null = all KV heads "
     "of a layer, default null); ranks (per-layer override {\"layer\": [r_k, r_v]}); "
@@ -172,6 +179,18 @@ def _create_engine_config(original, self, *args, **kwargs):
         cfg = config_from_additional(self.additional_config)
     except LowRankConfigError as e:
         return _report(self, e)
+    if cfg.enabled and cfg.token_adaptive and not self.long_prefill_token_threshold and (
+            self.max_model_len is None or self.max_model_len >= PREFILL_CHUNK_TOKENS):
+        self.long_prefill_token_threshold = PREFILL_CHUNK_TOKENS
+        logger.info("vllm-lowrank: token-adaptive mode: prefill chunks of at most %d tokens "
+                    "per request (long_prefill_token_threshold; bounds the exact blocks each "
+                    "request holds; --long-prefill-token-threshold overrides)",
+                    PREFILL_CHUNK_TOKENS)
+    if cfg.enabled and cfg.preset is not None and self.block_size is None:
+        self.block_size = get_preset(cfg.preset).block_size
+        if self.block_size is not None:
+            logger.info("vllm-lowrank: preset %s: KV block size %d (as measured; "
+                        "--block-size overrides)", cfg.preset, self.block_size)
     vllm_config = original(self, *args, **kwargs)
     if cfg.enabled:
         from vllm_lowrank.models.adapters import check_model
@@ -180,6 +199,10 @@ def _create_engine_config(original, self, *args, **kwargs):
             check_model(vllm_config, cfg)
         except LowRankConfigError as e:
             return _report(self, e)
+        if cfg.preset is not None:
+            preset = get_preset(cfg.preset)
+            logger.info("vllm-lowrank: preset %s, measured on SmolLM2-135M: %s; decode on "
+                        "a CUDA device: %s", preset.name, preset.measured, preset.gpu_path)
         logger.info("vllm-lowrank: latent KV cache enabled with %s", cfg.to_dict())
     return vllm_config
 

@@ -243,18 +243,21 @@ def decode_path(layer, dtype: torch.dtype, device: torch.device, vllm_config) ->
 def graph_safe_decode(vllm_config, device: torch.device) -> bool:
     """True when every latent attention layer of the model decodes with a
     fused GPU kernel (:func:`decode_path`: no host sync, fixed launch shapes for
-    a fixed batch), so decode steps may be captured in CUDA graphs. Layers on
-    the torch path, and token-adaptive layers (their exact part is attended in
-    torch), are not: vLLM then runs decode eagerly. Chooses every layer's path
-    (warming its kernel) as a side effect, before any capture."""
+    a fixed batch), so decode steps may be captured in CUDA graphs. Token-
+    adaptive layers qualify too: their exact part is a fixed-shape torch
+    computation per batch (the sink and recent positions of every request,
+    :func:`~vllm_lowrank.attention.token_adaptive.exact_attention`) and their
+    per-channel key groups are written without a host sync in decode steps
+    (:func:`~vllm_lowrank.attention.token_adaptive.write_key_groups`). Layers on
+    the torch path are not: vLLM then runs decode eagerly. Chooses every
+    layer's path (warming its kernel) as a side effect, before any capture."""
     # LatentAttention layers are the ones carrying a plan (this module sits below
     # attention.layer, which imports the backend)
     layers = [layer for layer in vllm_config.compilation_config.static_forward_context.values()
               if getattr(layer, "plan", None) is not None and hasattr(layer, "exact")]
     dtype = vllm_config.model_config.dtype
     paths = [decode_path(layer, dtype, device, vllm_config) for layer in layers]
-    return all(layer.exact is None and path.name != "torch"
-               for layer, path in zip(layers, paths))
+    return all(path.name != "torch" for path in paths)
 
 
 def _logged(layer, path: DecodePath, warn: bool = False) -> DecodePath:

@@ -59,6 +59,10 @@ class ExactTokensSpec(SlidingWindowSpec):
     """
 
     sink: int = 0
+    max_request_tokens: int | None = None
+    """Most tokens one request has in flight (scheduled, not yet settled):
+    ``long_prefill_token_threshold`` times vLLM's concurrent batches, or
+    ``None`` when vLLM's per-request chunk is not capped."""
 
     @property
     def sink_blocks(self) -> int:
@@ -67,7 +71,14 @@ class ExactTokensSpec(SlidingWindowSpec):
 
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
-        """Sliding-window bound plus the sink blocks."""
+        """Sliding-window bound plus the sink blocks. A request holds exact
+        blocks for its own in-flight tokens only, so with a capped prefill
+        chunk (:attr:`max_request_tokens`) the bound uses that cap instead of
+        the whole step's token budget (vLLM's default for a sliding window,
+        which would reserve a full 8,192-token chunk of exact blocks for every
+        request and leave less capacity than the uncompressed cache)."""
+        if self.max_request_tokens is not None:
+            max_in_flight_tokens = min(max_in_flight_tokens, self.max_request_tokens)
         return super().max_admission_blocks_per_request(
             max_in_flight_tokens, max_model_len) + self.sink_blocks
 

@@ -237,7 +237,9 @@ class ExactTokenCache(nn.Module, AttentionLayerBase):
         context[prefix] = self
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        """:class:`ExactTokensSpec` with window ``recent + 1`` and the sinks."""
+        """:class:`ExactTokensSpec` with window ``recent + 1``, the sinks and
+        the per-request prefill cap of the scheduler."""
+        cap = vllm_config.scheduler_config.long_prefill_token_threshold
         return ExactTokensSpec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
@@ -247,6 +249,7 @@ class ExactTokenCache(nn.Module, AttentionLayerBase):
             state_content_bytes=self.slot.slot_bytes,
             sliding_window=self.recent + 1,
             sink=self.sink,
+            max_request_tokens=cap * vllm_config.max_concurrent_batches if cap > 0 else None,
         )
 
     def get_attn_backend(self):

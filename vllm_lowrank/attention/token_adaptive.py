@@ -53,6 +53,11 @@ def write_exact(exact_cache: torch.Tensor, slot: ExactSlot, key: torch.Tensor,
     latent.scatter_rows(exact_cache, rows, slot_mapping)
 
 
+GRAPH_SAFE_TOKENS = 1024
+"""Steps of at most this many tokens (every decode batch a CUDA graph captures)
+take :func:`write_key_groups`'s path without a host sync."""
+
+
 def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: ExactSlot,
                      slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout) -> None:
     """Quantize per channel every key group completed in this step and write
@@ -66,6 +71,14 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     group's slots are the ``G`` consecutive slots ending at ``p``'s in either
     cache. Run after this step's tokens were written to both caches.
 
+    Steps of at most :data:`GRAPH_SAFE_TOKENS` tokens run without a host sync
+    and with fixed shapes (CUDA graphs capture them): every token is treated
+    as a group end, and a token that is not one rewrites slots ``0 .. G - 1``
+    of block 0, vLLM's null block that no request owns, with their own
+    content (as :func:`~vllm_lowrank.attention.latent_attention.scatter_rows`
+    does for padding). Longer steps (prefill) quantize only the completed
+    groups, found with one host sync.
+
     Args:
         kv_cache: Latent cache ``[num_blocks, 1, block_size, slot_bytes]`` uint8.
         exact_cache: Exact cache (slots ``[k | v | c_k]``).
@@ -78,18 +91,27 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     n = min(slot_mapping.shape[0], exact_slots.shape[0])
     lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
     last = (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
-    if not bool(last.any()):
-        return
     back = torch.arange(g - 1, -1, -1, device=lat.device)
-    lat_slots = lat[last][:, None] - back  # [N, G]
-    ex_slots = ex[last][:, None] - back
+    if n > GRAPH_SAFE_TOKENS:
+        if not bool(last.any()):
+            return
+        lat_slots, ex_slots, keep = lat[last][:, None] - back, ex[last][:, None] - back, None
+    else:
+        keep = last[:, None, None]
+        null = (g - 1 - back)[None, :]  # slots 0 .. G-1 of the null block
+        lat_slots = torch.where(last[:, None], lat[:, None] - back, null)  # [N, G]
+        ex_slots = torch.where(last[:, None], ex[:, None] - back, null)
     eb, lb = exact_cache.shape[2], kv_cache.shape[2]
     rows = exact_cache[ex_slots // eb, 0, ex_slots % eb]  # [N, G, exact slot bytes]
-    c_k = slot.staged(rows)
-    codes, share = layout.encode_key_groups(c_k)
+    codes, share = layout.encode_key_groups(slot.staged(rows))
     blocks, offsets = lat_slots // lb, lat_slots % lb
-    kv_cache[blocks, 0, offsets, :layout.k_codes_bytes] = codes
-    kv_cache[blocks, 0, offsets, layout.k_share_offset:layout.natural_bytes] = share
+    codes_at = (blocks, 0, offsets, slice(0, layout.k_codes_bytes))
+    share_at = (blocks, 0, offsets, slice(layout.k_share_offset, layout.natural_bytes))
+    if keep is not None:
+        codes = torch.where(keep, codes, kv_cache[codes_at])
+        share = torch.where(keep, share, kv_cache[share_at])
+    kv_cache[codes_at] = codes
+    kv_cache[share_at] = share
 
 
 def read_exact(exact_cache: torch.Tensor, slot: ExactSlot, block_table: torch.Tensor,

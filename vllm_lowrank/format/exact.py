@@ -17,6 +17,14 @@ import torch
 from vllm_lowrank.config import EXACT_BITS, LowRankConfig, LowRankConfigError
 
 
+PREFILL_CHUNK_TOKENS = 256
+"""vLLM's per-request prefill chunk (``long_prefill_token_threshold``) that the
+token-adaptive mode sets when the user did not: every token of a chunk is
+written to the exact cache for the step, so the chunk bounds the exact blocks a
+request holds and vLLM reserves (sink + recent + chunk tokens), which keeps
+the capacity gain under vLLM's default 8,192-token step budget."""
+
+
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
     """:class:`ExactTokens` of the token-adaptive mode: sink and recent tokens
     rounded up to whole blocks of ``block_size`` tokens (their blocks are stored

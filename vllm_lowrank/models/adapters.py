@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.models.architectures import ARCHITECTURES
+from vllm_lowrank.presets import get_preset
 
 
 def supported_list() -> str:
@@ -31,7 +32,8 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     (:func:`check_budget`), for an artifact given by path the whole artifact
     (:func:`check_artifact`; its head groups must not span ranks), and the
     token-adaptive windows against ``max_model_len`` and the KV block size
-    (:func:`check_token_windows`, with an allocation's serving settings).
+    (:func:`check_token_windows`, with an allocation's serving settings), and
+    no first-start allocation (preset ``8x``) under tensor parallelism.
 
     Raises:
         LowRankConfigError: with the supported alternatives.
@@ -80,6 +82,11 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     from vllm_lowrank.models.compression import mixes_attention_kinds, model_shapes
 
     tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1 and cfg.preset is not None and get_preset(cfg.preset).allocate is not None:
+        raise LowRankConfigError(
+            f"preset {cfg.preset!r} allocates ranks per layer on first start, which is "
+            f"not supported with tensor parallelism ({tp} ranks); allocate offline "
+            "(vllm-lowrank allocate) and pass the artifact, or use preset \"4x\"")
     shapes = model_shapes(hf_config, tp)
     cfg = rank_config(cfg, tp, shapes[0].num_kv_heads)  # per-rank groups and ranks
     for i, shape in shapes.items():

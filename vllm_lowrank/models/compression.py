@@ -35,11 +35,13 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from vllm_lowrank.calibration import artifact as art
+from vllm_lowrank.calibration.schema import SERVING_KEYS
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
 from vllm_lowrank.factorization.ranks import energy_plans
 from vllm_lowrank.format.exact import ExactTokens, exact_tokens
+from vllm_lowrank.presets import get_preset
 
 logger = logging.getLogger("vllm.lowrank")
 
@@ -267,6 +269,55 @@ def _load_or_calibrate(model_path: str, cfg: LowRankConfig, path: str):
     return artifact, path
 
 
+def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
+                     base_path: str, block_size: int) -> tuple[art.Artifact, str]:
+    """The byte-budget allocation of ``cfg.preset`` (a preset with
+    ``allocate``) for ``model_path``: loaded from the cache beside the
+    ``fisher`` artifact ``base`` (at ``base_path``), or allocated and cached.
+
+    The allocation (:func:`vllm_lowrank.calibration.allocate.budget_artifact`,
+    fixed knobs, 4 calibration windows, a 4,096-token context and vLLM's
+    ``block_size``) takes minutes on first start (about 4 on 2 CPU cores for
+    SmolLM2-135M); workers of one model wait on a file lock as for calibration.
+
+    Returns:
+        ``(artifact with its allocation, path)``.
+
+    Raises:
+        LowRankConfigError: no allocation meets the preset's target.
+    """
+    import fcntl
+
+    preset = get_preset(cfg.preset)
+    serving = "-".join(f"{k}{getattr(cfg, k)}" for k in SERVING_KEYS)
+    path = f"{base_path}-alloc{preset.allocate:g}-b{block_size}-{_digest(serving)}"
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(path):
+            try:
+                return art.load_artifact(path), path
+            except LowRankConfigError as e:
+                logger.warning("vllm-lowrank: cached allocation unusable (%s); "
+                               "allocating again", e)
+        from vllm_lowrank.calibration.allocate import budget_artifact
+
+        logger.info("vllm-lowrank: preset %s: allocating ranks and bits for %gx on first "
+                    "start (minutes; cached in %s)", preset.name, preset.allocate, path)
+        out, report = budget_artifact(model_path, base, cfg, ratio=preset.allocate,
+                                      block_size=block_size, choose_knobs=False)
+        out.save(path)
+        logger.info("vllm-lowrank: preset %s: %.2fx at 4,096 tokens, estimated loss "
+                    "+%.4f nats", preset.name, report["compression_ratio"],
+                    report["objective_nats"])
+        return out, path
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
 def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
     """Plans and bases for the model being constructed.
 
@@ -291,6 +342,9 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
         auto_cfg = cfg if tp == 1 or cfg.group_size else dataclasses.replace(
             cfg, group_size=shapes[0].num_kv_heads)
         artifact, path = load_or_calibrate(vllm_config.model_config.model, auto_cfg)
+        if cfg.preset is not None and get_preset(cfg.preset).allocate is not None:
+            artifact, path = load_or_allocate(vllm_config.model_config.model, cfg, artifact,
+                                              path, vllm_config.cache_config.block_size)
     elif cfg.artifact not in ("auto", "none"):
         path = cfg.artifact
         artifact = art.load_artifact(path)

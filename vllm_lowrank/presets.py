@@ -1,0 +1,128 @@
+"""Presets: measured recipes behind ``{"preset": NAME}``.
+
+A preset is a set of :class:`~vllm_lowrank.config.LowRankConfig` settings
+(method, grouping, ranks or a byte-budget allocation, bits, the token-adaptive
+exact windows) that was measured as a whole, with the accuracy it gave. Keys the
+user gives next to ``preset`` override the preset's
+(:meth:`LowRankConfig.from_dict`); the result is validated like any config.
+
+The ``8x`` preset is a byte-budget allocation
+(:func:`vllm_lowrank.calibration.allocate.budget_artifact`, target compression
+``allocate``): on first start it is computed from the model's ``fisher``
+artifact and cached beside it, like ``artifact: "auto"``
+(:func:`vllm_lowrank.models.compression.load_or_allocate`); later starts load it.
+
+Accuracy figures are from ``benchmarks/README.md`` (SmolLM2-135M-Instruct,
+held-out Wikipedia and BBC news windows of 4,096 tokens, generate-style 32-token
+steps, block size 32): another model will differ; check yours with
+``vllm-lowrank perplexity MODEL --config '{"preset": ...}' --text FILE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_lowrank.errors import LowRankConfigError
+
+TALE_CHANNEL_KEYS = {"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128,
+                     "k_quant": "channel", "k_channel_tokens": 32}
+"""Token-adaptive mode (TALE sec. 2.2: 32 sink and 128 recent tokens exact) with
+keys quantized per channel over 32-token groups (KIVI sec. 3.2): the setting
+of every preset above 3x."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One measured recipe.
+
+    Attributes:
+        name: The value of ``preset``.
+        settings: ``--kv-compression-config`` keys the preset sets.
+        allocate: Target compression ratio (16-bit K+V bytes / stored bytes at
+            a 4,096-token context) of a byte-budget allocation made on first
+            start; ``None``: no allocation (ranks from ``ratio``).
+        measured: Compression ratio and perplexity change as measured, one line.
+        gpu_path: The decode path its layers take on a CUDA device, and why.
+        block_size: vLLM KV block size it was measured with, used when
+            ``--block-size`` is not given (the exact windows round up to whole
+            blocks, and 32-token per-channel key groups must divide a block);
+            ``None``: vLLM's default.
+    """
+
+    name: str
+    settings: Mapping[str, Any]
+    measured: str
+    gpu_path: str
+    allocate: float | None = None
+    block_size: int | None = None
+
+
+PRESETS = {p.name: p for p in (
+    Preset("2x", {"ratio": 1.0, "group_size": 1, "k_bits": 8, "v_bits": 4},
+           "2.22x, +0.47 % wikipedia / +0.48 % bbc (full rank per KV head, Hadamard-rotated "
+           "8-bit keys and 4-bit values per token; no calibration)",
+           "Triton grid kernel with CUDA graphs (packed latents): 3.3x stock's decode step "
+           "at 8-bit (H100, Llama-3-8B shape)"),
+    Preset("lossless", {"ratio": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
+           "3.73x, +0.2 % wikipedia / +0.1 % bbc (latent 0.75, 4-bit per-channel keys, "
+           "4-bit values, 32 sink + 128 recent tokens exact)",
+           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
+           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),
+    Preset("4x", {"ratio": 0.5, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
+           "5.18x, +0.8 % wikipedia / +1.7 % bbc (latent 0.5, 4-bit per-channel keys, "
+           "4-bit values, 32 sink + 128 recent tokens exact)",
+           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
+           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),
+    Preset("8x", {"k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS, "recent_tokens": 256,
+                  "exact_bits": 8},
+           "8.45x, +1.3 % wikipedia / +3.5 % bbc (byte-budget allocation of ranks and "
+           "bits per layer, int8 exact tokens, 32 sink + 256 recent)",
+           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
+           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)",
+           allocate=8.0, block_size=32),
+)}
+"""Every preset by name. ``lossless`` is the most compression measured within
++0.5 % on both texts; the ``8x`` preset's ``k_bits``/``v_bits`` stand in for the
+allocation's per-layer bits, which replace them."""
+
+
+def get_preset(name: Any) -> Preset:
+    """The preset called ``name``.
+
+    Raises:
+        LowRankConfigError: not a preset name (the message lists them).
+    """
+    if not isinstance(name, str) or name not in PRESETS:
+        raise LowRankConfigError(
+            f"preset={name!r} is not a preset; choose one of {sorted(PRESETS)} "
+            "(see the README's \"Which setting\" table)")
+    return PRESETS[name]
+
+
+def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` with its preset's settings filled in under the keys it gives.
+
+    Args:
+        raw: ``--kv-compression-config`` mapping, with or without ``preset``.
+
+    Returns:
+        A new dict: the preset's settings updated by ``raw`` (``preset`` kept).
+
+    Raises:
+        LowRankConfigError: unknown preset, or (``8x``) a key that its
+            allocation chooses itself (``ratio``, ``ranks``, ``k_bits``,
+            ``v_bits``, ``rank_allocation``).
+    """
+    if raw.get("preset") is None:
+        return dict(raw)
+    preset = get_preset(raw["preset"])
+    if preset.allocate is not None:
+        fixed = sorted({"ratio", "ranks", "k_bits", "v_bits", "rank_allocation",
+                        "artifact", "method"} & set(raw))
+        if fixed:
+            raise LowRankConfigError(
+                f"preset {preset.name!r} allocates ranks and bits per layer on first "
+                f"start; drop {fixed} or use another preset")
+    return {**preset.settings, **raw}
