@@ -25,6 +25,11 @@ workers actually built (:func:`allocated_bytes`).
 
     VLLM_CPU_KVCACHE_SPACE=2 .venv/bin/python -P benchmarks/frontier.py --json frontier.json
 
+The table gives each text's perplexity change, their mean and the worst
+text. ``--texts`` takes any of the four held-out domains
+(:data:`vllm_lowrank.evaluation.TEXTS`: ``wikipedia bbc shakespeare code``;
+default the first two).
+
 vLLM's own compressed caches (``--kv-cache-dtype`` int8/fp8/int4 per token and
 head, TurboQuant, UltraQuant; kind ``vllm``) are added from the JSON that
 ``benchmarks/peer_caches.py --json`` writes (``--peers``): simulated storage in
@@ -387,15 +392,16 @@ def main() -> None:
     print(f"\n{title}\n")
     head = " | ".join(f"{t} ppl" for t in args.texts)
     print(f"| setting | kind | bytes / token (of 16-bit K+V) | compression ratio | {head} "
-          "| mean change |")
-    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|")
+          "| mean change | worst domain |")
+    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|---|")
     for row in sorted(rows, key=lambda x: x["ratio"]):
         base = row["kind"] == "peer" and row["ratio"] == 1.0
         cells = [f"{q:.3f}" + ("" if base else f" ({d:+.1f} %)")
                  for q, d in zip(row["ppl"], row["deltas"])]
         mean = "" if base else f"{row['delta']:+.1f} %"
+        worst = "" if base else f"{max(row['deltas']):+.1f} %"
         print(f"| {row['name']} | {row['kind']} | {1 / row['ratio']:.3f} | {row['ratio']:.2f}x | "
-              f"{' | '.join(cells)} | {mean} |")
+              f"{' | '.join(cells)} | {mean} | {worst} |")
     if args.plot:
         plot(rows, args.plot, title)
         print(f"\nplot: {args.plot}")

@@ -178,8 +178,12 @@ def _paths(llm) -> dict:
 
 
 def _capacity(llm) -> int:
-    cc = llm.llm_engine.vllm_config.cache_config
-    return int(cc.num_gpu_blocks) * int(cc.block_size)
+    """vLLM's group-aware KV capacity in tokens (what it logs as "KV cache
+    size"); blocks x block size would count the token-adaptive mode's pool in
+    exact-token blocks and understate it."""
+    from vllm_lowrank.metrics import kv_capacity_tokens
+
+    return kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config)
 
 
 def run_one(args) -> list[dict]:

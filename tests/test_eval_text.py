@@ -40,3 +40,26 @@ def test_bad_file_is_refused_before_any_engine(tmp_path, capsys, content, match)
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("vllm-lowrank: error:")
     assert re.search(match, err, re.I), err
+
+
+def test_every_held_out_domain_gives_windows_of_its_own_text(model_path):
+    """The four evaluation domains (encyclopedia, news, drama, code) each give
+    full windows of distinct text, none of it from the calibration split."""
+    from transformers import AutoTokenizer
+
+    from vllm_lowrank.calibration import text as texts
+    from vllm_lowrank.evaluation import TEXTS, eval_windows
+
+    assert set(TEXTS) == set(texts.HELD_OUT) == {"wikipedia", "bbc", "shakespeare", "code"}
+    tok = AutoTokenizer.from_pretrained(model_path)
+    firsts = set()
+    for name in TEXTS:
+        windows = eval_windows(tok, name, 2, 1024)
+        assert [len(w) for w in windows] == [1024, 1024], name
+        firsts.add(tuple(windows[0][:64]))
+    assert len(firsts) == len(TEXTS)
+    plays = texts.shakespeare()
+    assert len(plays) == 38 and "Hamlet" in " ".join(p[:40] for p in plays)
+    assert not any("**" in p for p in plays)  # markdown emphasis removed
+    calibration = set(texts.wikipedia_split("calibration"))
+    assert not calibration & set(texts.HELD_OUT["wikipedia"]())

@@ -133,12 +133,11 @@ def _allocate(args) -> None:
 
 
 def _perplexity(args) -> None:
-    from vllm_lowrank.evaluation import run_setting
-
     from vllm_lowrank.calibration.text import read_text_file
+    from vllm_lowrank.evaluation import TEXTS, run_setting
 
     for text in args.text:  # a user's file is checked before any engine starts
-        if text not in ("wikipedia", "bbc"):
+        if text not in TEXTS:
             read_text_file(text, "evaluation text")
     model = resolve_model(args.model)
     settings = [None] if not args.no_baseline else []
@@ -312,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", action="append", default=[],
                    help="a --kv-compression-config (JSON or path); repeatable")
     s.add_argument("--text", nargs="+", default=["wikipedia"],
-                   help="wikipedia (held out from calibration), bbc, or your own .txt / "
-                        ".jsonl file (a \"text\" field per line); several allowed")
+                   help="wikipedia (held out from calibration), bbc, shakespeare, code "
+                        "(Python's standard library), or your own .txt / .jsonl file "
+                        "(a \"text\" field per line); several allowed")
     s.add_argument("--tokens", type=int, default=16384, help="tokens per text")
     s.add_argument("--window", type=int, default=1024)
     s.add_argument("--dtype", default="float32")

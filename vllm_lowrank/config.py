@@ -125,6 +125,10 @@ class LowRankConfig:
             latents staged in the exact cache while its tokens are recent.
         k_channel_tokens: Tokens per per-channel key group; must divide the KV
             block size.
+        allow_slow_path: On a CUDA device, serve layers that no fused kernel
+            decodes (a 16-bit side inside a packed slot, or a kernel that
+            failed its start-up self-check) on the torch path, eagerly and
+            several times slower; ``False`` refuses them with the reason.
         explicit: The keys the user gave (:meth:`from_dict`), whatever their
             value: settings an artifact's allocation fixes replace the others
             and refuse a conflicting explicit one
@@ -151,6 +155,7 @@ class LowRankConfig:
     exact_bits: int = 16
     k_quant: str = "token"
     k_channel_tokens: int = 32
+    allow_slow_path: bool = False
     explicit: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False,
                                             metadata={"internal": True})
 
@@ -206,7 +211,7 @@ class LowRankConfig:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
         if "ratio" in kwargs:
             kwargs["ratio"] = _number("ratio", kwargs["ratio"])
-        for key in ("hadamard", "token_adaptive"):
+        for key in ("hadamard", "token_adaptive", "allow_slow_path"):
             if key in kwargs and not isinstance(kwargs[key], bool):
                 raise LowRankConfigError(f"{key} must be true or false, got {kwargs[key]!r}")
         for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",

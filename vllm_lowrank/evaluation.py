@@ -22,23 +22,23 @@ import sys
 import tempfile
 from typing import Any
 
-TEXTS = ("wikipedia", "bbc")
+TEXTS = ("wikipedia", "bbc", "shakespeare", "code")
+"""Held-out evaluation domains (:data:`vllm_lowrank.calibration.text.HELD_OUT`)."""
 
 
 def eval_windows(tokenizer, text: str, num_windows: int, window: int) -> list[list[int]]:
-    """Held-out token windows of ``text``: ``wikipedia`` (the articles kept out
-    of calibration), ``bbc``, or the path of a user's own ``.txt`` / ``.jsonl``
-    file (:func:`~vllm_lowrank.calibration.text.read_text_file`).
+    """Held-out token windows of ``text``: a domain of :data:`TEXTS`
+    (``wikipedia``: the articles kept out of calibration, ``bbc``,
+    ``shakespeare``, ``code``), or the path of a user's own ``.txt`` /
+    ``.jsonl`` file (:func:`~vllm_lowrank.calibration.text.read_text_file`).
 
     Raises:
         LowRankConfigError: an unreadable file, or too little text for the windows.
     """
     from vllm_lowrank.calibration import text as texts
 
-    if text == "wikipedia":
-        docs = texts.wikipedia_split("heldout")
-    elif text == "bbc":
-        docs = list(texts.bbc_news())
+    if text in texts.HELD_OUT:
+        docs = texts.HELD_OUT[text]()
     else:
         docs = texts.read_text_file(text, "evaluation text")
     return texts.token_windows(tokenizer, docs, num_windows, window)

@@ -72,7 +72,8 @@ CONFIG_HELP = (
     f"sink_tokens (default {_D.sink_tokens}), recent_tokens (default {_D.recent_tokens}); "
     f"k_quant (token | channel: keys per channel over k_channel_tokens-token groups, "
     f"KIVI; needs token_adaptive; default {_D.k_quant}), k_channel_tokens "
-    f"(default {_D.k_channel_tokens})."
+    f"(default {_D.k_channel_tokens}); allow_slow_path (on a GPU, serve layers no fused "
+    "kernel decodes on the slow torch path instead of refusing them; default false)."
 )
 
 

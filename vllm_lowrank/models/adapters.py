@@ -32,8 +32,10 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
     (:func:`check_budget`), for an artifact given by path the whole artifact
     (:func:`check_artifact`; its head groups must not span ranks), and the
     token-adaptive windows against ``max_model_len`` and the KV block size
-    (:func:`check_token_windows`, with an allocation's serving settings), and
-    no first-start allocation (preset ``8x``) under tensor parallelism.
+    (:func:`check_token_windows`, with an allocation's serving settings), no
+    first-start allocation (preset ``8x``) under tensor parallelism, and on a
+    CUDA device no raw 16-bit side in a packed slot without ``allow_slow_path``
+    (no fused kernel reads it).
 
     Raises:
         LowRankConfigError: with the supported alternatives.
@@ -87,6 +89,13 @@ def check_model(vllm_config, cfg: LowRankConfig) -> None:
             f"preset {cfg.preset!r} allocates ranks per layer on first start, which is "
             f"not supported with tensor parallelism ({tp} ranks); allocate offline "
             "(vllm-lowrank allocate) and pass the artifact, or use preset \"4x\"")
+    if (str(vllm_config.device_config.device_type) == "cuda" and not cfg.allow_slow_path
+            and cfg.quantized and 16 in (cfg.k_bits, cfg.v_bits)):
+        raise LowRankConfigError(
+            f"k_bits={cfg.k_bits}, v_bits={cfg.v_bits} keeps one side as raw 16-bit values "
+            "inside a packed slot, which no fused GPU kernel reads: it would decode on the "
+            "torch path (eager, several times slower than stock vLLM); quantize both sides "
+            "(e.g. 8) or add \"allow_slow_path\": true")
     shapes = model_shapes(hf_config, tp)
     cfg = rank_config(cfg, tp, shapes[0].num_kv_heads)  # per-rank groups and ranks
     for i, shape in shapes.items():
