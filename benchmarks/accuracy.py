@@ -44,7 +44,7 @@ def main() -> None:
     from vllm_lowrank.cli import resolve_model
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.evaluation import run_setting
-    from vllm_lowrank.models.compression import load_or_calibrate
+    from vllm_lowrank.calibration.cache import load_or_calibrate
 
     model = resolve_model(args.model)
     passkey = ({"num_cases": args.passkey_cases, "context_tokens": args.passkey_tokens}

@@ -107,7 +107,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
     model's default fisher artifact, cached under the plugin's cache root)."""
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.config import LowRankConfig
-    from vllm_lowrank.models.compression import cache_root, load_or_calibrate
+    from vllm_lowrank.calibration.cache import cache_root, load_or_calibrate
 
     serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs")}
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(

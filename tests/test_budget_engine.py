@@ -33,7 +33,7 @@ def _capacity(llm) -> int:
 @pytest.fixture(scope="module")
 def fisher(model_path):
     from vllm_lowrank.config import LowRankConfig
-    from vllm_lowrank.models.compression import load_or_calibrate
+    from vllm_lowrank.calibration.cache import load_or_calibrate
 
     return load_or_calibrate(model_path, LowRankConfig(mode="lowrank"))[0]
 

@@ -226,6 +226,7 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     from transformers import AutoConfig
 
     from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.calibration.cache import auto_artifact_path
     from vllm_lowrank.models import compression as comp
 
     compressed_server = servers.get("--kv-compression", "lowrank",
@@ -244,7 +245,7 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     (info,) = [labels for n, labels, _ in samples if n == "vllm_lowrank_info"]
     hf = AutoConfig.from_pretrained(model_path)
     cfg = LowRankConfig(mode="lowrank", ratio=0.5)
-    artifact = art.load_artifact(comp._auto_artifact_path(model_path, cfg))
+    artifact = art.load_artifact(auto_artifact_path(model_path, cfg))
     assert info == {"method": "fisher", "artifact": artifact.digest}
     plans = comp._plans(cfg, comp.model_shapes(hf), artifact)
     ranks = {(int(l["layer"]), l["side"]): v for n, l, v in samples

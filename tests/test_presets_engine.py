@@ -31,7 +31,7 @@ def _serve(model_path, compression):
 
 
 def test_8x_preset_allocates_once_caches_and_answers(model_path):
-    from vllm_lowrank.models.compression import cache_root
+    from vllm_lowrank.calibration.cache import cache_root
 
     pattern = os.path.join(cache_root(), "artifacts", "*-alloc8-b32-*")
     for path in glob.glob(pattern):  # a cached allocation from an earlier run: keep it

@@ -103,10 +103,10 @@ def _artifact_in_use(server, model_path: str) -> str:
     """The cached ``artifact: "auto"`` folder of the server's settings; the
     server's metrics name it by digest (never by path)."""
     from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.calibration.cache import auto_artifact_path
     from vllm_lowrank.config import LowRankConfig
-    from vllm_lowrank.models import compression as comp
 
-    path = comp._auto_artifact_path(model_path, LowRankConfig(mode="lowrank", ratio=0.5))
+    path = auto_artifact_path(model_path, LowRankConfig(mode="lowrank", ratio=0.5))
     (digest,) = [labels["artifact"] for name, labels, _ in server.metrics()
                  if name == "vllm_lowrank_info"]
     assert digest == art.load_artifact(path).digest

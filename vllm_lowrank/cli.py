@@ -46,7 +46,7 @@ def _prepare(args) -> None:
 
     path = embedded.prepare(args.name, args.cache_dir)
     if args.calibrate:
-        from vllm_lowrank.models.compression import load_or_calibrate
+        from vllm_lowrank.calibration.cache import load_or_calibrate
 
         cfg = LowRankConfig(mode="lowrank")
         _, artifact_path = load_or_calibrate(path, cfg)
@@ -112,7 +112,7 @@ def _calibrate(args) -> None:
 def _allocate(args) -> None:
     from vllm_lowrank.calibration import artifact as art
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
-    from vllm_lowrank.models.compression import load_or_calibrate
+    from vllm_lowrank.calibration.cache import load_or_calibrate
 
     cfg = serving_config(parse_config_text(args.config) if args.config else {})
     path = resolve_model(args.model)

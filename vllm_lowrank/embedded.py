@@ -156,7 +156,7 @@ def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
     Raises:
         LowRankConfigError: unknown name or the wheel is not installed.
     """
-    from vllm_lowrank.models.compression import cache_root
+    from vllm_lowrank.calibration.cache import cache_root
 
     if name not in MODELS:
         raise LowRankConfigError(f"unknown embedded model {name!r}; choose one of {sorted(MODELS)}")

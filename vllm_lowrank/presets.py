@@ -10,7 +10,7 @@ The ``8x`` preset is a byte-budget allocation
 (:func:`vllm_lowrank.calibration.allocate.budget_artifact`, target compression
 ``allocate``): on first start it is computed from the model's ``fisher``
 artifact and cached beside it, like ``artifact: "auto"``
-(:func:`vllm_lowrank.models.compression.load_or_allocate`); later starts load it.
+(:func:`vllm_lowrank.calibration.cache.load_or_allocate`); later starts load it.
 
 Accuracy figures are from ``benchmarks/README.md`` (SmolLM2-135M-Instruct,
 held-out Wikipedia and BBC news windows of 4,096 tokens, generate-style 32-token

@@ -5,9 +5,10 @@ At construction (:func:`resolve`): the layer plans (groups and ranks) must be
 known, because module sizes and the KV cache spec depend on them. They come from
 
 1. an artifact given by path (its bases, and its spectra for rank allocation);
-2. ``artifact="auto"``: the cached artifact for this model and settings under
-   ``$VLLM_LOWRANK_CACHE`` (default ``~/.cache/vllm_lowrank``), made on first use
-   by calibrating on the default text (:mod:`vllm_lowrank.calibration`), or
+2. ``artifact="auto"``: the cached artifact for this model and settings
+   (:mod:`vllm_lowrank.calibration.cache`), made on first use by calibrating on
+   the default text (and, for a preset that allocates, its byte-budget
+   allocation), or
 3. ``artifact="none"``: no calibration, plain weight SVD with uniform ranks
    (logged; it badly hurts accuracy on real models).
 
@@ -28,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from vllm_lowrank.calibration import artifact as art
-from vllm_lowrank.calibration.schema import SERVING_KEYS
+from vllm_lowrank.calibration.cache import load_or_allocate, load_or_calibrate
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
@@ -48,13 +48,6 @@ logger = logging.getLogger("vllm.lowrank")
 _LAYER_WEIGHT = re.compile(
     r"^(?:model\.)?layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$"
 )
-
-
-def cache_root() -> str:
-    """Directory of cached artifacts (``$VLLM_LOWRANK_CACHE`` or
-    ``~/.cache/vllm_lowrank``)."""
-    return os.environ.get("VLLM_LOWRANK_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "vllm_lowrank"))
 
 
 @dataclasses.dataclass
@@ -214,108 +207,6 @@ def model_shapes(hf_config, tp_size: int = 1) -> dict[int, AttentionShape]:
 def manifest_shape(shape: AttentionShape) -> dict[str, int]:
     return {"hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
-
-
-def _auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
-    import hashlib
-
-    from vllm_lowrank.calibration.calibrate import CALIBRATION_VERSION
-
-    h = hashlib.blake2b(digest_size=8)
-    real = os.path.realpath(model_path)
-    h.update(real.encode())
-    for name in sorted(os.listdir(real)) if os.path.isdir(real) else []:
-        st = os.stat(os.path.join(real, name))
-        h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
-    h.update(f"{cfg.method}:{cfg.group_size}:{cfg.calibration_tokens}:"
-             f"{CALIBRATION_VERSION}".encode())
-    return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
-
-
-def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact, str]:
-    """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
-    the cache, or calibrated on the default text and cached.
-
-    Tensor-parallel workers resolve at the same time: an exclusive file lock
-    (``path + ".lock"``) lets the first calibrate while the others wait and
-    then load its result.
-
-    Returns:
-        ``(artifact, path)``.
-    """
-    import fcntl
-
-    path = _auto_artifact_path(model_path, cfg)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _load_or_calibrate(model_path, cfg, path)
-
-
-def _load_or_calibrate(model_path: str, cfg: LowRankConfig, path: str):
-    if os.path.isdir(path):
-        try:
-            return art.load_artifact(path), path
-        except LowRankConfigError as e:
-            logger.warning("vllm-lowrank: cached artifact unusable (%s); recalibrating", e)
-    from vllm_lowrank.calibration.calibrate import calibrate_model
-
-    logger.info("vllm-lowrank: no calibration artifact for %s; calibrating %s bases "
-                "on %d tokens of the default text (cached in %s)",
-                model_path, cfg.method, cfg.calibration_tokens, path)
-    artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.group_size,
-                               num_tokens=cfg.calibration_tokens)
-    artifact.save(path)
-    return artifact, path
-
-
-def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
-                     base_path: str, block_size: int) -> tuple[art.Artifact, str]:
-    """The byte-budget allocation of ``cfg.preset`` (a preset with
-    ``allocate``) for ``model_path``: loaded from the cache beside the
-    ``fisher`` artifact ``base`` (at ``base_path``), or allocated and cached.
-
-    The allocation (:func:`vllm_lowrank.calibration.allocate.budget_artifact`,
-    fixed knobs, 4 calibration windows, a 4,096-token context and vLLM's
-    ``block_size``) takes minutes on first start (about 4 on 2 CPU cores for
-    SmolLM2-135M); workers of one model wait on a file lock as for calibration.
-
-    Returns:
-        ``(artifact with its allocation, path)``.
-
-    Raises:
-        LowRankConfigError: no allocation meets the preset's target.
-    """
-    import fcntl
-
-    preset = get_preset(cfg.preset)
-    serving = "-".join(f"{k}{getattr(cfg, k)}" for k in SERVING_KEYS)
-    path = f"{base_path}-alloc{preset.allocate:g}-b{block_size}-{_digest(serving)}"
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.isdir(path):
-            try:
-                return art.load_artifact(path), path
-            except LowRankConfigError as e:
-                logger.warning("vllm-lowrank: cached allocation unusable (%s); "
-                               "allocating again", e)
-        from vllm_lowrank.calibration.allocate import budget_artifact
-
-        logger.info("vllm-lowrank: preset %s: allocating ranks and bits for %gx on first "
-                    "start (minutes; cached in %s)", preset.name, preset.allocate, path)
-        out, report = budget_artifact(model_path, base, cfg, ratio=preset.allocate,
-                                      block_size=block_size, choose_knobs=False)
-        out.save(path)
-        logger.info("vllm-lowrank: preset %s: %.2fx at 4,096 tokens, estimated loss "
-                    "+%.4f nats", preset.name, report["compression_ratio"],
-                    report["objective_nats"])
-        return out, path
-
-
-def _digest(text: str) -> str:
-    import hashlib
-
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
