@@ -14,8 +14,9 @@ vLLM's ``/metrics`` every ``--scrape-interval`` s for
 ``vllm:num_requests_running`` (peak concurrent running sequences),
 ``vllm:kv_cache_usage_perc`` and ``vllm:num_preemptions``.
 
-Reported per setting: KV capacity and achieved compression ratio (from the
-server's ``vllm_lowrank_*`` metrics), completed and failed requests (a failure
+Reported per setting: KV capacity and achieved compression ratio, per token of
+the latent cache and per sequence with the exact tokens (from the server's
+``vllm_lowrank_*`` metrics), completed and failed requests (a failure
 is a non-200 answer, a transport error, a short completion, or a request still
 open at the ``--run-timeout``), preemptions, peak running sequences, peak KV
 usage, wall time, request and output-token throughput, p50/p99 end-to-end
@@ -157,6 +158,7 @@ def run_setting(name: str, extra: list[str], model: str, prompts: list[list[int]
         "enabled": int(after.get("vllm_lowrank_compression_enabled", 0)),
         "capacity": int(after.get("vllm_lowrank_kv_cache_capacity_tokens", 0)),
         "kv_ratio": after.get("vllm_lowrank_kv_compression_ratio", 1.0),
+        "seq_ratio": after.get("vllm_lowrank_sequence_compression_ratio", 1.0),
         "completed": len(ok),
         "failed": len(errors),
         "preemptions": int(after.get("vllm:num_preemptions_total", 0)
@@ -224,12 +226,13 @@ def main() -> None:
           f"{args.max_tokens} output tokens, float32, KV cache {args.kv_cache_mib} MiB "
           f"(--kv-cache-memory-bytes), --max-num-batched-tokens {args.max_batched_tokens}, {os.cpu_count()} CPU "
           f"cores, /metrics scraped every {args.scrape_interval} s\n")
-    print("| setting | KV capacity (tokens) | KV compression | completed | failed | "
+    print("| setting | KV capacity (tokens) | KV compression | per sequence | completed | failed | "
           "preemptions | peak running seqs | vs off | peak KV usage | wall (s) | req/s | "
           "output tok/s | p50 latency (s) | p99 latency (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['setting']} | {r['capacity']:,} | {r['kv_ratio']:.2f}x | {r['completed']} | "
+        print(f"| {r['setting']} | {r['capacity']:,} | {r['kv_ratio']:.2f}x | "
+              f"{r['seq_ratio']:.2f}x | {r['completed']} | "
               f"{r['failed']} | {r['preemptions']} | {r['peak_running']} | "
               f"{r['peak_running'] / base:.2f}x | {100 * r['peak_usage']:.0f}% | "
               f"{r['wall']:.0f} | {r['req_s']:.2f} | {r['out_tok_s']:.1f} | {r['p50']:.1f} | "

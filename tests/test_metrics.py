@@ -56,7 +56,7 @@ def test_published_state_is_exported(tmp_path, monkeypatch):
     plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
     c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
-    assert metrics.publish(_Model(c)).endswith("worker-dp0-pp0-tp0.json")
+    assert metrics.publish(_Model(c), 2048).endswith("worker-dp0-pp0-tp0.json")
 
     registry = CollectorRegistry()
     info = Gauge("vllm:cache_config_info", "", ["engine", "kv_cache_size_tokens"],
@@ -78,6 +78,38 @@ def test_published_state_is_exported(tmp_path, monkeypatch):
     assert ("vllm_lowrank_kv_cache_capacity_tokens", {"engine": "0"}, 4096.0) in samples
 
 
+def test_sequence_ratio_counts_the_exact_tokens(tmp_path, monkeypatch):
+    """With the token-adaptive mode every layer also holds ``sink + recent + 1``
+    tokens at the exact slot size: the per-sequence ratio counts them over
+    ``max_model_len``; without it the two ratios agree."""
+    import types
+
+    from vllm_lowrank.format.exact import ExactSlot
+
+    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
+    c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
+    monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
+    model = _Model(c)
+    latent = sum(p.k_width + p.v_width for p in plans.values()) * 2 // 3  # one layer, bf16
+    slot = ExactSlot(SHAPE.kv_width, SHAPE.head_dim, torch.bfloat16, 16, 0, latent)
+    for i in range(3):
+        layer = torch.nn.Module()
+        layer.__dict__["exact"] = types.SimpleNamespace(slot=slot, sink=32, recent=128)
+        model.add_module(f"layer{i}", layer)
+    metrics.publish(model, 1024)
+    value = {n: v for n, labels, v in _collect(tmp_path) if not labels}
+    original = 3 * 2 * SHAPE.kv_width * 2
+    stored = 3 * latent
+    per_sequence = 1024 * stored + (32 + 128 + 1) * 3 * slot.slot_bytes
+    assert value["vllm_lowrank_kv_compression_ratio"] == pytest.approx(original / stored)
+    assert value["vllm_lowrank_sequence_compression_ratio"] == pytest.approx(
+        1024 * original / per_sequence)
+    metrics.publish(_Model(c), 1024)  # no exact tokens: the same ratio
+    value = {n: v for n, labels, v in _collect(tmp_path) if not labels}
+    assert value["vllm_lowrank_sequence_compression_ratio"] == pytest.approx(original / stored)
+
+
 def test_decode_paths_are_exported(tmp_path, monkeypatch):
     """Paths recorded after publish() rewrite the state: one gauge per path
     counting layers; a path recorded before publish() is kept for it."""
@@ -87,7 +119,7 @@ def test_decode_paths_are_exported(tmp_path, monkeypatch):
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(metrics, "_WORKER", {"decode_paths": {}})
     metrics.record_decode_path("model.layers.0.self_attn.attn", "triton")
-    metrics.publish(_Model(c))
+    metrics.publish(_Model(c), 2048)
     metrics.record_decode_path("model.layers.1.self_attn.attn", "triton")
     metrics.record_decode_path("model.layers.2.self_attn.attn", "torch")
     paths = {l["path"]: v for n, l, v in _collect(tmp_path)

@@ -26,7 +26,12 @@ Metrics (all gauges):
 - ``vllm_lowrank_configured_ratio``: the ``ratio`` setting (fraction of the
   K+V width kept).
 - ``vllm_lowrank_kv_compression_ratio``: achieved, original KV bytes per token
-  / stored bytes per token.
+  / stored bytes per token of the latent cache.
+- ``vllm_lowrank_sequence_compression_ratio``: the same for a whole sequence of
+  ``max_model_len`` tokens, the token-adaptive mode's exact tokens included
+  (its sink and recent tokens are held at full size besides their latents):
+  what the number of sequences a cache holds scales by. Equal to
+  ``kv_compression_ratio`` without the token-adaptive mode.
 - ``vllm_lowrank_original_bytes_per_token``, ``vllm_lowrank_stored_bytes_per_token``:
   bytes per token of all layers' K and V, without compression and as cached.
 - ``vllm_lowrank_layer_rank{layer, side[, group]}``: latent width (elements per
@@ -195,13 +200,16 @@ def _parallel_ranks() -> dict[str, int]:
     return ranks
 
 
-def publish(model) -> str | None:
+def publish(model, max_model_len: int) -> str | None:
     """Worker half: write what is in force in this worker to the state directory.
 
     Args:
         model: A model whose ``_lowrank`` is the resolved
             :class:`~vllm_lowrank.models.compression.ModelCompression` (its
-            attention layers built, so their KV cache dtype is known).
+            attention layers built, so their KV cache dtype and exact slots
+            are known).
+        max_model_len: Tokens of the longest sequence (the context over which
+            the exact tokens are counted).
 
     Returns:
         The file written, or ``None`` when no state directory is exported (the
@@ -214,7 +222,11 @@ def publish(model) -> str | None:
         return None
     ranks = _parallel_ranks()
     state = compression.summary(_dtype_bytes(model))
-    state.update(pid=os.getpid(), parallel=ranks,
+    exact = [m.exact for m in model.modules() if getattr(m, "exact", None) is not None]
+    state.update(pid=os.getpid(), parallel=ranks, max_model_len=max_model_len,
+                 exact_bytes_per_token=sum(e.slot.slot_bytes for e in exact),
+                 exact_tokens_per_sequence=max((e.sink + e.recent + 1 for e in exact),
+                                               default=0),
                  groups_per_layer={str(i): p.num_groups
                                    for i, p in compression.plans.items()})
     path = os.path.join(directory, f"worker-dp{ranks['dp']}-pp{ranks['pp']}-tp{ranks['tp']}.json")
@@ -283,7 +295,9 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
         ``None`` when no worker runs compression, else ``configured_ratio``,
         ``method``, ``artifact``, ``original_bytes_per_token`` and
         ``stored_bytes_per_token`` (summed over shards: bytes per token of the
-        whole engine), ``compression_ratio`` and ``ranks``: ``{(layer, side,
+        whole engine), ``compression_ratio``, ``sequence_compression_ratio``
+        (a ``max_model_len`` sequence, exact tokens included: ``sink + recent +
+        1`` of them at the exact slot size) and ``ranks``: ``{(layer, side,
         group): rank}`` with global group indices (``tp_rank * local_groups +
         g``) and ``grouped``, whether any layer has more than one group overall.
     """
@@ -292,6 +306,9 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     original = sum(s["original_bytes_per_token"] for s in states)
     stored = sum(s["stored_bytes_per_token"] for s in states)
+    length = states[0].get("max_model_len") or 1
+    exact = sum(s.get("exact_bytes_per_token", 0)
+                * min(s.get("exact_tokens_per_sequence", 0), length) for s in states)
     ranks: dict[tuple[int, str, int], int] = {}
     tp_size = 1 + max(s["parallel"]["tp"] for s in states)
     grouped = False
@@ -316,6 +333,7 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
         "original_bytes_per_token": original,
         "stored_bytes_per_token": stored,
         "compression_ratio": original / stored,
+        "sequence_compression_ratio": original * length / (stored * length + exact),
         "ranks": ranks,
         "grouped": grouped,
     }
@@ -343,6 +361,7 @@ class LowRankCollector:
 
         return [GaugeMetricFamily(PREFIX + n, "") for n in (
             "compression_enabled", "configured_ratio", "kv_compression_ratio",
+            "sequence_compression_ratio",
             "original_bytes_per_token", "stored_bytes_per_token", "layer_rank", "info",
             "decode_layers", "kv_cache_capacity_tokens")]
 
@@ -376,8 +395,14 @@ class LowRankCollector:
                 value=view["configured_ratio"])
             yield GaugeMetricFamily(
                 PREFIX + "kv_compression_ratio",
-                "Achieved KV compression: original KV bytes / stored bytes per token",
+                "Achieved KV compression: original KV bytes / stored bytes per token "
+                "of the latent cache",
                 value=view["compression_ratio"])
+            yield GaugeMetricFamily(
+                PREFIX + "sequence_compression_ratio",
+                "Original KV bytes / stored bytes of a max_model_len sequence, the "
+                "token-adaptive mode's exact sink and recent tokens included",
+                value=view["sequence_compression_ratio"])
             yield GaugeMetricFamily(
                 PREFIX + "original_bytes_per_token",
                 "KV cache bytes per token without compression (all layers, K and V)",

@@ -133,7 +133,8 @@ def lowrank_class(arch_name: str) -> type:
         with substitute(load(arch.attention), lambda a: _latent_attention(arch, c, a)):
             base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._lowrank = c
-        metrics.publish(self)  # what is in force here, for /metrics (vllm_lowrank.metrics)
+        # what is in force here, for /metrics (vllm_lowrank.metrics)
+        metrics.publish(self, vllm_config.model_config.max_model_len)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self._lowrank is None:
