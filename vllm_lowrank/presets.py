@@ -33,6 +33,11 @@ keys quantized per channel over 32-token groups (KIVI sec. 3.2): the setting
 of every preset above 3x."""
 
 
+TALE_GPU_PATH = ("token-adaptive: latent span on the Triton wide-group kernel, exact part "
+                 "in torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)")
+"""The decode path of the token-adaptive presets on a CUDA device."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """One measured recipe.
@@ -68,19 +73,16 @@ PRESETS = {p.name: p for p in (
     Preset("lossless", {"ratio": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
            "3.73x, +0.2 % wikipedia / +0.1 % bbc (latent 0.75, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
-           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
-           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),
+           TALE_GPU_PATH, block_size=32),
     Preset("4x", {"ratio": 0.5, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
            "5.18x, +0.9 % wikipedia / +1.6 % bbc (latent 0.5, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
-           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
-           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)", block_size=32),
+           TALE_GPU_PATH, block_size=32),
     Preset("8x", {"k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS, "recent_tokens": 256,
                   "exact_bits": 8},
            "8.45x, +1.3 % wikipedia / +3.5 % bbc (byte-budget allocation of ranks and "
            "bits per layer, int8 exact tokens, 32 sink + 256 recent)",
-           "token-adaptive: latent span on the Triton wide-group kernel, exact part in "
-           "torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)",
+           TALE_GPU_PATH,
            allocate=8.0, block_size=32),
 )}
 """Every preset by name. ``lossless`` is the most compression measured within
