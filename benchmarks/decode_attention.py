@@ -346,6 +346,10 @@ def main():
                          "grid kernel (where its key tile fits) vs the wide-group kernel")
     ap.add_argument("--wide-sweep", action="store_true",
                     help="with --groups: launch-parameter sweep of the wide-group kernel")
+    ap.add_argument("--quant-sweep", action="store_true",
+                    help="launch-parameter sweep of the grid kernel on packed caches "
+                         "(QUANT_SWEEP_CASES)")
+    ap.add_argument("--quant-sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bw", type=float, default=None, help=argparse.SUPPRESS)
@@ -354,6 +358,12 @@ def main():
         rope = llama3_rope(131072 + 1024, "cuda")
         sweep(rope, args.shapes.split(","), [float(r) for r in args.ratios.split(",")],
               args.bw, json.loads(args.sdpa), only=json.loads(args.sweep_one))
+        return
+
+    if args.quant_sweep_one:
+        rope = llama3_rope(131072 + 1024, "cuda")
+        quant_sweep(rope, args.shapes.split(","), json.loads(args.sdpa),
+                    only=json.loads(args.quant_sweep_one))
         return
 
     dev = torch.cuda.get_device_name()
@@ -381,6 +391,9 @@ def main():
 
     if args.sweep:
         sweep(rope, shapes, ratios, bw, sdpa)
+        return
+    if args.quant_sweep:
+        quant_sweep(rope, shapes, sdpa)
         return
     if args.variants:
         print("\n".join(variant_rows(rope, shapes, ratios[0])))
@@ -711,6 +724,67 @@ SWEEP_VARIANTS = [
     dict(mode="post_rope", block_n=128, num_warps=4, num_stages=2, transposed=False,
          groups_per_program=2),
 ]
+
+
+QUANT_SWEEP_CASES = [(1.0, "k8v4", "post_rope"), (1.0, "k8v8", "pre_rope"),
+                     (0.5, "k4v4", "pre_rope")]
+"""Packed-cache settings of the serving benchmark (``benchmarks/gpu_serving.py``
+``pr-k8v4``, ``g1-k8v8``, ``g1-k4v4``): ratio, bits, mode."""
+
+
+def quant_sweep(rope, shapes, sdpa, only=None):
+    """Launch-parameter sweep of the grid kernel on packed caches (G = 1): every
+    ``BLOCK_N`` x warps x stages x transposed variant of :data:`QUANT_SWEEP_CASES`
+    against the built-in default, each checked against the float32 reference
+    (``rel`` > 1e-2: wrong, not a candidate). One process per case and shape (a
+    variant that faults the CUDA context loses only its case)."""
+    import subprocess
+
+    if only is None:
+        print(f"{'shape':>7} {'ratio':>5} {'cache':>5} {'mode':>9} {'variant':>22} "
+              f"{'us':>8} {'x sdpa':>6} {'rel':>8}", flush=True)
+        for case in QUANT_SWEEP_CASES:
+            for name in shapes:
+                cmd = [sys.executable, __file__, "--quant-sweep-one", json.dumps(case),
+                       "--shapes", name, "--sdpa", json.dumps({name: sdpa[name][0]})]
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+                print(r.stdout, end="", flush=True)
+                if r.returncode:
+                    print(f"  case {case} {name} failed: "
+                          f"{(r.stderr.strip().splitlines() or [''])[-1][:160]}", flush=True)
+        return
+    ratio, qname, mode = only
+    bits = {"k8v4": (8, 4), "k8v8": (8, 8), "k4v4": (4, 4)}[qname]
+    r = int(round(ratio * HEAD_DIM))
+    plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
+    variants = [None] + [dict(block_n=b, num_warps=w, num_stages=st, transposed=t,
+                              groups_per_program=1)
+                         for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+                         for t in (False, True)]
+    for name in shapes:
+        bsz, length = parse_shape(name)
+        p = make_problem(plan, bsz, length, bits)
+        ref = reference(plan, rope, p, HEAD_DIM ** -0.5, mode=mode)
+        best = None
+        for v in variants:
+            label = "default" if v is None else (
+                f"N{v['block_n']} w{v['num_warps']} s{v['num_stages']} "
+                f"{'T' if v['transposed'] else 'F'}")
+            try:
+                t, _, rel = run_case(plan, rope, p, cfg=None if v is None else KernelConfig(**v),
+                                     ref=ref, mode=mode)
+            except Exception as exc:  # noqa: BLE001 (reported)
+                print(f"{name:>7} {ratio:>5} {qname:>5} {mode:>9} {label:>22}  "
+                      f"{type(exc).__name__}", flush=True)
+                continue
+            ts = sdpa[name]
+            print(f"{name:>7} {ratio:>5} {qname:>5} {mode:>9} {label:>22} {t:8.1f} "
+                  f"{ts / t:6.2f} {rel:8.1e}", flush=True)
+            if rel < 1e-2 and (best is None or t < best[0]):
+                best = (t, label)
+        if best:
+            print(f"{name:>7} {ratio:>5} {qname:>5} {mode:>9} best: {best[1]} {best[0]:.1f} us",
+                  flush=True)
 
 
 def sweep(rope, shapes, ratios, bw, sdpa, only=None):

@@ -47,6 +47,9 @@ CONFIGS = {
                                 "k_bits": 4, "v_bits": 4}},
     "g1-k8v8": {"compression": {"ratio": 1.0, "group_size": 1, "rank_allocation": "uniform",
                                 "k_bits": 8, "v_bits": 8}},
+    # the 2x preset's bits with post-RoPE latents (ZACK): full rank, no key rebuild
+    "pr-k8v4": {"compression": {"ratio": 1.0, "group_size": 1, "k_bits": 8, "v_bits": 4,
+                                "method": "post_rope", "rank_allocation": "uniform"}},
     "tale-k4v4": {"compression": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform",
                                   "k_bits": 4, "v_bits": 4, "token_adaptive": True,
                                   "sink_tokens": 32, "recent_tokens": 128}},
@@ -166,6 +169,39 @@ def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
     return prefill_s, 1000 * statistics.median(steps[1:-1] or steps)
 
 
+def _profile(llm, prompts, path: str, steps: int = 8) -> None:
+    """Write the GPU kernels of ``steps`` decode steps (after the prefill of
+    ``prompts``) to ``path``, by self device time (CUDA graph replays
+    included: CUPTI records the kernels a graph launches)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(f"r{next(_REQ)}", p, sp)
+    started: set = set()
+    while len(started) < len(prompts):
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+    engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"{len(prompts)} requests x {len(prompts[0]['prompt_token_ids'])} tokens, "
+                f"{steps} decode steps\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
+                                          max_name_column_width=90))
+
+
 def _paths(llm) -> dict:
     """The decode paths of the latent layers (in-process engine) and the CUDA
     graph mode vLLM resolved."""
@@ -211,6 +247,9 @@ def run_one(args) -> list[dict]:
             except Exception as exc:  # noqa: BLE001 (reported in the table)
                 rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
                 break
+        if args.profile:
+            b, length = shapes[-1]
+            _profile(llm, _prompts(b, length, 77), os.path.join(args.profile, f"{name}.txt"))
     else:
         kv_bytes = int(args.equal_memory * 2**30)
         per_seq = args.load_len + args.load_out
@@ -249,6 +288,9 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile 8 decode steps at the last shape; kernel tables "
+                        "written to DIR/<config>.txt")
     p.add_argument("--no-prebuild", action="store_true",
                    help="do not build the CUDA extension first (no config takes the cuda path)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)

@@ -56,3 +56,26 @@ def test_slot_layout_round_trip():
                        dequantize(*quantize(k[:, 32:], 4, 64), 64)], -1)
     ref_v = dequantize(*quantize(v, 3, 16), 16)
     assert torch.equal(dk, ref_k) and torch.equal(dv, ref_v)
+
+
+@pytest.mark.parametrize("k_ranks,k_group", [((32, 64, 32, 48), None), ((32, 32), 16),
+                                             ((24, 40), 8), ((64,), None)])
+def test_encode_matches_per_group_quantization(k_ranks, k_group):
+    """The one-pass encode of a row of head groups gives the same bytes as
+    quantizing and packing each head group on its own (uneven ranks, uneven
+    and equal quantization groups)."""
+    layout = SlotLayout(k_ranks, (16, 16), 4, 8, k_group, None)
+    k, v = torch.randn(7, sum(k_ranks)) * 2, torch.randn(7, 32)
+    slots = layout.encode(k, v)
+    parts, scales, zeros, off = [], [], [], 0
+    for r in k_ranks:
+        c, s, z = quantize(k[:, off:off + r], 4, k_group or r)
+        parts.append(pack(c, 4))
+        scales.append(s)
+        zeros.append(z)
+        off += r
+    ref_codes = torch.cat(parts, -1)
+    assert torch.equal(slots[:, :layout.k_codes_bytes], ref_codes)
+    ks = slots[:, layout.k_scale_offset:layout.k_zero_offset].contiguous().view(torch.float16)
+    kz = slots[:, layout.k_zero_offset:layout.v_scale_offset].contiguous().view(torch.float16)
+    assert torch.equal(ks, torch.cat(scales, -1)) and torch.equal(kz, torch.cat(zeros, -1))

@@ -14,6 +14,9 @@
 - :mod:`.prefill` -- varlen causal prefill of every chunk of a step in one launch
   (:func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`: rebuilt
   keys, value latents, bottom-right causal mask, sliding windows).
+- :mod:`.cache_write` -- quantize-on-write of packed latents into the paged
+  cache, every token and quantization group of a step in one launch
+  (:func:`~vllm_lowrank.triton_kernels.cache_write.write_packed_latents`).
 - :mod:`.schedule` -- longest-processing-time-first work lists for the persistent
   decode grid (ZACK sec. 5.3), built on the GPU.
 

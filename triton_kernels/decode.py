@@ -110,6 +110,19 @@ def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: in
     return best
 
 
+PACKED_G1_CONFIGS = {
+    ("post_rope", ((128, 128),)): (64, 8, 2),
+    ("pre_rope", ((64, 64),)): (128, 4, 2),
+    ("pre_rope", ((128, 128),)): (32, 4, 3),
+}
+"""``(BLOCK_N, warps, stages)`` (not transposed, one group per program) for
+packed per-token caches with one KV head per group and one rank class, by
+``(mode, rank classes)``: the fastest correct variant of the H100 sweep
+(``benchmarks/decode_attention.py --quant-sweep``, 24 variants, triton 3.6,
+benchmarks/README.md "Launch parameters on packed caches"), 1.11-1.20x the
+earlier defaults at 16 x 4k and 1 x 32k."""
+
+
 def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dict:
     """Launch parameters per case, measured on an H200 with triton 3.6
     (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
@@ -121,6 +134,12 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
     if device.type != "cuda":  # interpreter: small tiles, every code path
         return dict(block_n=16, num_warps=4, num_stages=1, transposed=True,
                     programs_per_sm=1, groups_per_program=_default_gpp(plan, prep, hg))
+    packed = PACKED_G1_CONFIGS.get((mode, prep.classes)) \
+        if quant and plan.group_size == 1 else None
+    if packed is not None:
+        block_n, num_warps, num_stages = packed
+        return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                    transposed=False, programs_per_sm=2, groups_per_program=1)
     stages = 2 if quant else 3
     pair_ok = 2 * hg <= 16 and _gpp_ok(plan, prep, 2)
     if pair_ok and prep.rk_max_pad <= 64 and max(c[1] for c in prep.classes) <= 64:

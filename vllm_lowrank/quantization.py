@@ -109,6 +109,51 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     return codes, scale, zero
 
 
+def quantize_segments(x: torch.Tensor, bits: int, sizes, index: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` over consecutive channel groups of uneven ``sizes``, in
+    one pass (no loop over groups): the same codes, scales and zeros as
+    quantizing each group on its own.
+
+    Args:
+        x: ``[T, sum(sizes)]`` float latents.
+        bits: Code width.
+        sizes: Channels of each group, in order.
+        index: ``[sum(sizes)]`` int64 group of each channel on ``x``'s device
+            (``None``: built here; pass a cached one where the call is captured
+            in a CUDA graph, which cannot copy from the host).
+
+    Returns:
+        ``(codes [T, width] int32, scale [T, len(sizes)] float16, zero [T,
+        len(sizes)] float16)``.
+    """
+    sizes = tuple(sizes)
+    if len(set(sizes)) == 1:
+        return quantize(x, bits, sizes[0])
+    if index is None:
+        index = segment_index(sizes, x.device)
+    levels = (1 << bits) - 1
+    xf = x.float()
+    idx = index.expand(xf.shape[0], -1)
+    lo = xf.new_full((xf.shape[0], len(sizes)), float("inf")).scatter_reduce(
+        -1, idx, xf, "amin")
+    hi = xf.new_full((xf.shape[0], len(sizes)), float("-inf")).scatter_reduce(
+        -1, idx, xf, "amax")
+    scale = ((hi - lo) / levels).to(torch.float16)
+    zero = lo.to(torch.float16)
+    s = scale.float()[:, index]
+    z = zero.float()[:, index]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.where(s > 0, torch.round((xf - z) / safe), torch.zeros_like(xf))
+    return codes.clamp(0, levels).to(torch.int32), scale, zero
+
+
+def segment_index(sizes, device) -> torch.Tensor:
+    """``[sum(sizes)]`` int64: the group of each channel (:func:`quantize_segments`)."""
+    sizes = torch.tensor(tuple(sizes))
+    return torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
+
+
 def quantize_channels(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel asymmetric quantization over a group of tokens (KIVI's key
     quantization, Liu et al. 2024, sec. 3.2).
@@ -250,6 +295,7 @@ class SlotLayout:
         self.k_share_bytes = -(-4 * rk // k_channel_tokens) if k_channel_tokens else 0
         self.natural_bytes = self.k_share_offset + self.k_share_bytes
         self.slot_bytes = max(self.natural_bytes, pad_to or 0)
+        self._index: dict = {}  # (quantization group sizes, device) -> segment_index
 
     @property
     def k_per_channel(self) -> bool:
@@ -270,14 +316,18 @@ class SlotLayout:
         if bits == RAW_BITS:
             empty = x.new_zeros(*x.shape[:-1], 0, dtype=torch.float16)
             return x.to(torch.float16).contiguous().view(torch.uint8), empty, empty
-        codes, params_s, params_z, off = [], [], [], 0
-        for r, q in zip(ranks, groups):
-            c, s, z = quantize(x[..., off:off + r], bits, q)
-            codes.append(pack(c, bits))
-            params_s.append(s)
-            params_z.append(z)
-            off += r
-        return (torch.cat(codes, -1), torch.cat(params_s, -1), torch.cat(params_z, -1))
+        # Every head group's quantization groups, in order: one pass over the row
+        # (ranks are multiples of 8, so the packed groups are consecutive bytes).
+        sizes = tuple(q for r, q in zip(ranks, groups) for _ in range(r // q))
+        index = None
+        if len(set(sizes)) > 1:
+            key = (sizes, x.device)
+            index = self._index.get(key)
+            if index is None:
+                index = self._index[key] = segment_index(sizes, x.device)
+        lead = x.shape[:-1]
+        c, s, z = quantize_segments(x.reshape(-1, x.shape[-1]), bits, sizes, index)
+        return (pack(c, bits).reshape(*lead, -1), s.reshape(*lead, -1), z.reshape(*lead, -1))
 
     def encode(self, k_latent: torch.Tensor, v_latent: torch.Tensor) -> torch.Tensor:
         """Quantize and pack ``[T, Rk]``, ``[T, Rv]`` latents into ``[T, slot_bytes]``

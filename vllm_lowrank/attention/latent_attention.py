@@ -100,7 +100,9 @@ def write_latents(
     layout=None,
 ) -> None:
     """Scatter this step's latents into their paged slots (quantize-on-write
-    when ``layout`` is given).
+    when ``layout`` is given: on CUDA one Triton launch,
+    :func:`vllm_lowrank.triton_kernels.cache_write.write_packed_latents`, for
+    packed sides; else :meth:`SlotLayout.encode` and :func:`scatter_rows`).
 
     Args:
         kv_cache: ``[num_blocks, 1, block_size, Rk + Rv]`` in the model dtype, or
@@ -113,6 +115,12 @@ def write_latents(
     """
     n = slot_mapping.shape[0]
     k_rows, v_rows = k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)
+    if layout is not None and kv_cache.is_cuda:
+        from vllm_lowrank.triton_kernels import cache_write
+
+        if cache_write.supports(layout):
+            cache_write.write_packed_latents(kv_cache, k_rows, v_rows, slot_mapping, layout)
+            return
     if layout is not None:
         rows = layout.encode(k_rows.float(), v_rows.float())
     else:
