@@ -37,7 +37,10 @@ CONFIGS = {
     "stock": {},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
     # SVD of the dummy weights: speed and memory are real, accuracy is not)
-    "default": {"compression": {}},
+    # what `--kv-compression lowrank` alone serves (presets.DEFAULT_PRESET)
+    "default": {"compression": {"preset": "2x"}},
+    # a config without a preset: the field defaults (J-LRD, ratio 0.5, 16-bit)
+    "jlrd": {"compression": {}},
     "g1": {"compression": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform"}},
     "g1-r0.25": {"compression": {"ratio": 0.25, "group_size": 1,
                                  "rank_allocation": "uniform"}},

@@ -1,7 +1,8 @@
 """The main job: serve the embedded model with a latent KV cache and ask it.
 
 1. Start ``vllm serve <SmolLM2-135M-Instruct> --kv-compression lowrank`` on
-   127.0.0.1 (default settings: ratio 0.5, Fisher-calibrated bases).
+   127.0.0.1 (default settings: the ``2x`` preset, full-rank post-RoPE
+   latents with 8-bit keys and 4-bit values).
 2. Send a chat and a completion request through the ``openai`` client, print
    the answers.
 3. Stop it; start the same server without compression to read its capacity.

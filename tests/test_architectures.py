@@ -84,9 +84,16 @@ def _run(folder: str, compression: dict | None):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
 def test_ratio_one_matches_stock_engine(arch, model_path, tmp_path_factory):
+    """Pre-RoPE latents (key bias / QK-norm applied at the rebuild) and
+    post-RoPE latents (the default preset's method: bias and norm before the
+    projection) at full rank give the stock engine's greedy tokens."""
     folder = _build(arch, str(tmp_path_factory.mktemp(arch)), model_path)
     (stock, gaps), off = _run(folder, None)
-    (latent, _), on = _run(folder, {"ratio": 1.0})
     assert off is None  # compression off: the stock model, nothing published
-    assert on is not None and on["enabled"] and len(on["layers"]) == 3  # latent path ran
-    assert_same_until_tie(latent, stock, gaps, len(PROMPTS) * STEPS // 2, arch)
+    for compression in ({"ratio": 1.0},
+                        {"ratio": 1.0, "group_size": 1, "method": "post_rope",
+                         "rank_allocation": "uniform"}):
+        (latent, _), on = _run(folder, compression)
+        assert on is not None and on["enabled"] and len(on["layers"]) == 3  # latent path ran
+        assert_same_until_tie(latent, stock, gaps, len(PROMPTS) * STEPS // 2,
+                              f"{arch} {compression}")

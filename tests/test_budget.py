@@ -262,7 +262,7 @@ def test_artifact_allocation_settings_apply_and_conflicts_are_refused():
                                          "bits": {"0": [4, 3]}, "serving": serving}},
                      bases={})
     def given(**keys):  # what the user typed (from_dict records the keys given)
-        return LowRankConfig.from_dict({"mode": "lowrank", **keys})
+        return LowRankConfig.from_dict({"mode": "lowrank", "artifact": "DIR", **keys})
 
     cfg, bits = allocation_settings(given(), a, "DIR")
     assert bits == {0: (4, 3)}

@@ -73,3 +73,23 @@ def test_readme_table_lists_every_preset_with_its_measured_compression():
                    None)
         assert row is not None, f"README 'Which setting' has no row for preset {name}"
         assert preset.measured.split(",")[0] in row, (name, row)
+
+
+@pytest.mark.parametrize("additional", [{"kv_compression": "lowrank"},
+                                        {"kv_compression": {"mode": "lowrank"}}])
+def test_lowrank_without_settings_takes_the_default_preset(additional):
+    from vllm_lowrank.config import config_from_additional
+    from vllm_lowrank.presets import DEFAULT_PRESET, PRESETS
+
+    cfg = config_from_additional(additional)
+    assert cfg.enabled and cfg.preset == DEFAULT_PRESET
+    for key, value in PRESETS[DEFAULT_PRESET].settings.items():
+        assert getattr(cfg, key) == value, key
+
+
+def test_any_setting_turns_the_default_preset_off():
+    from vllm_lowrank.config import config_from_additional
+
+    cfg = config_from_additional({"kv_compression": {"mode": "lowrank", "ratio": 0.5}})
+    assert cfg.preset is None and cfg.ratio == 0.5 and cfg.k_bits == 16
+    assert not config_from_additional({"kv_compression": "none"}).enabled

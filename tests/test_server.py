@@ -58,7 +58,7 @@ def test_full_rank_server_matches_uncompressed(stock_server, full_rank_server):
     assert _capacity(full_rank_server) == _capacity(stock_server)
 
 
-def test_default_server_answers_chat_and_completion(default_server, stock_server):
+def test_default_server_answers_chat_and_completion(default_server, stock_server, model_path):
     client = default_server.client()
     chat = client.chat.completions.create(
         model="m", temperature=0, max_tokens=24,
@@ -67,7 +67,15 @@ def test_default_server_answers_chat_and_completion(default_server, stock_server
     comp = client.completions.create(model="m", prompt="The capital of France is",
                                      temperature=0, max_tokens=8)
     assert "Paris" in comp.choices[0].text
-    assert _capacity(default_server) / _capacity(stock_server) == pytest.approx(2.0, rel=0.03)
+    # the default preset: 8-bit keys, 4-bit values per KV head and token, one
+    # float16 scale and zero per head and side, against float32 K and V
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    width = hf.num_key_value_heads * (hf.hidden_size // hf.num_attention_heads)
+    slot = width * 8 // 8 + width * 4 // 8 + hf.num_key_value_heads * 2 * 2 * 2
+    ratio = _capacity(default_server) / _capacity(stock_server)
+    assert ratio == pytest.approx(2 * width * 4 / slot, rel=0.03)
 
 
 def _serve_fails(*args, timeout=300):

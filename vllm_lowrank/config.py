@@ -70,7 +70,10 @@ class LowRankConfig:
         mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
         preset: A measured recipe (:data:`vllm_lowrank.presets.PRESETS`:
             ``"2x"``, ``"lossless"``, ``"4x"``, ``"8x"``) whose settings fill
-            the keys the user did not give; ``None``: none.
+            the keys the user did not give; ``None``: none. A config with no
+            key but ``mode`` (``--kv-compression lowrank`` alone) takes
+            :data:`vllm_lowrank.presets.DEFAULT_PRESET`; the field defaults
+            below apply to the keys a config without a preset leaves out.
         ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
             ``1.0`` keeps full rank: identity factors; greedy tokens equal the
             stock engine's in float32, in bf16 they differ by rounding (README).
@@ -416,7 +419,7 @@ def config_from_additional(additional_config: Mapping[str, Any] | None) -> LowRa
     if isinstance(raw, str):
         # `--additional-config '{"kv_compression": "lowrank"}'` shorthand.
         _choice("kv_compression", raw, MODES)
-        return LowRankConfig(mode=raw)
+        return LowRankConfig.from_dict({"mode": raw})
     raw = dict(raw)
     raw.setdefault("mode", "lowrank")
     return LowRankConfig.from_dict(raw)

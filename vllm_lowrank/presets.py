@@ -65,11 +65,12 @@ class Preset:
 
 
 PRESETS = {p.name: p for p in (
-    Preset("2x", {"ratio": 1.0, "group_size": 1, "k_bits": 8, "v_bits": 4},
-           "2.46x, +0.3 % wikipedia / +0.7 % bbc (full rank per KV head, Hadamard-rotated "
-           "8-bit keys and 4-bit values per token; no calibration)",
-           "Triton grid kernel with CUDA graphs (packed latents): 3.3x stock's decode step "
-           "at 8-bit (H100, Llama-3-8B shape)"),
+    Preset("2x", {"ratio": 1.0, "group_size": 1, "method": "post_rope",
+                  "rank_allocation": "uniform", "k_bits": 8, "v_bits": 4},
+           "2.46x, +0.1 % wikipedia / +0.6 % bbc (full rank per KV head, post-RoPE latents "
+           "(ZACK), Hadamard-rotated 8-bit keys and 4-bit values per token; no calibration)",
+           "Triton grid kernel on post-RoPE latents (no key rebuild), CUDA graphs: 1.08x / "
+           "1.46x stock's decode step at 1 x 4k / 16 x 4k (H100, Llama-3-8B shape)"),
     Preset("lossless", {"ratio": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
            "3.73x, +0.2 % wikipedia / +0.1 % bbc (latent 0.75, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
@@ -90,6 +91,16 @@ PRESETS = {p.name: p for p in (
 allocation's per-layer bits, which replace them."""
 
 
+DEFAULT_PRESET = "2x"
+"""The preset a config with no key but ``mode`` selects (``vllm serve MODEL
+--kv-compression lowrank``): of the measured settings the only one that is
+accurate (+0.1 % / +0.6 %), needs no calibration and decodes on a GPU near
+stock vLLM's speed (1.08x / 1.46x stock's decode step at 1 x 4k / 16 x 4k, H100,
+Llama-3-8B shape; benchmarks/README.md, "GPU serving inside vLLM"). Ratio 0.5
+with 16-bit latents, the earlier default, stores more bytes (2x against
+2.46x), loses 24.7 % and decodes 1.55x / 5.0x slower than stock."""
+
+
 def get_preset(name: Any) -> Preset:
     """The preset called ``name``.
 
@@ -107,7 +118,8 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
     """``raw`` with its preset's settings filled in under the keys it gives.
 
     Args:
-        raw: ``--kv-compression-config`` mapping, with or without ``preset``.
+        raw: ``--kv-compression-config`` mapping, with or without ``preset``;
+            ``{"mode": "lowrank"}`` alone selects :data:`DEFAULT_PRESET`.
 
     Returns:
         A new dict: the preset's settings updated by ``raw`` (``preset`` kept).
@@ -117,6 +129,8 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
             allocation chooses itself (``ratio``, ``ranks``, ``k_bits``,
             ``v_bits``, ``rank_allocation``).
     """
+    if set(raw) == {"mode"} and raw["mode"] == "lowrank":
+        raw = {**raw, "preset": DEFAULT_PRESET}
     if raw.get("preset") is None:
         return dict(raw)
     preset = get_preset(raw["preset"])

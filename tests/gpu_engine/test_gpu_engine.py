@@ -34,8 +34,11 @@ TIE32 = 1e-6  # float32: a top-2 gap below this may flip between engines
 TIE16 = 2e-2  # bf16
 
 SETTINGS = {
-    # the default configuration (J-LRD: one head group of all KV heads)
-    "default": {},
+    # what `--kv-compression lowrank` alone serves (presets.DEFAULT_PRESET:
+    # full-rank post-RoPE latents, K8/V4 per token)
+    "default": {"preset": "2x"},
+    # a config without a preset: the field defaults (J-LRD, ratio 0.5, 16-bit)
+    "jlrd": {},
     "g1-uniform": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform"},
     "g1-energy": {"ratio": 0.5, "group_size": 1, "rank_allocation": "energy"},
     "g2": {"ratio": 0.5, "group_size": 2, "rank_allocation": "uniform"},
