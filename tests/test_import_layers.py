@@ -23,7 +23,8 @@ LAYERS = (
     ("attention",),
     ("calibration",),
     ("models",),
-    ("passkey", "evaluation", "embedded", "patches", "serve_entry", "local_server"),
+    ("passkey", "evaluation", "embedded", "patches", "serve_entry", "local_server",
+     "estimate"),
     ("cli", "plugin"),
 )
 """Top-level units of ``vllm_lowrank`` (modules or sub-packages), lowest first;

@@ -78,6 +78,20 @@ def test_default_server_answers_chat_and_completion(default_server, stock_server
     assert ratio == pytest.approx(2 * width * 4 / slot, rel=0.03)
 
 
+def test_estimate_predicts_the_served_capacity(default_server, stock_server, model_path):
+    """`vllm-lowrank estimate` (no engine) gives the KV tokens the servers
+    logged, within 3 %, for the default and for an uncompressed cache."""
+    import os
+
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.estimate import estimate
+
+    info = estimate(model_path, LowRankConfig.from_dict({"mode": "lowrank"}), dtype="float32",
+                    kv_cache_gib=float(os.environ["VLLM_CPU_KVCACHE_SPACE"]))
+    assert info["tokens"] == pytest.approx(_capacity(default_server), rel=0.03)
+    assert info["stock_tokens"] == pytest.approx(_capacity(stock_server), rel=0.03)
+
+
 def _serve_fails(*args, timeout=300):
     proc = subprocess.run([VLLM, "serve", *args], capture_output=True, text=True,
                           timeout=timeout)

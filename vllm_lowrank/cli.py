@@ -252,6 +252,35 @@ def _inspect(args) -> None:
         print(f"| {layer} | {e['k_ranks']} | {e['v_ranks']} | {e['k_bits']} | {e['v_bits']} |")
 
 
+def _estimate(args) -> None:
+    from vllm_lowrank.estimate import estimate
+
+    given = parse_config_text(args.config) if args.config else {}
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", **given})
+    info = estimate(resolve_model(args.model), cfg, dtype=args.dtype,
+                    kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
+                    tensor_parallel_size=args.tensor_parallel_size, context=args.context)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return
+    print(f"setting    {json.dumps(given)} -> preset {info['preset']}")
+    if info.get("note"):
+        print(f"note       {info['note']}")
+    if info["compression_ratio"] is None:
+        print(f"GPU path   {info['gpu_path']}")
+        return
+    print(f"bytes      {info['stored_bytes_per_token']} stored per token (all layers of one "
+          f"worker, {info['dtype']}) against {info['original_bytes_per_token']} uncompressed; "
+          f"exact tokens {info['exact_bytes_per_sequence']} per sequence")
+    print(f"ratio      {info['compression_ratio']:.2f}x latent slots vs 16-bit K/V; "
+          f"{info['sequence_compression_ratio']:.2f}x over a {info['context']}-token "
+          f"sequence, exact tokens included")
+    print(f"capacity   {info['tokens']:,} tokens ({info['stock_tokens']:,} uncompressed) "
+          f"in {args.kv_cache_gib:g} GiB; {info['sequences']:,} sequences of "
+          f"{info['context']} tokens ({info['stock_sequences']:,} uncompressed)")
+    print(f"GPU path   {info['gpu_path']}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -319,6 +348,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32")
     s.add_argument("--no-baseline", action="store_true")
     s.set_defaults(func=_perplexity)
+
+    s = sub.add_parser("estimate", help="bytes per token, compression and tokens that fit, "
+                                        "without loading weights")
+    s.add_argument("model", help="Hugging Face folder or embedded alias")
+    s.add_argument("--config", default=None,
+                   help="a --kv-compression-config (JSON or path); none: the default preset")
+    s.add_argument("--kv-cache-gib", "--gpu-memory-gib", dest="kv_cache_gib", type=float,
+                   default=1.0, help="KV cache memory per worker, GiB (vLLM's "
+                                     "kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE on CPU)")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    s.add_argument("--block-size", type=int, default=None,
+                   help="KV block size (default: the preset's, else 16)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
+    s.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_estimate)
 
     s = sub.add_parser("inspect", help="what an artifact holds (ranks, bits, bytes per token)")
     s.add_argument("artifact", help="artifact directory")

@@ -110,12 +110,8 @@ class LatentAttention(Attention):
                                 dtype=torch.float32), persistent=False)
         self.exact = None
         if exact_tokens is not None:
-            dtype = self.kv_cache_torch_dtype
-            latent_bytes = (layout.slot_bytes if layout is not None else
-                            (plan.k_width + plan.v_width) * dtype.itemsize)
-            staged = plan.k_width if layout is not None and layout.k_per_channel else 0
-            slot = ExactSlot(shape.kv_width, shape.head_dim, dtype, exact_tokens.bits,
-                             staged, latent_bytes)
+            slot = ExactSlot.for_layer(plan, layout, self.kv_cache_torch_dtype,
+                                       exact_tokens.bits)
             # a plain attribute: vLLM finds the cache layer by its name
             self.__dict__["exact"] = ExactTokenCache(
                 slot, exact_tokens.sink, exact_tokens.recent, prefix=f"{prefix}.exact")

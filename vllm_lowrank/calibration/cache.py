@@ -50,7 +50,13 @@ def auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
     return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
 
 
-def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact, str]:
+class NotCached(LookupError):
+    """An artifact a config needs is not in the cache and was not to be made
+    (``create=False``); ``args[0]`` is the path it would have."""
+
+
+def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
+                      create: bool = True) -> tuple[art.Artifact, str]:
     """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
     the cache, or calibrated on the default text and cached.
 
@@ -59,8 +65,14 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact
 
     Raises:
         LowRankConfigError: calibration cannot run (no text, a bad setting).
+        NotCached: none cached and ``create`` false.
     """
     path = auto_artifact_path(model_path, cfg)
+    if not create:
+        cached = _load_cached(path, "not calibrating (create=False)")
+        if cached is None:
+            raise NotCached(path)
+        return cached, path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with FileLock(path + ".lock"):
         cached = _load_cached(path, "recalibrating")
@@ -78,7 +90,8 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig) -> tuple[art.Artifact
 
 
 def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
-                     base_path: str, block_size: int) -> tuple[art.Artifact, str]:
+                     base_path: str, block_size: int, *,
+                     create: bool = True) -> tuple[art.Artifact, str]:
     """The byte-budget allocation of ``cfg.preset`` (a preset with
     ``allocate``) for ``model_path``: loaded from the cache beside the
     ``fisher`` artifact ``base`` (at ``base_path``), or allocated and cached.
@@ -93,11 +106,17 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
 
     Raises:
         LowRankConfigError: no allocation meets the preset's target.
+        NotCached: none cached and ``create`` false.
     """
     preset = get_preset(cfg.preset)
     serving = "-".join(f"{k}{getattr(cfg, k)}" for k in SERVING_KEYS)
     digest = hashlib.blake2b(serving.encode(), digest_size=6).hexdigest()
     path = f"{base_path}-alloc{preset.allocate:g}-b{block_size}-{digest}"
+    if not create:
+        cached = _load_cached(path, "not allocating (create=False)")
+        if cached is None:
+            raise NotCached(path)
+        return cached, path
     with FileLock(path + ".lock"):
         cached = _load_cached(path, "allocating again")
         if cached is not None:

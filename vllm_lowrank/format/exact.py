@@ -107,6 +107,17 @@ class ExactSlot:
     staged_width: int = 0
     latent_slot_bytes: int = 1
 
+    @classmethod
+    def for_layer(cls, plan, layout, dtype: torch.dtype, bits: int) -> ExactSlot:
+        """The exact slot of a latent layer with ``plan`` (a
+        :class:`~vllm_lowrank.factorization.plan.LayerPlan`) and slot
+        ``layout`` (``None``: latents in ``dtype``): staged key latents when its
+        keys are quantized per channel, padded to the latent slot."""
+        latent_bytes = (layout.slot_bytes if layout is not None else
+                        (plan.k_width + plan.v_width) * dtype.itemsize)
+        staged = plan.k_width if layout is not None and layout.k_per_channel else 0
+        return cls(plan.shape.kv_width, plan.shape.head_dim, dtype, bits, staged, latent_bytes)
+
     def __post_init__(self) -> None:
         if self.bits not in EXACT_BITS:
             raise ValueError(f"exact_bits={self.bits} not in {EXACT_BITS}")

@@ -209,12 +209,23 @@ def manifest_shape(shape: AttentionShape) -> dict[str, int]:
             "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
 
 
-def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
+def resolve(vllm_config, cfg: LowRankConfig, *, create_artifacts: bool = True
+            ) -> ModelCompression:
     """Plans and bases for the model being constructed.
+
+    Args:
+        vllm_config: vLLM's config (read: ``model_config.hf_config`` and
+            ``.model``, ``parallel_config.tensor_parallel_size``,
+            ``cache_config.block_size``).
+        cfg: The plugin settings.
+        create_artifacts: Calibrate / allocate an ``artifact: "auto"`` artifact
+            that is not cached (false: raise
+            :class:`~vllm_lowrank.calibration.cache.NotCached`).
 
     Raises:
         LowRankConfigError: unusable artifact, bad ranks, or a geometry the
             settings cannot serve.
+        NotCached: see ``create_artifacts``.
     """
     hf_config = vllm_config.model_config.hf_config
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -232,10 +243,12 @@ def resolve(vllm_config, cfg: LowRankConfig) -> ModelCompression:
         # "all KV heads" under tensor parallelism: all heads of one rank's shard
         auto_cfg = cfg if tp == 1 or cfg.group_size else dataclasses.replace(
             cfg, group_size=shapes[0].num_kv_heads)
-        artifact, path = load_or_calibrate(vllm_config.model_config.model, auto_cfg)
+        artifact, path = load_or_calibrate(vllm_config.model_config.model, auto_cfg,
+                                           create=create_artifacts)
         if cfg.preset is not None and get_preset(cfg.preset).allocate is not None:
             artifact, path = load_or_allocate(vllm_config.model_config.model, cfg, artifact,
-                                              path, vllm_config.cache_config.block_size)
+                                              path, vllm_config.cache_config.block_size,
+                                              create=create_artifacts)
     elif cfg.artifact not in ("auto", "none"):
         path = cfg.artifact
         artifact = art.load_artifact(path)
