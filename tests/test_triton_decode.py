@@ -29,6 +29,7 @@ from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E
 from vllm_lowrank.quantization import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
+import vllm_lowrank.triton_kernels.launch as launch_params  # noqa: E402
 import vllm_lowrank.triton_kernels.schedule as sched  # noqa: E402
 from vllm_lowrank.triton_kernels.decode_prep import rank_classes  # noqa: E402
 
@@ -925,7 +926,7 @@ def test_wide_chosen_for_large_key_tiles(monkeypatch):
     monkeypatch.setattr(dec, "_launch_wide", lambda *a, **k: calls.append(1) or launch(*a, **k))
     grid = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
     assert not calls and not dec.needs_wide(plan, None, 32)
-    monkeypatch.setattr(dec, "TRITON_MAX_KEY_TILE", 64 * 64 - 1)  # 64 x 64 no longer fits
+    monkeypatch.setattr(launch_params, "TRITON_MAX_KEY_TILE", 64 * 64 - 1)  # 64 x 64 no longer fits
     assert dec.needs_wide(plan, None, 32)
     wide = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
     assert calls

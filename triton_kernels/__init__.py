@@ -6,6 +6,8 @@
   or packed low-bit caches; split-K with a reduce; uneven ranks per head group):
   the host side; the kernels are in :mod:`.decode_kernels`, the cached
   per-plan preparation in :mod:`.decode_prep`.
+- :mod:`.launch` -- the decode kernels' launch parameters: per-case defaults
+  (measured sweeps), the split wave model, when a group needs the wide kernel.
 - :mod:`.decode_wide` -- the same decode for head groups whose key
   up-projection does not fit one program (J-LRD at large ranks): one program
   per KV head, the rank in chunks.

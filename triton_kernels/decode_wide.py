@@ -2,7 +2,7 @@ r"""Pre-RoPE decode for head groups whose key up-projection is too wide for one 
 
 :mod:`.decode` keeps a head group's whole key up-projection ``B_k[g]`` (per RoPE
 section ``pad(r_k) x pad(G * rotary_dim / 2)``) in one program for the whole
-context. Past :data:`.decode.TRITON_MAX_KEY_TILE` elements that no longer fits
+context. Past :data:`.launch.TRITON_MAX_KEY_TILE` elements that no longer fits
 in shared memory: the default J-LRD grouping of Llama-3-8B (8 KV heads of 128,
 one group) at ratio 0.5 has rank 512, i.e. 512 x 512 per section. This kernel
 splits such a group across programs, one per KV head, and its rank across a

@@ -1,0 +1,158 @@
+"""Launch parameters of the decode kernels: the per-case defaults, the wave
+model of the context split, and when a head group needs the wide-group kernel.
+
+Chosen on the host once per call (cached where they depend only on the plan):
+:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` reads
+them; :class:`KernelConfig` overrides them (benchmarks, sweeps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import triton
+
+from .decode_prep import Prepared, prepare
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the decode kernel (``None``: the built-in heuristic)."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    transposed: bool | None = None  # S^T = K' q'^T (True) or S = q' K'^T (False)
+    programs_per_sm: int | None = None  # resident programs per SM (split model)
+    groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
+    wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
+    rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
+
+
+TRITON_MAX_KEY_TILE = 128 * 128
+"""Largest ``pad(r_k) x pad(G * rotary_dim / 2)`` key up-projection section the
+Triton kernel holds per program (larger groups take :mod:`.decode_wide`): measured on an H100 (Llama-3-8B shape, ratio
+0.5), head groups of 2 KV heads (rank 128, 128 x 128) compile, groups of 4
+(rank 256, 256 x 256) ask for 289,792 bytes of shared memory (limit 232,448),
+groups of 8 for 1,134,592."""
+
+
+def needs_wide(plan, layout, rotary_dim: int) -> bool:
+    """Whether a head group's key up-projection tile exceeds
+    :data:`TRITON_MAX_KEY_TILE`, so that pre-RoPE decode splits each group across
+    programs (:mod:`.decode_wide`). Checked without compiling."""
+    return _key_tile_too_large(prepare(plan, layout, rotary_dim, True, "cpu"))
+
+
+def _key_tile_too_large(prep: Prepared) -> bool:
+    return prep.rk_max_pad * prep.cw > TRITON_MAX_KEY_TILE
+
+
+def _gpp_ok(plan, prep, gpp: int) -> bool:
+    return (len(prep.classes) == 1 and plan.num_groups % gpp == 0
+            and all(r == prep.classes[0][0] for r in plan.k_ranks)
+            and all(r == prep.classes[0][1] for r in plan.v_ranks))
+
+
+def _default_gpp(plan, prep, hg: int) -> int:
+    """Largest of 4, 2, 1 that keeps the score tile at 16 query heads or fewer."""
+    for gpp in (4, 2):
+        if gpp * hg <= 16 and _gpp_ok(plan, prep, gpp):
+            return gpp
+    return 1
+
+
+SPLIT_OVERHEAD_TILES = 4
+"""Per-program fixed cost (prologue: B_k, cos/sin, q; epilogue: partial store), in
+tiles; measured on an H200 (benchmarks/decode_attention_notes.md)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: int,
+                      n_sm: int, programs_per_sm: int = 1, max_splits: int = 64) -> int:
+    """Context splits per (sequence, group) minimising a wave model of the launch:
+
+        time ~ ceil(B * groups * S / (n_sm * programs_per_sm)) * (ceil(tiles / S) + c0)
+
+    (``c0`` = :data:`SPLIT_OVERHEAD_TILES`): more splits fill the SMs and shorten
+    the last wave, each split adds a fixed cost. Ties go to fewer splits (no
+    reduce pass at S = 1)."""
+    work = batch * num_groups
+    tiles = triton.cdiv(max(1, max_seq_len), block_n)
+    slots = max(1, n_sm * programs_per_sm)
+    best, best_cost = 1, None
+    for s in range(1, min(max_splits, tiles) + 1):
+        cost = triton.cdiv(work * s, slots) * (triton.cdiv(tiles, s) + SPLIT_OVERHEAD_TILES)
+        cost += 0 if s == 1 else 1  # the reduce pass
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+PACKED_G1_CONFIGS = {
+    ("post_rope", ((128, 128),)): (64, 8, 2),
+    ("pre_rope", ((64, 64),)): (128, 4, 2),
+    ("pre_rope", ((128, 128),)): (32, 4, 3),
+}
+"""``(BLOCK_N, warps, stages)`` (not transposed, one group per program) for
+packed per-token caches with one KV head per group and one rank class, by
+``(mode, rank classes)``: the fastest correct variant of the H100 sweep
+(``benchmarks/decode_attention.py --quant-sweep``, 24 variants, triton 3.6,
+benchmarks/README.md "Launch parameters on packed caches"), 1.11-1.20x the
+earlier defaults at 16 x 4k and 1 x 32k."""
+
+
+def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dict:
+    """Launch parameters per case, measured on an H200 with triton 3.6
+    (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
+    checked correct on that compiler are chosen: triton 3.6 miscompiles several
+    transposed bf16 variants (BLOCK_N=64 with 4 warps; 2 or 4 groups per
+    program; the rank-128 class at BLOCK_N >= 64); tests/test_gpu_kernels.py
+    guards the defaults at serving shapes."""
+    hg = plan.heads_per_group
+    if device.type != "cuda":  # interpreter: small tiles, every code path
+        return dict(block_n=16, num_warps=4, num_stages=1, transposed=True,
+                    programs_per_sm=1, groups_per_program=_default_gpp(plan, prep, hg))
+    packed = PACKED_G1_CONFIGS.get((mode, prep.classes)) \
+        if quant and plan.group_size == 1 else None
+    if packed is not None:
+        block_n, num_warps, num_stages = packed
+        return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                    transposed=False, programs_per_sm=2, groups_per_program=1)
+    stages = 2 if quant else 3
+    pair_ok = 2 * hg <= 16 and _gpp_ok(plan, prep, 2)
+    if pair_ok and prep.rk_max_pad <= 64 and max(c[1] for c in prep.classes) <= 64:
+        # Two head groups share one score tile (8 real query heads of 16).
+        if mode == "pre_rope":
+            return dict(block_n=64, num_warps=4, num_stages=stages, transposed=False,
+                        programs_per_sm=2, groups_per_program=2)
+        return dict(block_n=128, num_warps=4, num_stages=2, transposed=False,
+                    programs_per_sm=2, groups_per_program=2)
+    if len(prep.classes) == 1 and prep.rk_max_pad <= 64 and prep.c1 <= 64:
+        return dict(block_n=128, num_warps=8, num_stages=stages, transposed=True,
+                    programs_per_sm=2, groups_per_program=1)
+    # Uneven ranks (several rank classes in one launch), rank 128, wide groups.
+    block_n = 32
+    while block_n > 16 and (2 * prep.c1 + prep.c3) * block_n > 256 * 32:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=True,
+                programs_per_sm=2, groups_per_program=1)
+
+
+def _wide_config(plan, prep: Prepared, device) -> dict:
+    """Launch parameters of the wide-group kernel (:mod:`.decode_wide`): value
+    tiles of ``BLOCK_N x pad(r_v)`` up to 16 K elements, rank chunks of 64 (a
+    power-of-two per-channel-group size above 64 sets the chunk; any other
+    group size, one chunk of the padded rank). On an H100 at G = 8, rank 512
+    the launch sweep put ``BLOCK_N`` 32, 4 warps, chunk 64 first (1.2-1.3x the
+    ``BLOCK_N`` 64 launch; benchmarks/README.md, "GPU serving inside vLLM")."""
+    rv_pad = max(c[1] for c in prep.classes)
+    if device.type != "cuda":  # interpreter: small tiles, several rank chunks
+        return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
+                    programs_per_sm=1, rank_chunk=16)
+    block_n = 64
+    while block_n > 16 and block_n * rv_pad > 16 * 1024:
+        block_n //= 2
+    return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=False,
+                programs_per_sm=2, rank_chunk=64)
