@@ -20,12 +20,14 @@ Terms used throughout the package:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from vllm_lowrank.errors import LowRankConfigError
+from vllm_lowrank.presets import DEFAULT_PRESET, PRESETS
 from vllm_lowrank.presets import expand as expand_preset
 
 ADDITIONAL_CONFIG_KEY = "kv_compression"
@@ -403,6 +405,81 @@ def parse_config_text(text: str) -> dict[str, Any]:
             f"{type(value).__name__}"
         )
     return value
+
+
+CONFIG_KEYS = (
+    (("preset",), "a measured recipe: " + ", ".join(f"`{n}`" for n in PRESETS)
+     + " (see \"Which setting\"); the other keys override its settings",
+     f"`{DEFAULT_PRESET}` when the config gives no other key, else none"),
+    (("ratio",), "fraction of the K+V cache width kept, `0 < ratio <= 1`", None),
+    (("group_size",), "KV heads decomposed together (G-LRD): `1` per head, `null` all KV heads "
+     "of a layer (J-LRD); with tensor parallelism a group never spans ranks: it must divide "
+     "each rank's KV heads, and `null` means all KV heads of the rank's shard", None),
+    (("ranks",), "per-layer override `{\"layer\": [r_k, r_v]}` (total latent widths of the "
+     "layer, all ranks together; must split evenly over the tensor-parallel ranks)", None),
+    (("method",), "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` "
+     "(PCA of keys with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the "
+     "latent space, no key rebuild; needs `group_size: 1`), `fisher` (loss-aware, K-FAC)",
+     None),
+    (("rank_allocation",), "`uniform`, `energy` (normalised spectra), `fisher` (estimated loss "
+     "increase, one global budget)", None),
+    (("artifact",), "calibration artifact directory; `\"auto\"`: cached per model, made on "
+     "first start; `\"none\"`: weight SVD, no calibration (logged; destroys accuracy). An "
+     "artifact from `vllm-lowrank allocate` also fixes ranks, bits per layer and the serving "
+     "settings it was allocated for", None),
+    (("calibration_tokens",), "tokens of calibration text for `artifact: \"auto\"`", None),
+    (("k_bits", "v_bits"), "latent storage: `16` (model dtype) or `8`, `4`, `3`, `2` (packed "
+     "per-token asymmetric integers with float16 scale and zero)", None),
+    (("quant_group_size",), "latent channels per scale/zero pair (multiple of 8; ranks are "
+     "then multiples of it); `null`: one pair per head group and token", None),
+    (("hadamard",), "fold a randomised Walsh-Hadamard rotation into the factors of quantized "
+     "per-token sides (Palu eq. 8; no run-time cost)", None),
+    (("token_adaptive",), "TALE mode: the first `sink_tokens` and last `recent_tokens` tokens "
+     "of every sequence are also cached exactly and attended exactly; only the middle of the "
+     "context is read from latents (see \"Token-adaptive mode\")", None),
+    (("sink_tokens",), "exact attention-sink tokens, rounded up to whole KV blocks (`0`: "
+     "none)", None),
+    (("recent_tokens",), "exact recent tokens, rounded up to whole KV blocks", None),
+    (("exact_bits",), "storage of the exact tokens' keys and values: `16` (model dtype) or "
+     "`8` (int8 per token and head, float16 scale/zero: half their bytes)", None),
+    (("k_quant",), "quantized keys: `token` (per-token scale/zero, Palu) or `channel` "
+     "(per-channel scale/zero over groups of `k_channel_tokens` tokens, KIVI; needs "
+     "`token_adaptive`, see \"Per-channel keys\")", None),
+    (("k_channel_tokens",), "tokens per per-channel key group; must divide the KV block "
+     "size", None),
+    (("allow_slow_path",), "on a GPU, serve layers that no fused kernel decodes (a raw 16-bit "
+     "side in a packed slot, a kernel that failed its start-up self-check) on the torch path, "
+     "eagerly; `false` refuses them, naming the reason", None),
+)
+"""Every ``--kv-compression-config`` key, in order: ``(names, meaning
+(Markdown), default text or None for the field's own default)``. The one
+source of the README's key table (:func:`keys_table`) and of the CLI help
+(:func:`keys_help`); ``tests/unit/test_config.py`` checks that it names every
+config field once and that the README table is its rendering."""
+
+
+def _default_text(name: str) -> str:
+    value = {f.name: f.default for f in dataclasses.fields(LowRankConfig)}[name]
+    return f"`{json.dumps(value)}`"
+
+
+def keys_table() -> str:
+    """The README's Markdown table of the config keys (:data:`CONFIG_KEYS`)."""
+    rows = ["| key | meaning | default |", "|---|---|---|"]
+    for names, meaning, default in CONFIG_KEYS:
+        keys = ", ".join(f"`{n}`" for n in names)
+        rows.append(f"| {keys} | {meaning} | {default or _default_text(names[0])} |")
+    return "\n".join(rows) + "\n"
+
+
+def keys_help() -> str:
+    """The config keys as one line of plain text (``--kv-compression-config``
+    help), from :data:`CONFIG_KEYS`."""
+    parts = []
+    for names, meaning, default in CONFIG_KEYS:
+        text = f"{', '.join(names)}: {meaning}; default {default or _default_text(names[0])}"
+        parts.append(text.replace("`", ""))
+    return "; ".join(parts)
 
 
 def config_from_additional(additional_config: Mapping[str, Any] | None) -> LowRankConfig:

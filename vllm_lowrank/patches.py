@@ -32,16 +32,15 @@ from typing import Any
 from vllm_lowrank import compat
 from vllm_lowrank.config import (
     ADDITIONAL_CONFIG_KEY,
-    METHODS,
     MODES,
-    RANK_ALLOCATIONS,
     LowRankConfig,
     LowRankConfigError,
     config_from_additional,
+    keys_help,
     parse_config_text,
 )
 from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
-from vllm_lowrank.presets import DEFAULT_PRESET, PRESETS, get_preset
+from vllm_lowrank.presets import get_preset
 
 logger = logging.getLogger("vllm.lowrank")
 
@@ -54,28 +53,8 @@ GROUP_DESCRIPTION = (
     "The KV cache stores a rank-r latent per token instead of full keys and "
     "values; see the vllm-lowrank README for every setting."
 )
-_D = LowRankConfig()
-CONFIG_HELP = (
-    "Settings of the latent cache, inline JSON or a path to a JSON file. Keys: "
-    f"preset ({' | '.join(PRESETS)}: a measured recipe; keys given beside it override "
-    f"its settings; without this flag or with no key, preset {DEFAULT_PRESET}); "
-    f"ratio (fraction of the K+V width kept, 0 < ratio <= 1, default {_D.ratio}); "
-    "group_size (KV heads decomposed together: 1 = per head, null = all KV heads "
-    "of a layer, default null); ranks (per-layer override {\"layer\": [r_k, r_v]}); "
-    f"method ({' | '.join(METHODS)}, default {_D.method}); rank_allocation "
-    f"({' | '.join(RANK_ALLOCATIONS)}, default {_D.rank_allocation}); artifact "
-    "(calibration artifact directory, \"auto\" = cached or calibrated on first "
-    "start, \"none\" = weight SVD without calibration, default auto); "
-    f"calibration_tokens (default {_D.calibration_tokens}); k_bits, v_bits "
-    "(16, 8, 4, 3, 2), quant_group_size, hadamard; token_adaptive (exact sink "
-    f"and recent tokens, TALE; default {str(_D.token_adaptive).lower()}), "
-    f"sink_tokens (default {_D.sink_tokens}), recent_tokens (default {_D.recent_tokens}), "
-    f"exact_bits (16 | 8: storage of the exact tokens, default {_D.exact_bits}); "
-    f"k_quant (token | channel: keys per channel over k_channel_tokens-token groups, "
-    f"KIVI; needs token_adaptive; default {_D.k_quant}), k_channel_tokens "
-    f"(default {_D.k_channel_tokens}); allow_slow_path (on a GPU, serve layers no fused "
-    "kernel decodes on the slow torch path instead of refusing them; default false)."
-)
+CONFIG_HELP = ("Settings of the latent cache, inline JSON or a path to a JSON file. "
+               "Keys: " + keys_help() + ".")
 
 
 def _fail(message: str) -> None:
