@@ -454,7 +454,7 @@ CONFIG_KEYS = (
 """Every ``--kv-compression-config`` key, in order: ``(names, meaning
 (Markdown), default text or None for the field's own default)``. The one
 source of the README's key table (:func:`keys_table`) and of the CLI help
-(:func:`keys_help`); ``tests/unit/test_config.py`` checks that it names every
+(:func:`keys_help`); ``tests/test_config.py`` checks that it names every
 config field once and that the README table is its rendering."""
 
 

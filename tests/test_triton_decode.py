@@ -9,7 +9,7 @@ reduce, the LPT persistent schedule, key bias / QK-norm and sliding windows over
 NaN null blocks). On a CUDA machine the same tests run the
 compiled kernels on the GPU.
 
-    python -P -m pytest tests/kernels/test_triton_decode.py -q
+    python -P -m pytest tests/test_triton_decode.py -q
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ On a machine without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (set
 by ``conftest.py``) on CPU tensors in float32; on a CUDA machine the same tests
 run the compiled kernel in bf16.
 
-    python -P -m pytest tests/kernels/test_triton_prefill.py -q
+    python -P -m pytest tests/test_triton_prefill.py -q
 """
 
 from __future__ import annotations

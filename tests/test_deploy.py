@@ -23,7 +23,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "validate_deploy.sh"
 OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
 CONFIG_PATH = "/etc/vllm-lowrank/compression.json"

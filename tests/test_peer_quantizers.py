@@ -8,7 +8,7 @@ this module hands the real ``triton`` to ``vllm.triton_utils`` and (re)imports
 vLLM's kernel modules after that, so their ``@triton.jit`` functions run in the
 interpreter.
 
-    python -P -m pytest tests/unit/test_peer_quantizers.py -q
+    python -P -m pytest tests/test_peer_quantizers.py -q
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if not tu.HAS_TRITON:  # CPU build: hand vLLM the real Triton (interpreter mode)
     for name in [m for m in sys.modules if m.startswith("vllm.v1.attention.ops")]:
         del sys.modules[name]  # rebuilt below against the real Triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 import benchmarks.peer_caches as pc  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")

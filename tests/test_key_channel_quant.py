@@ -5,7 +5,7 @@ Checked against float64 references: the quantizer itself; the write path
 staged in the exact cache, while partial groups stay unquantized there);
 reads at any start/length; and token-adaptive decode over such a cache
 against the float64 attention loop. Prefix-cache hits and preemption run in
-vLLM engines (``tests/engine/test_token_adaptive_engine.py``).
+vLLM engines (``tests/test_token_adaptive_engine.py``).
 """
 
 import pytest

@@ -2,7 +2,7 @@
 ``SlotLayout.decode`` + float64 torch, and the compiled Triton decode kernel at
 serving shapes (bf16). Skipped without a CUDA device.
 
-    python -m pytest tests/kernels/test_gpu_kernels.py -q -m gpu
+    python -m pytest tests/test_gpu_kernels.py -q -m gpu
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.presets import PRESETS
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

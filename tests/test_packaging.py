@@ -32,7 +32,7 @@ def test_every_subpackage_is_installed():
     import pathlib
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[1]
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
                  ["packages"])
     found = {".".join(p.parent.relative_to(root).parts)

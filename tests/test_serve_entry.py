@@ -54,7 +54,7 @@ def test_console_script_is_the_image_entry_point():
     import re
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[1]
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["vllm-lowrank-serve"] == "vllm_lowrank.serve_entry:main"
     dockerfile = (root / "Dockerfile").read_text()
