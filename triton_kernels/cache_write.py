@@ -21,6 +21,8 @@ The torch encode launches about 40 small kernels per layer and step; at batch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -103,9 +105,7 @@ def cache_write_kernel(
                 tl.store(row + off + zb, zeros, mask=off + zb < z1_hi)
 
 
-_TABLES: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def supports(layout) -> bool:
     """Whether :func:`write_packed_latents` writes this layout: both sides
     packed (not raw float16) and every quantization group a multiple of 8
@@ -116,37 +116,29 @@ def supports(layout) -> bool:
         q % 8 == 0 for q in layout.k_groups + layout.v_groups)
 
 
+@functools.lru_cache(maxsize=None)
 def _group_table(layout, device) -> tuple[torch.Tensor, int, int, int]:
-    """``(table [n, 5] int32, n_k, pad(max K group), pad(max V group))`` of
-    ``layout``'s per-token quantization groups (cached per layout and device)."""
-    key = (id(layout), device)
-    hit = _TABLES.get(key)
-    if hit is not None and hit[0] is layout:
-        return hit[1]
+    """``(table [n, 5] int32, n_k, pad(max K group) / 8, pad(max V group) / 8)``
+    of ``layout``'s per-token quantization groups
+    (:meth:`~vllm_lowrank.quantization.SlotLayout.quant_group_sizes`), cached
+    per layout and device."""
     if not supports(layout):
         raise ValueError("write_packed_latents needs packed sides and quantization groups "
                          "of multiples of 8 channels")
-    rows = []
-    sides = [] if layout.k_per_channel else [("k", layout.k_ranks, layout.k_groups,
-                                                layout.k_bits, 0, layout.k_scale_offset,
-                                                layout.k_zero_offset)]
-    sides.append(("v", layout.v_ranks, layout.v_groups, layout.v_bits,
-                  layout.v_codes_offset, layout.v_scale_offset, layout.v_zero_offset))
-    n_k, widest = 0, {"k": 8, "v": 8}
-    for name, ranks, groups, bits, code_off, s_off, z_off in sides:
+    sides = [] if layout.k_per_channel else [
+        ("k", layout.k_bits, 0, layout.k_scale_offset, layout.k_zero_offset)]
+    sides.append(("v", layout.v_bits, layout.v_codes_offset, layout.v_scale_offset,
+                  layout.v_zero_offset))
+    rows, widest = [], {"k": 8, "v": 8}
+    for side, bits, code_off, s_off, z_off in sides:
         ch = 0
-        for r, q in zip(ranks, groups):
-            for _ in range(r // q):
-                rows.append((ch, q, code_off + ch * bits // 8, s_off, z_off))
-                ch += q
-                s_off += 2
-                z_off += 2
-                n_k += name == "k"
-            widest[name] = max(widest[name], q)
+        for i, q in enumerate(layout.quant_group_sizes(side)):
+            rows.append((ch, q, code_off + ch * bits // 8, s_off + 2 * i, z_off + 2 * i))
+            ch += q
+            widest[side] = max(widest[side], q)
+    n_k = 0 if layout.k_per_channel else len(layout.quant_group_sizes("k"))
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 5).to(device)
-    out = (table, n_k, pow2(widest["k"]) // 8, pow2(widest["v"]) // 8)
-    _TABLES[key] = (layout, out)
-    return out
+    return table, n_k, pow2(widest["k"]) // 8, pow2(widest["v"]) // 8
 
 
 def write_packed_latents(kv_cache: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

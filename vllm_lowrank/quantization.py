@@ -312,13 +312,21 @@ class SlotLayout:
             out.append(q)
         return tuple(out)
 
-    def _side(self, x, ranks, groups, bits):
+    def quant_group_sizes(self, side: str) -> tuple[int, ...]:
+        """Channels of each per-token quantization group of ``side`` (``"k"`` or
+        ``"v"``), in slot order: every head group's ``rank / group`` groups in
+        turn (one scale/zero pair each)."""
+        ranks, groups = ((self.k_ranks, self.k_groups) if side == "k"
+                         else (self.v_ranks, self.v_groups))
+        return tuple(q for r, q in zip(ranks, groups) for _ in range(r // q))
+
+    def _side(self, x, side, bits):
         if bits == RAW_BITS:
             empty = x.new_zeros(*x.shape[:-1], 0, dtype=torch.float16)
             return x.to(torch.float16).contiguous().view(torch.uint8), empty, empty
-        # Every head group's quantization groups, in order: one pass over the row
-        # (ranks are multiples of 8, so the packed groups are consecutive bytes).
-        sizes = tuple(q for r, q in zip(ranks, groups) for _ in range(r // q))
+        # One pass over the row (ranks are multiples of 8, so the packed groups
+        # are consecutive bytes).
+        sizes = self.quant_group_sizes(side)
         index = None
         if len(set(sizes)) > 1:
             key = (sizes, x.device)
@@ -333,12 +341,12 @@ class SlotLayout:
         """Quantize and pack ``[T, Rk]``, ``[T, Rv]`` latents into ``[T, slot_bytes]``
         uint8 (per-channel keys: K codes and share left zero, see
         :meth:`encode_key_groups`)."""
-        vc, vs, vz = self._side(v_latent, self.v_ranks, self.v_groups, self.v_bits)
+        vc, vs, vz = self._side(v_latent, "v", self.v_bits)
         if self.k_per_channel:
             kc = vc.new_zeros(*vc.shape[:-1], self.k_codes_bytes)
             ks = kz = vs.new_zeros(*vs.shape[:-1], 0)
         else:
-            kc, ks, kz = self._side(k_latent, self.k_ranks, self.k_groups, self.k_bits)
+            kc, ks, kz = self._side(k_latent, "k", self.k_bits)
         as_bytes = [t.contiguous().view(torch.uint8) for t in (ks, kz, vs, vz)]
         tail = vc.new_zeros(*vc.shape[:-1], self.slot_bytes - self.k_share_offset)
         return torch.cat([kc, vc, *as_bytes, tail], dim=-1)  # K share and padding

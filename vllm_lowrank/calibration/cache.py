@@ -69,10 +69,7 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
     """
     path = auto_artifact_path(model_path, cfg)
     if not create:
-        cached = _load_cached(path, "not calibrating (create=False)")
-        if cached is None:
-            raise NotCached(path)
-        return cached, path
+        return _require_cached(path), path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with FileLock(path + ".lock"):
         cached = _load_cached(path, "recalibrating")
@@ -113,10 +110,7 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
     digest = hashlib.blake2b(serving.encode(), digest_size=6).hexdigest()
     path = f"{base_path}-alloc{preset.allocate:g}-b{block_size}-{digest}"
     if not create:
-        cached = _load_cached(path, "not allocating (create=False)")
-        if cached is None:
-            raise NotCached(path)
-        return cached, path
+        return _require_cached(path), path
     with FileLock(path + ".lock"):
         cached = _load_cached(path, "allocating again")
         if cached is not None:
@@ -132,6 +126,14 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
                     "+%.4f nats", preset.name, report["compression_ratio"],
                     report["objective_nats"])
         return out, path
+
+
+def _require_cached(path: str) -> art.Artifact:
+    """The usable artifact at ``path``; :class:`NotCached` if there is none."""
+    cached = _load_cached(path, "not making one (create=False)")
+    if cached is None:
+        raise NotCached(path)
+    return cached
 
 
 def _load_cached(path: str, then: str) -> art.Artifact | None:
