@@ -349,6 +349,9 @@ def main():
     ap.add_argument("--quant-sweep", action="store_true",
                     help="launch-parameter sweep of the grid kernel on packed caches "
                          "(QUANT_SWEEP_CASES)")
+    ap.add_argument("--packed-sweep", action="store_true",
+                    help="the packed post-RoPE kernel against the grid kernel, with its "
+                         "launch sweep (PACKED_SWEEP_CASES)")
     ap.add_argument("--quant-sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sweep-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--sdpa", default=None, help=argparse.SUPPRESS)
@@ -392,8 +395,9 @@ def main():
     if args.sweep:
         sweep(rope, shapes, ratios, bw, sdpa)
         return
-    if args.quant_sweep:
-        quant_sweep(rope, shapes, sdpa)
+    if args.quant_sweep or args.packed_sweep:
+        quant_sweep(rope, shapes, sdpa,
+                    cases=PACKED_SWEEP_CASES if args.packed_sweep else QUANT_SWEEP_CASES)
         return
     if args.variants:
         print("\n".join(variant_rows(rope, shapes, ratios[0])))
@@ -732,18 +736,35 @@ QUANT_SWEEP_CASES = [(1.0, "k8v4", "post_rope"), (1.0, "k8v8", "pre_rope"),
 ``pr-k8v4``, ``g1-k8v8``, ``g1-k4v4``): ratio, bits, mode."""
 
 
-def quant_sweep(rope, shapes, sdpa, only=None):
-    """Launch-parameter sweep of the grid kernel on packed caches (G = 1): every
-    ``BLOCK_N`` x warps x stages x transposed variant of :data:`QUANT_SWEEP_CASES`
-    against the built-in default, each checked against the float32 reference
-    (``rel`` > 1e-2: wrong, not a candidate). One process per case and shape (a
-    variant that faults the CUDA context loses only its case)."""
+PACKED_SWEEP_CASES = [(1.0, "k8v4", "post_rope", "packed"), (1.0, "k8v8", "post_rope", "packed"),
+                      (1.0, "k4v4", "post_rope", "packed"), (0.5, "k8v4", "post_rope", "packed")]
+"""Per-token packed post-RoPE settings of the packed kernel (:mod:`.decode_packed`):
+the ``2x`` preset (ratio 1.0, K8/V4) first."""
+
+
+PACKED_SWEEP_LAUNCHES = [(64, 4, 3), (128, 4, 3), (128, 8, 2), (256, 4, 3), (256, 8, 3)]
+"""``(BLOCK_N, warps, stages)`` of the packed kernel's sweep (each with the
+heuristic split and 2-32 splits): the fastest launches of a first 18-variant
+sweep (``BLOCK_N`` 32 / 64 / 128, 4 / 8 warps, 2-4 stages; H100) and larger
+tiles."""
+
+
+def quant_sweep(rope, shapes, sdpa, only=None, cases=None):
+    """Launch-parameter sweep on packed caches (G = 1). Grid-kernel cases
+    (:data:`QUANT_SWEEP_CASES`): every ``BLOCK_N`` x warps x stages x transposed
+    variant against the built-in default. Packed-kernel cases
+    (:data:`PACKED_SWEEP_CASES`, fourth field ``"packed"``): the grid kernel's
+    default, the packed kernel's default and every ``BLOCK_N`` x warps x stages
+    variant of it. Each is checked against the float32 reference (``rel`` >
+    1e-2: wrong, not a candidate); ``GB/s``: cache bytes read (slots of the
+    attended tokens) per second. One process per case and shape (a variant that
+    faults the CUDA context loses only its case)."""
     import subprocess
 
     if only is None:
         print(f"{'shape':>7} {'ratio':>5} {'cache':>5} {'mode':>9} {'variant':>22} "
-              f"{'us':>8} {'x sdpa':>6} {'rel':>8}", flush=True)
-        for case in QUANT_SWEEP_CASES:
+              f"{'us':>8} {'x sdpa':>6} {'GB/s':>6} {'rel':>8}", flush=True)
+        for case in cases or QUANT_SWEEP_CASES:
             for name in shapes:
                 cmd = [sys.executable, __file__, "--quant-sweep-one", json.dumps(case),
                        "--shapes", name, "--sdpa", json.dumps({name: sdpa[name][0]})]
@@ -753,33 +774,48 @@ def quant_sweep(rope, shapes, sdpa, only=None):
                     print(f"  case {case} {name} failed: "
                           f"{(r.stderr.strip().splitlines() or [''])[-1][:160]}", flush=True)
         return
-    ratio, qname, mode = only
+    ratio, qname, mode, *kernel = only
+    packed = kernel == ["packed"]
     bits = {"k8v4": (8, 4), "k8v8": (8, 8), "k4v4": (4, 4)}[qname]
     r = int(round(ratio * HEAD_DIM))
     plan = make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
-    variants = [None] + [dict(block_n=b, num_warps=w, num_stages=st, transposed=t,
-                              groups_per_program=1)
-                         for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-                         for t in (False, True)]
+    if packed:
+        variants = [dict(packed=False), dict(packed=True)] + [
+            dict(block_n=b, num_warps=w, num_stages=st, packed=True, num_splits=sp)
+            for b, w, st in PACKED_SWEEP_LAUNCHES for sp in (None, 2, 4, 8, 16, 32)]
+    else:
+        variants = [None] + [dict(block_n=b, num_warps=w, num_stages=st, transposed=t,
+                                  groups_per_program=1)
+                             for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+                             for t in (False, True)]
     for name in shapes:
         bsz, length = parse_shape(name)
         p = make_problem(plan, bsz, length, bits)
         ref = reference(plan, rope, p, HEAD_DIM ** -0.5, mode=mode)
         best = None
+        nbytes = int(p["lens"].sum()) * p["layout"].slot_bytes
         for v in variants:
-            label = "default" if v is None else (
-                f"N{v['block_n']} w{v['num_warps']} s{v['num_stages']} "
-                f"{'T' if v['transposed'] else 'F'}")
+            if v is None or "block_n" not in v:
+                label = "default" if v is None else (
+                    "packed default" if v["packed"] else "grid default")
+            elif packed:
+                label = (f"packed N{v['block_n']} w{v['num_warps']} s{v['num_stages']} "
+                         f"S{v['num_splits'] or 'h'}")
+            else:
+                label = (f"N{v['block_n']} w{v['num_warps']} s{v['num_stages']} "
+                         f"{'T' if v['transposed'] else 'F'}")
             try:
-                t, _, rel = run_case(plan, rope, p, cfg=None if v is None else KernelConfig(**v),
-                                     ref=ref, mode=mode)
+                kw = dict(v or {})
+                splits = kw.pop("num_splits", None)
+                t, _, rel = run_case(plan, rope, p, cfg=KernelConfig(**kw) if kw else None,
+                                     ref=ref, mode=mode, num_splits=splits)
             except Exception as exc:  # noqa: BLE001 (reported)
                 print(f"{name:>7} {ratio:>5} {qname:>5} {mode:>9} {label:>22}  "
                       f"{type(exc).__name__}", flush=True)
                 continue
             ts = sdpa[name]
             print(f"{name:>7} {ratio:>5} {qname:>5} {mode:>9} {label:>22} {t:8.1f} "
-                  f"{ts / t:6.2f} {rel:8.1e}", flush=True)
+                  f"{ts / t:6.2f} {nbytes / t / 1e3:6.0f} {rel:8.1e}", flush=True)
             if rel < 1e-2 and (best is None or t < best[0]):
                 best = (t, label)
         if best:

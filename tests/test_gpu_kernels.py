@@ -212,13 +212,15 @@ def test_triton_post_rope_serving_shape_bf16(ratio):
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("ratio,bits,qgroup", [(0.5, (8, 4), None), (0.25, (8, 4), None),
+@pytest.mark.parametrize("ratio,bits,qgroup", [(1.0, (8, 4), None), (1.0, (4, 4), None),
+                                               (0.5, (8, 4), None), (0.25, (8, 4), None),
                                                (0.5, (4, 2), None), (0.25, (3, 3), 8),
                                                (0.5, (2, 4), 16)])
 def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
     """Post-RoPE mode on packed caches (bf16 queries, default launch parameters):
-    per-row scales applied after the dots, grouped scales on the tile, 8/4/3/2-bit
-    codes unpacked in registers; against float64 on the decoded latents."""
+    8/4-bit per-token sides on the packed kernel (ratio 1.0 K8/V4: the ``2x``
+    preset), grouped scales and 3/2-bit codes on the grid kernel; against float64
+    on the decoded latents."""
     from vllm_lowrank.triton_kernels.decode import latent_decode_attention
 
     r = int(ratio * 128)

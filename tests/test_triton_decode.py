@@ -305,6 +305,100 @@ def test_quantized(k_bits, v_bits, qgroup, mode, k_ranks, trans):
     assert rel_err(out, ref) < TOL32
 
 
+# ---------------------------------------------------------------------------------
+# Packed post-RoPE kernel (decode_packed): per-token 8/4-bit sides, uniform ranks
+# ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("k_bits,v_bits,group_size,kr,vr,splits,window", [
+    (8, 4, 1, 16, 32, 1, None),   # the 2x preset's widths, no reduce
+    (8, 4, 1, 32, 32, 3, None),   # split-K + reduce
+    (4, 4, 1, 32, 32, 2, None),   # nibble halves on both sides
+    (4, 8, 2, 32, 16, 2, None),   # two KV heads per group (8 query heads)
+    (8, 8, 1, 16, 16, 2, 25),     # sliding window over poisoned rows
+])
+def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, window):
+    """The packed kernel is what a post-RoPE call on a per-token packed cache with
+    uniform ranks takes by default, and it matches the float64 reference on the
+    decoded latents (codes shifted far from zero: the zero points carry a large
+    offset that the post-dot correction must cancel exactly)."""
+    from vllm_lowrank.triton_kernels import decode_packed
+
+    plan, k_up, lens, bt, nblk, page, g = make_problem(
+        group_size=group_size, k_ranks=(kr,) * (4 // group_size),
+        v_ranks=(vr,) * (4 // group_size), seed=53)
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, k_bits, v_bits)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g) * 2 + 5
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    kd, vd = layout.decode(slots)
+    kl, vl = gather(kd, bt, lens, page), gather(vd, bt, lens, page)
+    if window is not None:  # 0xFF codes and NaN-pattern scales before the window
+        slots = slots.clone()
+        for b, n in enumerate(lens.tolist()):
+            for t in range(max(0, n - window)):
+                slots[int(bt[b, t // page]) * page + t % page] = 255
+    cache = slots.view(nblk, 1, page, -1)
+    assert decode_packed.blocker(plan, layout, "post_rope", cache) is None
+    q = torch.randn(3, 8, kr, generator=g)
+    calls = []
+    real = decode_packed.packed_decode_kernel
+
+    class Spy:  # counts launches of the packed kernel, then runs it
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    decode_packed.packed_decode_kernel = Spy()
+    try:
+        out = run(plan, k_up, None, q, cache, bt, lens, num_splits=splits, layout=layout,
+                  mode="post_rope", window=window)
+    finally:
+        decode_packed.packed_decode_kernel = real
+    assert calls == [(splits, plan.num_groups, 3)]
+    ref = reference(plan, k_up, None, 0.2, q, kl, vl, lens, mode="post_rope", window=window)
+    assert rel_err(out, ref) < TOL32
+
+
+def test_packed_post_rope_kernel_scope():
+    """Calls outside the packed kernel's scope say why; forcing it there is a
+    ValueError naming the reason, and ``packed=False`` takes the grid kernel."""
+    from vllm_lowrank.triton_kernels import decode_packed
+
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(32,) * 4, v_ranks=(32,) * 4)
+    ok = SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4)
+    cache = torch.zeros(nblk, 1, page, ok.slot_bytes, dtype=torch.uint8)
+    uneven, _, *_ = make_problem(k_ranks=(16, 32, 32, 32), v_ranks=(32,) * 4)
+    cases = [
+        (plan, ok, "pre_rope", "pre_rope mode"),
+        (plan, None, "post_rope", "unquantized"),
+        (plan, SlotLayout(plan.k_ranks, plan.v_ranks, 3, 4), "post_rope", "bits"),
+        (plan, SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4, 16, None), "post_rope",
+         "grouped scales"),
+        (plan, SlotLayout(plan.k_ranks, plan.v_ranks, 4, 4, k_channel_tokens=16),
+         "post_rope", "per-channel"),
+        (uneven, SlotLayout(uneven.k_ranks, uneven.v_ranks, 8, 4), "post_rope", "uneven"),
+        (plan, SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4, pad_to=ok.slot_bytes + 1),
+         "post_rope", "odd"),
+    ]
+    for pl, lay, mode, why in cases:
+        c = cache if lay is None else torch.zeros(nblk, 1, page, lay.slot_bytes,
+                                                  dtype=torch.uint8)
+        assert why in decode_packed.blocker(pl, lay, mode, c)
+    assert decode_packed.blocker(plan, ok, "post_rope", cache) is None
+    q = torch.randn(3, 8, 32)
+    bad = SlotLayout(plan.k_ranks, plan.v_ranks, 3, 4)
+    with pytest.raises(ValueError, match="packed post-RoPE kernel cannot run this call: bits"):
+        dec.latent_decode_attention(plan, k_up, None, 0.2, q,
+                                    torch.zeros(nblk, 1, page, bad.slot_bytes,
+                                                dtype=torch.uint8),
+                                    bt, lens, 70, layout=bad, mode="post_rope",
+                                    config=dec.KernelConfig(packed=True))
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    slots = ok.encode(lat[:, :plan.k_width], lat[:, plan.k_width:]).view(nblk, 1, page, -1)
+    a = run(plan, k_up, None, q, slots, bt, lens, layout=ok, mode="post_rope")
+    b = run(plan, k_up, None, q, slots, bt, lens, layout=ok, mode="post_rope",
+            config=dec.KernelConfig(packed=False))
+    assert rel_err(a, b) < TOL32
+
+
 @pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])
 def test_quantized_uneven_scale_groups(mode):
     """A scale group that is not a power of two (24 channels; ranks 48 and 24 in
@@ -684,7 +778,8 @@ def tale_problem(ranks, bits, seed, sink, recent, window):
     (4, 0, None, "post_rope", "uneven", None, 1, None),         # sink only
     (16, 64, None, "pre_rope", "uneven", None, 2, None),        # 3 of 5 spans empty
     (4, 1, 30, "pre_rope", "uneven", None, 2, "transform"),     # window + bias/QK-norm
-    (16, 17, None, "post_rope", "equal", (8, 4), 3, None),      # packed, GPP 4, split
+    (16, 17, None, "post_rope", "equal", (8, 4), 3, None),      # packed kernel, split
+    (16, 17, None, "post_rope", "equal", (8, 4), 3, "grid"),    # grid kernel, GPP 4, split
     (4, 64, 90, "pre_rope", "uneven", (4, 4), 1, None),         # packed + window
     (4, 17, None, "pre_rope", "uneven", None, 2, "lpt"),        # LPT schedule, no LSE
     (4, 17, None, "pre_rope", "uneven", "bf16", 2, None),       # bf16 cache and queries
@@ -710,7 +805,7 @@ def test_span(sink, recent, window, mode, ranks, bits, splits, extra):
     lse_tol = 5e-2 if ON_GPU and bits == "bf16" else LSE_TOL
     tf = make_transform(plan, g) if extra == "transform" else None
     cfg = dec.KernelConfig(groups_per_program=2, block_n=16, transposed=False) \
-        if extra == "gpp2" else None
+        if extra == "gpp2" else dec.KernelConfig(packed=False) if extra == "grid" else None
     want_lse = extra != "lpt"
     res = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
               mode=mode, layout=layout, transform=tf, window=window, sink=sink, recent=recent,

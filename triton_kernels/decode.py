@@ -8,7 +8,9 @@ up-projection and the RoPE check, chooses the launch parameters and the split
 (:func:`cuda_path_blocker`), else the Triton grid or persistent kernel of
 :mod:`.decode_kernels` (the math is described there), or, for head groups whose
 key tile does not fit one program and for per-channel keys, the wide-group
-kernel of :mod:`.decode_wide`; split partials are merged by
+kernel of :mod:`.decode_wide`, or, for post-RoPE latents packed per token at 8/4
+bits with uniform ranks (:func:`.decode_packed.blocker`), the packed kernel of
+:mod:`.decode_packed`; split partials are merged by
 :func:`.tiles.reduce_splits_kernel`.
 
 Example::
@@ -26,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from . import decode_packed
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
 from .decode_prep import (MAX_CLASSES, WEIGHT_CACHE, Prepared, cached_for, key_weights,
                           pow2, prepare, rope_is_rotation, sm_count)
-from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large, _wide_config,
-                     choose_num_splits)
+from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
+                     _packed_config, _wide_config, choose_num_splits)
 from .launch import needs_wide  # noqa: F401 (part of this module's interface)
 from .tiles import reduce_splits_kernel
 
@@ -358,8 +361,17 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         raise ValueError("the wide-group kernel rebuilds keys: pre_rope mode only")
     if wide and schedule is not None:
         raise ValueError("the wide-group kernel runs on the plain grid (schedule=None)")
-    dflt = _wide_config(plan, prep, device) if wide else \
-        _default_config(plan, prep, mode, device, quant)
+    packed_why = decode_packed.blocker(plan, layout, mode, kv_cache) if schedule is None \
+        else "LPT schedule"
+    if cfg.packed and packed_why:
+        raise ValueError(f"the packed post-RoPE kernel cannot run this call: {packed_why}")
+    packed = packed_why is None and cfg.packed is not False and not wide
+    if packed:
+        dflt = _packed_config(device)
+    elif wide:
+        dflt = _wide_config(plan, prep, device)
+    else:
+        dflt = _default_config(plan, prep, mode, device, quant)
     block_n = cfg.block_n or dflt["block_n"]
     num_warps = cfg.num_warps or dflt["num_warps"]
     num_stages = cfg.num_stages or dflt["num_stages"]
@@ -368,7 +380,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     n_sm = sm_count(device)
     ng = plan.num_groups
     hg = plan.heads_per_group
-    if wide:
+    if wide or packed:
         gpp = 1
     elif cfg.groups_per_program is not None:
         gpp = cfg.groups_per_program
@@ -406,6 +418,15 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         po = out
         plse = lse if return_lse else out  # the kernel stores the final LSE there
 
+    if packed:
+        decode_packed.launch(
+            plan, layout, query, kv_cache, block_table, seq_lens,
+            qk_scale=float(scale) * LOG2E, num_splits=num_splits, block_n=block_n,
+            num_warps=num_warps, num_stages=num_stages, po=po, plse=plse,
+            window=int(window) if use_window else 0, sink=sink, recent=recent,
+            use_window=use_window, use_span=use_span, return_lse=return_lse,
+            interpreting=_interpreting())
+        return _merge_splits(plan, prep, out, lse, po, plse, num_splits, return_lse)
     classes = list(prep.classes) + [(16, 16)] * (MAX_CLASSES - len(prep.classes))
     if quant:
         k_qg = 0 if all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
@@ -494,8 +515,17 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         counter = torch.zeros(1, dtype=torch.int32, device=device)
         decode_persistent_kernel[(schedule.num_workers,)](
             schedule.items, schedule.items.numel(), counter, *args, **common)
-    if split:
+    return _merge_splits(plan, prep, out, lse, po, plse, num_splits, return_lse)
+
+
+def _merge_splits(plan, prep: Prepared, out, lse, po, plse, num_splits: int,
+                  return_lse: bool):
+    """Merge the split partials into ``out`` (and ``lse``) with
+    :func:`.tiles.reduce_splits_kernel` when ``num_splits > 1``; return the call's
+    result."""
+    if num_splits > 1:
         block_c = 128
+        bsz, num_heads = out.shape[0], plan.shape.num_heads
         reduce_splits_kernel[(bsz, triton.cdiv(plan.out_width, block_c))](
             po, plse, out, prep.head_of_col, num_splits, plan.out_width, num_heads,
             lse if return_lse else plse, S_PAD=pow2(num_splits, 2), BLOCK_C=block_c,

@@ -28,6 +28,7 @@ class KernelConfig:
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
     wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
     rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
+    packed: bool | None = None  # post-RoPE per-token packed kernel (.decode_packed)
 
 
 TRITON_MAX_KEY_TILE = 128 * 128
@@ -91,16 +92,16 @@ def choose_num_splits(batch: int, num_groups: int, max_seq_len: int, block_n: in
 
 
 PACKED_G1_CONFIGS = {
-    ("post_rope", ((128, 128),)): (64, 8, 2),
     ("pre_rope", ((64, 64),)): (128, 4, 2),
     ("pre_rope", ((128, 128),)): (32, 4, 3),
 }
-"""``(BLOCK_N, warps, stages)`` (not transposed, one group per program) for
-packed per-token caches with one KV head per group and one rank class, by
-``(mode, rank classes)``: the fastest correct variant of the H100 sweep
-(``benchmarks/decode_attention.py --quant-sweep``, 24 variants, triton 3.6,
-benchmarks/README.md "Launch parameters on packed caches"), 1.11-1.20x the
-earlier defaults at 16 x 4k and 1 x 32k."""
+"""``(BLOCK_N, warps, stages)`` (not transposed, one group per program) of the
+grid kernel for packed per-token caches with one KV head per group and one rank
+class, by ``(mode, rank classes)``: the fastest correct variant of the H100
+sweep (``benchmarks/decode_attention.py --quant-sweep``, 24 variants, triton
+3.6, benchmarks/README.md "Launch parameters on packed caches"), 1.11-1.20x the
+earlier defaults at 16 x 4k and 1 x 32k. (Post-RoPE K8/V4, swept too, now
+decodes on :mod:`.decode_packed`.)"""
 
 
 def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dict:
@@ -138,6 +139,19 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
         block_n //= 2
     return dict(block_n=block_n, num_warps=4, num_stages=2, transposed=True,
                 programs_per_sm=2, groups_per_program=1)
+
+
+PACKED_CONFIG = (128, 8, 2)
+"""``(BLOCK_N, warps, stages)`` of the packed post-RoPE kernel
+(:mod:`.decode_packed`) on a GPU."""
+
+
+def _packed_config(device) -> dict:
+    """Launch parameters of the packed post-RoPE kernel (:mod:`.decode_packed`):
+    :data:`PACKED_CONFIG` on a GPU, 16-token tiles under the interpreter."""
+    block_n, num_warps, num_stages = PACKED_CONFIG if device.type == "cuda" else (16, 4, 1)
+    return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                transposed=False, programs_per_sm=2)
 
 
 def _wide_config(plan, prep: Prepared, device) -> dict:

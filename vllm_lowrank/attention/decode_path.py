@@ -11,7 +11,9 @@ Three implementations compute the same decode attention from the latent cache:
   keys, key bias /
   QK-norm, sliding windows, the token-adaptive span; groups whose key tile does
   not fit one program, and per-channel keys, run its wide-group variant,
-  :mod:`vllm_lowrank.triton_kernels.decode_wide`);
+  :mod:`vllm_lowrank.triton_kernels.decode_wide`; post-RoPE latents packed at
+  8/4 bits per token with uniform ranks, the ``2x`` preset's format, run
+  :mod:`vllm_lowrank.triton_kernels.decode_packed`);
 - ``torch``: :func:`~vllm_lowrank.attention.latent_attention.decode_attention`
   (every cache format, every device; on CUDA slower and never captured in a
   CUDA graph).
@@ -170,6 +172,7 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     if device.type != "cuda":
         return DecodePath("torch", "not on a CUDA device")
     from vllm_lowrank.triton_kernels import decode as dec
+    from vllm_lowrank.triton_kernels import decode_packed
 
     if not fused_supports(layer.layout):
         return _logged(layer, DecodePath(
@@ -192,7 +195,12 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
         or dec._cuda_unavailable()
     wide = not layer.post_rope and (layout is not None and layout.k_per_channel
                                     or dec.needs_wide(plan, layout, rope.rotary_dim))
-    kernel = "wide-group Triton kernel (one program per KV head)" if wide else "Triton kernel"
+    if wide:
+        kernel = "wide-group Triton kernel (one program per KV head)"
+    elif decode_packed.blocker(plan, layout, kw["mode"], cache) is None:
+        kernel = "packed post-RoPE Triton kernel (codes in the dots)"
+    else:
+        kernel = "Triton kernel"
     candidates = [("triton", f"{kernel}; outside the CUDA kernel's scope: {why}")]
     if why is None:
         candidates = [("cuda", "in the CUDA kernel's scope"), ("triton", kernel)]
