@@ -7,7 +7,7 @@
 #   docker build -t vllm-lowrank:0.1.0-cuda .
 #   docker run --gpus all --ipc=host -p 8000:8000 -e VLLM_API_KEY="$(cat key)" \
 #       vllm-lowrank:0.1.0-cuda \
-#       MODEL --kv-compression lowrank --kv-compression-config '{"ratio": 0.5}'
+#       MODEL --kv-compression lowrank --kv-compression-config '{"rank_fraction": 0.5}'
 #
 # Closed by default: the entry point (`vllm-lowrank-serve`, vllm_lowrank/serve_entry.py)
 # runs `vllm serve ARGS` only with an API key (VLLM_API_KEY, VLLM_API_KEY_FILE

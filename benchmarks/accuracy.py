@@ -51,7 +51,7 @@ def main() -> None:
                if args.passkey_cases else None)
     settings: list[tuple[str, dict | None]] = [("uncompressed", None)]
     for method in args.methods:
-        group = {"group_size": 1} if method == "post_rope" else {}
+        group = {"head_group_size": 1} if method == "post_rope" else {}
         cfg = LowRankConfig(mode="lowrank", method=method,
                             calibration_tokens=args.calibration_tokens, **group)
         t0 = time.time()
@@ -63,7 +63,7 @@ def main() -> None:
         for ratio in args.ratios:
             for alloc in allocations:
                 settings.append((f"{method} / {alloc}", {
-                    "mode": "lowrank", "ratio": ratio, "artifact": artifact,
+                    "mode": "lowrank", "rank_fraction": ratio, "artifact": artifact,
                     "method": method, "rank_allocation": alloc, **group}))
     rows, base = [], {}
     for name, comp in settings:

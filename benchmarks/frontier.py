@@ -50,7 +50,7 @@ import json
 import math
 import os
 
-KIVI = {"ratio": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
+KIVI = {"rank_fraction": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
         "sink_tokens": 0, "recent_tokens": 128, "k_quant": "channel", "k_channel_tokens": 32}
 TALE = {"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128, "k_quant": "channel",
         "k_channel_tokens": 32}
@@ -58,24 +58,24 @@ TALE = {"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128, "k_quan
 SETTINGS: dict[str, tuple[str, dict | None]] = {
     # name: (kind, compression)
     "uncompressed": ("peer", None),
-    "int8 per token (g64)": ("peer", {"ratio": 1.0, "k_bits": 8, "v_bits": 8,
+    "int8 per token (g64)": ("peer", {"rank_fraction": 1.0, "k_bits": 8, "v_bits": 8,
                                       "quant_group_size": 64, "hadamard": False}),
     "KIVI-style int4 (+128 recent)": ("peer", {**KIVI, "k_bits": 4, "v_bits": 4}),
     "KIVI-style int2 (+128 recent)": ("peer", {**KIVI, "k_bits": 2, "v_bits": 2}),
     "latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.75, "k_bits": 4, "v_bits": 4}),
+        "ours", {**TALE, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4}),
     "latent 0.5, K4 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.5, "k_bits": 4, "v_bits": 4}),
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4}),
     "latent 0.5, K2 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.5, "k_bits": 2, "v_bits": 4}),
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 2, "v_bits": 4}),
     "latent 0.5, K4 per channel, V2, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.5, "k_bits": 4, "v_bits": 2}),
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 2}),
     "latent 0.375, K4 per channel, V2, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.375, "k_bits": 4, "v_bits": 2}),
+        "ours", {**TALE, "rank_fraction": 0.375, "k_bits": 4, "v_bits": 2}),
     "latent 0.5, K2 per channel, V2, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.5, "k_bits": 2, "v_bits": 2}),
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 2, "v_bits": 2}),
     "latent 0.25, K4 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "ratio": 0.25, "k_bits": 4, "v_bits": 4}),
+        "ours", {**TALE, "rank_fraction": 0.25, "k_bits": 4, "v_bits": 4}),
     # byte-budget allocation (ranks and bits per layer), sink 32 + recent 128
     "allocated 8x, sink 32 + recent 128": ("ours", {"allocate": 8.0, **TALE}),
     "allocated 8x, sink 32 + recent 64": ("ours", {"allocate": 8.0, **TALE, "recent_tokens": 64}),
@@ -93,11 +93,11 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     **{f"preset {name}": ("ours", {"preset": name}) for name in ("2x", "lossless", "4x", "8x")},
     # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
     "G=1 latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "group_size": 1, "ratio": 0.75, "k_bits": 4, "v_bits": 4}),
+        "ours", {**TALE, "head_group_size": 1, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4}),
     "G=1 latent 0.5, K4 per channel, V4, sink 32 + recent 128": (
-        "ours", {**TALE, "group_size": 1, "ratio": 0.5, "k_bits": 4, "v_bits": 4}),
+        "ours", {**TALE, "head_group_size": 1, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4}),
     "G=1 latent 0.5, 16-bit, sink 32 + recent 128": (
-        "ours", {**TALE, "group_size": 1, "ratio": 0.5, "k_quant": "token"}),
+        "ours", {**TALE, "head_group_size": 1, "rank_fraction": 0.5, "k_quant": "token"}),
 }
 
 
@@ -257,7 +257,7 @@ def _label(name: str) -> str:
                 + (" int8" if cfg.get("exact_bits") == 8 else "")
                 + (" chosen" if cfg.get("choose_knobs") else ""))
     k = f"K{cfg['k_bits']}" + ("c" if cfg.get("k_quant") == "channel" else "")
-    return f"r{cfg['ratio']} {k}/V{cfg['v_bits']}"
+    return f"r{cfg['rank_fraction']} {k}/V{cfg['v_bits']}"
 
 
 def pareto(points: list[dict]) -> list[dict]:

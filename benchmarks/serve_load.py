@@ -210,7 +210,7 @@ def main() -> None:
                            args.prompt_tokens)
     settings = [("off", [])] + [
         (f"lowrank ratio {r}", ["--kv-compression", "lowrank",
-                                "--kv-compression-config", json.dumps({"ratio": r})])
+                                "--kv-compression-config", json.dumps({"rank_fraction": r})])
         for r in args.ratios] + [
         (f"preset {name}", ["--kv-compression", "lowrank",
                             "--kv-compression-config", json.dumps({"preset": name})])

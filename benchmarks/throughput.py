@@ -79,7 +79,7 @@ def main() -> None:
     model = resolve_model(args.model)
     rows = []
     for ratio in [None, *args.ratios]:
-        comp = None if ratio is None else {"mode": "lowrank", "ratio": ratio}
+        comp = None if ratio is None else {"mode": "lowrank", "rank_fraction": ratio}
         r = measure({"model": model, "compression": comp, "batch": args.batch,
                      "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                      "dtype": args.dtype})

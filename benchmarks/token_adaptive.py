@@ -60,12 +60,12 @@ def main() -> None:
     overhead = exact.count / args.context  # full slots per token, one sequence
     settings: list[tuple[str, dict | None, float]] = [("uncompressed", None, 1.0)]
     for r in args.ratios:
-        settings.append((f"latent {r}", {"mode": "lowrank", "ratio": r}, r))
+        settings.append((f"latent {r}", {"mode": "lowrank", "rank_fraction": r}, r))
         equal = round(r + overhead, 3)
         settings.append((f"latent {equal} (equal bytes)", {"mode": "lowrank", "ratio": equal},
                          equal))
         settings.append((f"TALE: latent {r} + sink {exact.sink} + recent {exact.recent}",
-                         {"mode": "lowrank", "ratio": r, "token_adaptive": True,
+                         {"mode": "lowrank", "rank_fraction": r, "token_adaptive": True,
                           "sink_tokens": exact.sink, "recent_tokens": exact.recent}, r + overhead))
     passkey = ({"num_cases": args.passkey_cases, "context_tokens": args.context - 16}
                if args.passkey_cases else None)

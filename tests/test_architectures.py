@@ -90,8 +90,8 @@ def test_ratio_one_matches_stock_engine(arch, model_path, tmp_path_factory):
     folder = _build(arch, str(tmp_path_factory.mktemp(arch)), model_path)
     (stock, gaps), off = _run(folder, None)
     assert off is None  # compression off: the stock model, nothing published
-    for compression in ({"ratio": 1.0},
-                        {"ratio": 1.0, "group_size": 1, "method": "post_rope",
+    for compression in ({"rank_fraction": 1.0},
+                        {"rank_fraction": 1.0, "head_group_size": 1, "method": "post_rope",
                          "rank_allocation": "uniform"}):
         (latent, _), on = _run(folder, compression)
         assert on is not None and on["enabled"] and len(on["layers"]) == 3  # latent path ran

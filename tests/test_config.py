@@ -19,20 +19,64 @@ def test_defaults_are_off_and_valid():
     cfg.validate()
 
 
-@pytest.mark.parametrize("ratio", [0.0, -0.5, 1.0001, 2])
-def test_ratio_out_of_range_is_refused(ratio):
-    with pytest.raises(LowRankConfigError, match="ratio"):
-        LowRankConfig.from_dict({"mode": "lowrank", "ratio": ratio})
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.0001, 2])
+def test_rank_fraction_out_of_range_is_refused(fraction):
+    with pytest.raises(LowRankConfigError, match=f"rank_fraction={float(fraction)} is out"):
+        LowRankConfig.from_dict({"mode": "lowrank", "rank_fraction": fraction})
 
 
-def test_ratio_bounds_accepted():
-    assert LowRankConfig.from_dict({"mode": "lowrank", "ratio": 1.0}).ratio == 1.0
-    assert LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.01}).ratio == 0.01
+def test_rank_fraction_bounds_accepted():
+    for fraction in (1.0, 0.01):
+        cfg = LowRankConfig.from_dict({"mode": "lowrank", "rank_fraction": fraction})
+        assert cfg.rank_fraction == fraction
+
+
+def test_deprecated_keys_are_read_with_a_warning(caplog):
+    """``ratio`` and ``group_size`` (earlier names) mean ``rank_fraction`` and
+    ``head_group_size``, warn once each, count as set explicitly, and never
+    appear in the dict that travels to vLLM's workers; both names at once are
+    refused."""
+    with pytest.warns(FutureWarning) as record, \
+            caplog.at_level("WARNING", logger="vllm.lowrank"):
+        cfg = LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.25, "group_size": 1})
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2
+    assert "'ratio' is deprecated" in messages[0] and "use 'rank_fraction'" in messages[0]
+    assert "'group_size' is deprecated" in messages[1]
+    assert (cfg.rank_fraction, cfg.head_group_size) == (0.25, 1)
+    assert {"rank_fraction", "head_group_size"} <= cfg.explicit
+    assert "'group_size' is deprecated" in caplog.text
+    d = cfg.to_dict()
+    assert "ratio" not in d and "group_size" not in d and d["rank_fraction"] == 0.25
+    with pytest.raises(LowRankConfigError, match="both 'ratio' and 'rank_fraction'"):
+        LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.5, "rank_fraction": 0.5})
+    with pytest.raises(LowRankConfigError, match="rank_fraction=2.0 is out of range"), \
+            pytest.warns(FutureWarning):
+        LowRankConfig.from_dict({"mode": "lowrank", "ratio": 2.0})
+
+
+@pytest.mark.parametrize("argv,dest,value,old,new", [
+    (["calibrate", "m", "--output", "o", "--ratio", "0.3"], "rank_fraction", 0.3,
+     "--ratio", "--rank-fraction"),
+    (["calibrate", "m", "--output", "o", "--group-size", "2"], "head_group_size", 2,
+     "--group-size", "--head-group-size"),
+    (["allocate", "m", "--output", "o", "--ratio", "8"], "compression", 8.0,
+     "--ratio", "--compression"),
+])
+def test_deprecated_cli_flags_warn(capsys, argv, dest, value, old, new):
+    from vllm_lowrank.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert getattr(args, dest) == value
+    assert f"{old} is deprecated" in capsys.readouterr().err
+    args = build_parser().parse_args([*argv[:-2], new, argv[-1]])
+    assert getattr(args, dest) == value
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("raw,fragment", [
-    ({"ratio": "half"}, "ratio must be a number"),
-    ({"group_size": 0}, "group_size"),
+    ({"rank_fraction": "half"}, "rank_fraction must be a number"),
+    ({"head_group_size": 0}, "head_group_size=0 must be >= 1"),
     ({"method": "magic"}, "method"),
     ({"rank_allocation": "fisher", "method": "svd"}, "rank_allocation"),
     ({"colour": 1}, "unknown --kv-compression-config key"),
@@ -41,7 +85,7 @@ def test_ratio_bounds_accepted():
     ({"token_adaptive": "yes"}, "token_adaptive must be true or false"),
     ({"token_adaptive": True, "sink_tokens": -1}, "sink_tokens=-1 must be >= 0"),
     ({"token_adaptive": True, "recent_tokens": 0}, "recent_tokens=0 must be >= 1"),
-    ({"token_adaptive": True, "method": "post_rope", "group_size": 1,
+    ({"token_adaptive": True, "method": "post_rope", "head_group_size": 1,
       "rank_allocation": "energy"}, "token_adaptive is not supported with method"),
     ({"k_quant": "block"}, "k_quant='block' is not supported"),
     ({"k_quant": "channel", "k_bits": 4}, "needs k_bits < 16 and token_adaptive"),
@@ -54,14 +98,14 @@ def test_bad_values_name_the_problem(raw, fragment):
 
 
 def test_parse_inline_and_file(tmp_path):
-    assert parse_config_text('{"ratio": 0.25}') == {"ratio": 0.25}
+    assert parse_config_text('{"rank_fraction": 0.25}') == {"rank_fraction": 0.25}
     f = tmp_path / "c.json"
-    f.write_text(json.dumps({"ratio": 0.75, "group_size": 1}))
-    assert parse_config_text(str(f)) == {"ratio": 0.75, "group_size": 1}
+    f.write_text(json.dumps({"rank_fraction": 0.75, "head_group_size": 1}))
+    assert parse_config_text(str(f)) == {"rank_fraction": 0.75, "head_group_size": 1}
 
 
 @pytest.mark.parametrize("text,fragment", [
-    ('{"ratio": 0.5', "malformed JSON"),
+    ('{"rank_fraction": 0.5', "malformed JSON"),
     ("[1, 2]", "neither inline JSON"),
     ("/no/such/file.json", "neither inline JSON"),
 ])
@@ -74,16 +118,16 @@ def test_cli_flags_merge_after_additional_config():
     # --additional-config given with other keys and its own kv_compression entry:
     # the dedicated flags win, other keys survive.
     merged = merge_cli_settings(
-        {"other": 1, "kv_compression": {"ratio": 0.9, "group_size": 1}},
-        "lowrank", {"ratio": 0.25})
+        {"other": 1, "kv_compression": {"rank_fraction": 0.9, "head_group_size": 1}},
+        "lowrank", {"rank_fraction": 0.25})
     assert merged["other"] == 1
-    assert merged["kv_compression"] == {"ratio": 0.25, "group_size": 1, "mode": "lowrank"}
-    assert config_from_additional(merged).ratio == 0.25
+    assert merged["kv_compression"] == {"rank_fraction": 0.25, "head_group_size": 1, "mode": "lowrank"}
+    assert config_from_additional(merged).rank_fraction == 0.25
 
 
 def test_config_without_mode_is_refused():
     with pytest.raises(LowRankConfigError, match="--kv-compression lowrank"):
-        merge_cli_settings({}, None, {"ratio": 0.5})
+        merge_cli_settings({}, None, {"rank_fraction": 0.5})
 
 
 def test_string_shorthand_in_additional_config():
@@ -115,9 +159,9 @@ def test_exact_bits_are_checked():
 
 
 @pytest.mark.parametrize("raw,fragment", [
-    ({"ratio": 10**401}, "ratio must be a finite number"),
-    ({"ratio": float("nan")}, "ratio must be a finite number"),
-    ({"group_size": 10**6}, "group_size=1000000 is too large"),
+    ({"rank_fraction": 10**401}, "rank_fraction must be a finite number"),
+    ({"rank_fraction": float("nan")}, "rank_fraction must be a finite number"),
+    ({"head_group_size": 10**6}, "head_group_size=1000000 is too large"),
     ({"k_channel_tokens": 10**6}, "k_channel_tokens=1000000 is too large"),
     ({"quant_group_size": 10**6}, "quant_group_size=1000000 is too large"),
     ({"calibration_tokens": 300_000}, "calibration_tokens=300000 is too large"),

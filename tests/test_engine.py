@@ -70,7 +70,7 @@ def stock(model_path):
 
 @pytest.fixture(scope="module")
 def full_rank(model_path):
-    return _run(model_path, {"mode": "lowrank", "ratio": 1.0})
+    return _run(model_path, {"mode": "lowrank", "rank_fraction": 1.0})
 
 
 def test_full_rank_greedy_equals_uncompressed(stock, full_rank):
@@ -91,8 +91,8 @@ def test_full_rank_capacity_equals_uncompressed(stock, full_rank):
 def test_full_rank_post_rope_mode_equals_uncompressed(model_path, stock):
     """Post-RoPE latents (scores in the latent space, no key rebuild) at full
     rank use identity projections: same tokens as the stock engine."""
-    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 1.0, "method": "post_rope",
-                                "group_size": 1, "rank_allocation": "uniform"})
+    llm = make_llm(model_path, {"mode": "lowrank", "rank_fraction": 1.0, "method": "post_rope",
+                                "head_group_size": 1, "rank_allocation": "uniform"})
     got = _greedy(llm, PROMPTS)
     del llm
     gc.collect()
@@ -101,7 +101,7 @@ def test_full_rank_post_rope_mode_equals_uncompressed(model_path, stock):
 
 @pytest.fixture(scope="module")
 def half(model_path):
-    return _run(model_path, {"mode": "lowrank", "ratio": 0.5})
+    return _run(model_path, {"mode": "lowrank", "rank_fraction": 0.5})
 
 
 def test_half_ratio_doubles_capacity(stock, half):
@@ -121,7 +121,7 @@ def test_half_ratio_prefix_hit_reproduces_tokens(half):
 
 
 def test_quarter_ratio_quadruples_capacity(model_path, stock):
-    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 0.25})
+    llm = make_llm(model_path, {"mode": "lowrank", "rank_fraction": 0.25})
     capacity = _capacity(llm)
     del llm
     gc.collect()
@@ -134,7 +134,7 @@ def test_preempted_requests_resume_with_the_same_tokens(model_path):
     recomputes them. Greedy tokens must match a run with room for all."""
     from vllm_lowrank.evaluation import eval_windows
 
-    cfg = {"mode": "lowrank", "ratio": 0.5}
+    cfg = {"mode": "lowrank", "rank_fraction": 0.5}
     roomy = make_llm(model_path, cfg, block_size=32, max_model_len=512)
     prompts_ids = eval_windows(roomy.get_tokenizer(), "bbc", 8, 200)
     from vllm.inputs import TokensPrompt
@@ -156,7 +156,7 @@ def test_preempted_requests_resume_with_the_same_tokens(model_path):
 def test_quantized_latents_capacity_matches_packed_bytes(model_path, stock):
     """ratio 0.5 with 4-bit K and V latents and one float16 scale/zero pair
     per side per token: the capacity is the one computed from those bytes."""
-    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 0.5, "k_bits": 4, "v_bits": 4})
+    llm = make_llm(model_path, {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4})
     capacity = _capacity(llm)
     del llm
     gc.collect()
@@ -173,7 +173,7 @@ def test_full_rank_8bit_latents_keep_greedy_tokens(model_path, stock):
     first step where the uncompressed model itself is at a near-tie (top-2
     log-probability gap under 0.05 nats, where 8-bit rounding may pick either;
     "The three primary colors are" has a 0.016-nat tie at step 9)."""
-    llm = make_llm(model_path, {"mode": "lowrank", "ratio": 1.0, "k_bits": 8, "v_bits": 8})
+    llm = make_llm(model_path, {"mode": "lowrank", "rank_fraction": 1.0, "k_bits": 8, "v_bits": 8})
     got = _greedy(llm, PROMPTS, max_tokens=16)
     del llm
     gc.collect()

@@ -49,7 +49,7 @@ def test_token_adaptive_preset_counts_its_exact_tokens(model_path):
 
 def test_nothing_is_calibrated_or_allocated(model_path, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_LOWRANK_CACHE", str(tmp_path))
-    info = estimate(model_path, _cfg(ratio=0.5), dtype="bfloat16")
+    info = estimate(model_path, _cfg(rank_fraction=0.5), dtype="bfloat16")
     assert "uniform ranks" in info["note"] and info["compression_ratio"] == pytest.approx(2.0)
     alloc = estimate(model_path, _cfg(preset="8x"), dtype="bfloat16")
     assert alloc["compression_ratio"] is None and "allocated on the first start" in alloc["note"]

@@ -185,15 +185,15 @@ def test_layer_factors_concatenate_groups_block_diagonally():
 
 def test_uniform_plan_rounding_and_refusal():
     shape = AttentionShape(576, 9, 3, 64)
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5)
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5)
     p = uniform_plan(cfg, shape, 0)
     assert p.group_size == 3 and p.k_ranks == (96,) and p.v_ranks == (96,)
-    p1 = uniform_plan(LowRankConfig(mode="lowrank", ratio=0.3, group_size=1), shape, 0)
+    p1 = uniform_plan(LowRankConfig(mode="lowrank", rank_fraction=0.3, head_group_size=1), shape, 0)
     assert p1.k_ranks == (16, 16, 16)  # 19.2 -> 16
     with pytest.raises(LowRankConfigError, match="rank 0"):
-        uniform_plan(LowRankConfig(mode="lowrank", ratio=0.05, group_size=1), shape, 0)
+        uniform_plan(LowRankConfig(mode="lowrank", rank_fraction=0.05, head_group_size=1), shape, 0)
     with pytest.raises(LowRankConfigError, match="does not divide"):
-        uniform_plan(LowRankConfig(mode="lowrank", group_size=2), shape, 0)
+        uniform_plan(LowRankConfig(mode="lowrank", head_group_size=2), shape, 0)
     over = uniform_plan(LowRankConfig(mode="lowrank", ranks={0: (64, 128)}), shape, 0)
     assert over.k_ranks == (64,) and over.v_ranks == (128,)
 
@@ -244,7 +244,7 @@ def test_per_layer_budget_gives_every_layer_the_same_width():
     shapes = {i: shape for i in range(6)}
     artifact = SimpleNamespace(manifest={"method": "fisher"}, group_size=1,
                                spectra=lambda: _spectra(6))
-    cfg = LowRankConfig.from_dict({"mode": "lowrank", "ratio": 0.5})
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "rank_fraction": 0.5})
     free = comp.allocate(cfg, shapes, artifact)
     per_layer = comp.allocate(cfg, shapes, artifact, per_layer=True)
     assert len({p.k_width + p.v_width for p in free.values()}) > 1

@@ -70,8 +70,8 @@ def _run(path: str, compression: dict | None) -> dict:
 @pytest.fixture(scope="module")
 def runs(gemma_path):
     return {name: _run(gemma_path, c) for name, c in (
-        ("stock", None), ("full", {"ratio": 1.0}),
-        ("half", {"ratio": 0.5, "calibration_tokens": 1024}))}
+        ("stock", None), ("full", {"rank_fraction": 1.0}),
+        ("half", {"rank_fraction": 0.5, "calibration_tokens": 1024}))}
 
 
 def test_windows_start_with_bos(runs):

@@ -52,7 +52,7 @@ def test_no_state_means_disabled_and_no_ranks(tmp_path):
 def test_published_state_is_exported(tmp_path, monkeypatch):
     from prometheus_client import CollectorRegistry, Gauge
 
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, head_group_size=2, rank_allocation="uniform")
     plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
     c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
@@ -65,7 +65,7 @@ def test_published_state_is_exported(tmp_path, monkeypatch):
     samples = _collect(tmp_path, registry)
     value = {n: v for n, labels, v in samples if not labels}
     assert value["vllm_lowrank_compression_enabled"] == 1
-    assert value["vllm_lowrank_configured_ratio"] == 0.5
+    assert value["vllm_lowrank_configured_rank_fraction"] == 0.5
     original = 3 * 2 * SHAPE.kv_width * 2  # bf16
     stored = sum(p.k_width + p.v_width for p in plans.values()) * 2
     assert value["vllm_lowrank_original_bytes_per_token"] == original
@@ -86,7 +86,7 @@ def test_sequence_ratio_counts_the_exact_tokens(tmp_path, monkeypatch):
 
     from vllm_lowrank.format.exact import ExactSlot
 
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, head_group_size=2, rank_allocation="uniform")
     plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
     c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
@@ -113,7 +113,7 @@ def test_sequence_ratio_counts_the_exact_tokens(tmp_path, monkeypatch):
 def test_decode_paths_are_exported(tmp_path, monkeypatch):
     """Paths recorded after publish() rewrite the state: one gauge per path
     counting layers; a path recorded before publish() is kept for it."""
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5, rank_allocation="uniform")
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, rank_allocation="uniform")
     plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
     c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
@@ -131,7 +131,7 @@ def test_summary_reports_the_bits_in_force_per_layer():
     """The worker state says which bits each layer stores: the config's where no
     allocation fixed them, the allocation's per-layer choice where one did; and no
     global k_bits / v_bits that an allocation would contradict."""
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform",
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, head_group_size=2, rank_allocation="uniform",
                         k_bits=4, v_bits=8)
     plans = {i: uniform_plan(cfg, SHAPE, i) for i in range(3)}
     plain = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
@@ -149,8 +149,8 @@ def test_info_reports_what_made_the_factors_and_no_path(tmp_path):
     method or weight SVD; the artifact label is its manifest digest, not its path."""
     from vllm_lowrank.calibration import artifact as art
 
-    full_cfg = LowRankConfig(mode="lowrank", ratio=1.0, group_size=2, rank_allocation="uniform")
-    half_cfg = LowRankConfig(mode="lowrank", ratio=0.5, group_size=2, rank_allocation="uniform")
+    full_cfg = LowRankConfig(mode="lowrank", rank_fraction=1.0, head_group_size=2, rank_allocation="uniform")
+    half_cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, head_group_size=2, rank_allocation="uniform")
     full = {i: uniform_plan(full_cfg, SHAPE, i) for i in range(3)}
     half = {i: uniform_plan(half_cfg, SHAPE, i) for i in range(3)}
     manifest = art.new_manifest(model_id="m", architecture="LlamaForCausalLM",
@@ -191,7 +191,7 @@ def test_stale_state_dirs_of_dead_processes_are_removed(tmp_path):
 
 def test_tensor_parallel_shards_are_combined():
     def shard(tp, k, v):
-        return {"enabled": True, "configured_ratio": 0.5, "method": "svd", "artifact": "none",
+        return {"enabled": True, "configured_rank_fraction": 0.5, "method": "svd", "artifact": "none",
                 "layers": {"0": {"k_ranks": [k], "v_ranks": [v]}},
                 "original_bytes_per_token": 256, "stored_bytes_per_token": 2 * (k + v),
                 "parallel": {"dp": 0, "pp": 0, "tp": tp}}
@@ -262,12 +262,12 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     from vllm_lowrank.models import compression as comp
 
     compressed_server = servers.get("--kv-compression", "lowrank",
-                                    "--kv-compression-config", '{"ratio": 0.5}')
+                                    "--kv-compression-config", '{"rank_fraction": 0.5}')
     lines = _scrape_lowrank(compressed_server)
     samples = parse_metrics("\n".join(lines))
     value = {n: v for n, labels, v in samples if not labels}
     assert value["vllm_lowrank_compression_enabled"] == 1
-    assert value["vllm_lowrank_configured_ratio"] == 0.5
+    assert value["vllm_lowrank_configured_rank_fraction"] == 0.5
 
     # capacity: what vLLM logged when it allocated the cache
     capacity = {n: v for n, labels, v in samples if labels.get("engine") == "0"}
@@ -276,7 +276,7 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     # ranks: recomputed here from the artifact the server used and the settings
     (info,) = [labels for n, labels, _ in samples if n == "vllm_lowrank_info"]
     hf = AutoConfig.from_pretrained(model_path)
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5)
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5)
     artifact = art.load_artifact(auto_artifact_path(model_path, cfg))
     assert info == {"method": "fisher", "artifact": artifact.digest}
     plans = comp._plans(cfg, comp.model_shapes(hf), artifact)
@@ -315,7 +315,7 @@ def test_stock_server_reports_compression_off(servers):
     s = servers.get()
     text = "\n".join(_scrape_lowrank(s))
     assert "vllm_lowrank_compression_enabled 0.0" in text
-    for absent in ("layer_rank", "configured_ratio", "stored_bytes_per_token"):
+    for absent in ("layer_rank", "configured_rank_fraction", "stored_bytes_per_token"):
         assert f"vllm_lowrank_{absent}" not in text
     assert re.search(r'vllm_lowrank_kv_cache_capacity_tokens\{engine="0"\} '
                      f"{_logged_capacity(s)}.0", text)

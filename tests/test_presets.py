@@ -27,7 +27,7 @@ def test_every_preset_is_a_valid_config_with_its_settings(name):
 def test_keys_beside_a_preset_override_it_and_count_as_given():
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "preset": "4x", "recent_tokens": 64,
                                    "v_bits": 8})
-    assert (cfg.recent_tokens, cfg.v_bits, cfg.k_bits, cfg.ratio) == (64, 8, 4, 0.5)
+    assert (cfg.recent_tokens, cfg.v_bits, cfg.k_bits, cfg.rank_fraction) == (64, 8, 4, 0.5)
     assert {"recent_tokens", "v_bits"} <= cfg.explicit
     assert "k_bits" not in cfg.explicit
 
@@ -49,7 +49,7 @@ def test_null_preset_is_no_preset():
         LowRankConfig(mode="lowrank")
 
 
-@pytest.mark.parametrize("key,value", [("ratio", 0.5), ("k_bits", 8), ("v_bits", 4),
+@pytest.mark.parametrize("key,value", [("rank_fraction", 0.5), ("k_bits", 8), ("v_bits", 4),
                                        ("ranks", {"0": [64, 64]}), ("artifact", "/tmp/x"),
                                        ("rank_allocation", "uniform"), ("method", "svd")])
 def test_allocation_preset_refuses_what_its_allocation_chooses(key, value):
@@ -90,6 +90,6 @@ def test_lowrank_without_settings_takes_the_default_preset(additional):
 def test_any_setting_turns_the_default_preset_off():
     from vllm_lowrank.config import config_from_additional
 
-    cfg = config_from_additional({"kv_compression": {"mode": "lowrank", "ratio": 0.5}})
-    assert cfg.preset is None and cfg.ratio == 0.5 and cfg.k_bits == 16
+    cfg = config_from_additional({"kv_compression": {"mode": "lowrank", "rank_fraction": 0.5}})
+    assert cfg.preset is None and cfg.rank_fraction == 0.5 and cfg.k_bits == 16
     assert not config_from_additional({"kv_compression": "none"}).enabled

@@ -83,9 +83,9 @@ def test_mistral_position_dependent_query_scaling(tmp_path, model_path):
 
 
 def test_ratio_giving_rank_zero(model_path):
-    message = _refusal(model_path, {"mode": "lowrank", "ratio": 0.01,
+    message = _refusal(model_path, {"mode": "lowrank", "rank_fraction": 0.01,
                                     "rank_allocation": "uniform"})
-    assert "rank 0" in message and "raise ratio" in message
+    assert "rank 0" in message and "raise rank_fraction" in message
 
 
 def test_mla_model(tmp_path, model_path):

@@ -30,9 +30,9 @@ def stock_server(model_path, log_dir):
 def full_rank_server(model_path, log_dir):
     # --additional-config after the flags must not overwrite them.
     s = Server(model_path, "--kv-compression", "lowrank",
-               "--kv-compression-config", '{"ratio": 1.0}',
+               "--kv-compression-config", '{"rank_fraction": 1.0}',
                "--additional-config", json.dumps({"other_plugin": 1,
-                                                  "kv_compression": {"ratio": 0.25}}),
+                                                  "kv_compression": {"rank_fraction": 0.25}}),
                log_dir=log_dir)
     yield s
     s.stop()
@@ -107,20 +107,20 @@ def test_unknown_mode_is_one_line_error(model_path):
     assert "'zip'" in line and "none, lowrank" in line
 
 
-def test_ratio_out_of_range_is_one_line_error(model_path):
+def test_rank_fraction_out_of_range_is_one_line_error(model_path):
     line = _serve_fails(model_path, "--kv-compression", "lowrank",
-                        "--kv-compression-config", '{"ratio": 1.5}')
-    assert "ratio=1.5" in line and "0 < ratio <= 1" in line
+                        "--kv-compression-config", '{"rank_fraction": 1.5}')
+    assert "rank_fraction=1.5" in line and "0 < rank_fraction <= 1" in line
 
 
 def test_malformed_json_is_one_line_error(model_path):
     line = _serve_fails(model_path, "--kv-compression", "lowrank",
-                        "--kv-compression-config", '{"ratio": 0.5')
+                        "--kv-compression-config", '{"rank_fraction": 0.5')
     assert "malformed JSON" in line
 
 
 def test_config_without_lowrank_is_one_line_error(model_path):
-    line = _serve_fails(model_path, "--kv-compression-config", '{"ratio": 0.5}')
+    line = _serve_fails(model_path, "--kv-compression-config", '{"rank_fraction": 0.5}')
     assert "--kv-compression lowrank" in line
 
 
@@ -141,4 +141,4 @@ def test_help_shows_the_options():
     out = subprocess.run([VLLM, "serve", "--help=KVCompression"], capture_output=True,
                          text=True, timeout=300).stdout
     assert "--kv-compression {none,lowrank}" in out
-    assert "--kv-compression-config" in out and "ratio" in out and "group_size" in out
+    assert "--kv-compression-config" in out and "rank_fraction" in out and "head_group_size" in out

@@ -27,7 +27,7 @@ LONG_TEXT = ("The committee met on Tuesday to review the budget, and after a lon
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     s = Server(model_path, "--kv-compression", "lowrank",
-               "--kv-compression-config", '{"ratio": 0.5}', "--shutdown-timeout", "60",
+               "--kv-compression-config", '{"rank_fraction": 0.5}', "--shutdown-timeout", "60",
                log_dir=str(tmp_path_factory.mktemp("faults")))
     yield s
     s.stop()
@@ -106,7 +106,7 @@ def _artifact_in_use(server, model_path: str) -> str:
     from vllm_lowrank.calibration.cache import auto_artifact_path
     from vllm_lowrank.config import LowRankConfig
 
-    path = auto_artifact_path(model_path, LowRankConfig(mode="lowrank", ratio=0.5))
+    path = auto_artifact_path(model_path, LowRankConfig(mode="lowrank", rank_fraction=0.5))
     (digest,) = [labels["artifact"] for name, labels, _ in server.metrics()
                  if name == "vllm_lowrank_info"]
     assert digest == art.load_artifact(path).digest
@@ -178,7 +178,7 @@ def test_damaged_artifact_is_refused_at_startup(server, model_path, tmp_path, ho
         [VLLM, "serve", model_path, "--host", "127.0.0.1", "--port", str(free_port()),
          "--dtype", "float32",
          "--kv-compression", "lowrank", "--kv-compression-config",
-         json.dumps({"artifact": path, "ratio": 0.5})],
+         json.dumps({"artifact": path, "rank_fraction": 0.5})],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if "vllm-lowrank: error:" in line]

@@ -13,7 +13,7 @@ import torch
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 
-RAW_SIDE = {"mode": "lowrank", "ratio": 0.5, "k_bits": 16, "v_bits": 4}
+RAW_SIDE = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 16, "v_bits": 4}
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def test_token_adaptive_capacity_holds_under_default_scheduler_limits(model_path
 
     stock, threshold = _capacity(model_path)
     assert threshold == 0  # stock vLLM: no per-request cap
-    config = {"mode": "lowrank", "ratio": 0.5, "k_bits": 4, "v_bits": 4,
+    config = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
               "token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128}
     capped, threshold = _capacity(model_path, config)
     assert threshold == PREFILL_CHUNK_TOKENS

@@ -30,9 +30,9 @@ PROMPTS = [
     "The three primary colors are",
 ]
 CHUNK = 128
-FULL_RANK_SMALL_WINDOW = {"mode": "lowrank", "ratio": 1.0, "token_adaptive": True,
+FULL_RANK_SMALL_WINDOW = {"mode": "lowrank", "rank_fraction": 1.0, "token_adaptive": True,
                           "sink_tokens": 4, "recent_tokens": 32}
-CHANNEL_KEYS = {"mode": "lowrank", "ratio": 0.5, "k_bits": 4, "v_bits": 4,
+CHANNEL_KEYS = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
                 "token_adaptive": True, "sink_tokens": 4, "recent_tokens": 32,
                 "k_quant": "channel", "k_channel_tokens": 32}
 
@@ -70,7 +70,7 @@ def test_full_rank_small_window_equals_uncompressed(model_path, stock):
 
 
 def test_half_ratio_window_covering_the_context_equals_uncompressed(model_path, stock):
-    cfg = {"mode": "lowrank", "ratio": 0.5, "token_adaptive": True, "recent_tokens": 2048}
+    cfg = {"mode": "lowrank", "rank_fraction": 0.5, "token_adaptive": True, "recent_tokens": 2048}
     got = _run(model_path, cfg)
     assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
 

@@ -123,16 +123,16 @@ def stock_tp1(tiny_model):
 
 @pytest.fixture(scope="module")
 def full_tp1(tiny_model):
-    return _run(tiny_model, {"mode": "lowrank", "ratio": 1.0}, 1)
+    return _run(tiny_model, {"mode": "lowrank", "rank_fraction": 1.0}, 1)
 
 
 @pytest.fixture(scope="module")
 def full_tp2(tiny_model):
-    return _run(tiny_model, {"mode": "lowrank", "ratio": 1.0}, 2)
+    return _run(tiny_model, {"mode": "lowrank", "rank_fraction": 1.0}, 2)
 
 
 def _half(artifact: str) -> dict:
-    return {"mode": "lowrank", "ratio": 0.5, "artifact": artifact,
+    return {"mode": "lowrank", "rank_fraction": 0.5, "artifact": artifact,
             "rank_allocation": "uniform"}
 
 
@@ -198,7 +198,7 @@ def test_loss_aware_ranks_are_tied_across_ranks(tiny_model, tiny_artifact):
     from vllm_lowrank.models import compression as comp
 
     hf = AutoConfig.from_pretrained(tiny_model)
-    cfg = LowRankConfig(mode="lowrank", ratio=0.5, artifact=tiny_artifact)
+    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5, artifact=tiny_artifact)
     plans = comp.allocate(cfg, comp.model_shapes(hf, 2), load_artifact(tiny_artifact))
     assert all(p.num_groups == 1 and p.shape.num_kv_heads == 2 for p in plans.values())
     widths = [p.k_width + p.v_width for p in plans.values()]
@@ -226,7 +226,7 @@ def test_artifact_groups_spanning_ranks_are_refused(tiny_model, tmp_path):
 
     path = str(tmp_path / "joint")
     calibrate_model(tiny_model, method="svd", num_tokens=1024).save(path)
-    cfg = {"mode": "lowrank", "ratio": 0.5, "artifact": path, "method": "svd",
+    cfg = {"mode": "lowrank", "rank_fraction": 0.5, "artifact": path, "method": "svd",
            "rank_allocation": "uniform"}
     _engine_config(tiny_model, cfg, 1)
     with pytest.raises(LowRankConfigError) as e:
@@ -235,15 +235,15 @@ def test_artifact_groups_spanning_ranks_are_refused(tiny_model, tmp_path):
     assert "\n" not in message
     assert path in message
     assert "tensor-parallel size 1" in message and "--tensor-parallel-size 2" in message
-    assert "--group-size 2" in message
+    assert "--head-group-size 2" in message
 
 
 def test_group_size_spanning_ranks_is_refused(tiny_model):
     from vllm_lowrank.config import LowRankConfigError
 
-    with pytest.raises(LowRankConfigError, match=r"group_size=4 does not divide the 2 KV "
+    with pytest.raises(LowRankConfigError, match=r"head_group_size=4 does not divide the 2 KV "
                        r"heads of each rank at --tensor-parallel-size 2") as e:
-        _engine_config(tiny_model, {"mode": "lowrank", "ratio": 0.5, "group_size": 4,
+        _engine_config(tiny_model, {"mode": "lowrank", "rank_fraction": 0.5, "head_group_size": 4,
                                     "artifact": "none"}, 2)
     assert "\n" not in str(e.value)
 

@@ -89,11 +89,11 @@ CONFIG_CASES = [
      "sink_tokens=1000000000000 is too large"),
     ("calibration tokens 10**12", lambda p: '{"calibration_tokens": 1000000000000}',
      "calibration_tokens=1000000000000 is too large"),
-    ("ratio of 401 digits", lambda p: '{"ratio": 1' + "0" * 400 + "}",
+    ("ratio of 401 digits", lambda p: '{"rank_fraction": 1' + "0" * 400 + "}",
      "integer of 401 digits"),
-    ("ratio 1e999", lambda p: '{"ratio": 1e999}', "overflows a float"),
+    ("ratio 1e999", lambda p: '{"rank_fraction": 1e999}', "overflows a float"),
     ("ratio NaN", lambda p: '{"ratio": NaN}', "NaN, which is not a JSON number"),
-    ("duplicate key", lambda p: '{"ratio": 0.5, "ratio": 0.9}', "key 'ratio' twice"),
+    ("duplicate key", lambda p: '{"rank_fraction": 0.5, "rank_fraction": 0.9}', "key 'rank_fraction' twice"),
     ("binary file", _binary, "is not UTF-8 text"),
     ("nested 200,000 levels", _nested, "nests 200001 levels deep"),
     ("FIFO", _fifo, "is not a regular file"),
@@ -115,7 +115,7 @@ def test_config_flag_refusals(capsys, tmp_path, make, fragment):
 
 def test_unreadable_config_file(capsys, tmp_path, monkeypatch):
     path = tmp_path / "c.json"
-    path.write_text('{"ratio": 0.5}')
+    path.write_text('{"rank_fraction": 0.5}')
     real_open = os.open
 
     def denied(p, *a, **kw):
@@ -129,9 +129,9 @@ def test_unreadable_config_file(capsys, tmp_path, monkeypatch):
 
 # ------------------------------------------------- against the model (front end)
 ENGINE_CASES = [
-    ("ratio 1e-9, default allocation", {"ratio": 1e-9},
-     "ratio=1e-09 leaves 0 latent columns"),
-    ("ratio 1e-9, artifact none", {"ratio": 1e-9, "artifact": "none"}, "rounds to rank 0"),
+    ("ratio 1e-9, default allocation", {"rank_fraction": 1e-9},
+     "rank_fraction=1e-09 leaves 0 latent columns"),
+    ("ratio 1e-9, artifact none", {"rank_fraction": 1e-9, "artifact": "none"}, "rounds to rank 0"),
     ("k_channel_tokens 48 at block 128",
      {"k_bits": 4, "token_adaptive": True, "k_quant": "channel", "k_channel_tokens": 48},
      "k_channel_tokens=48 must divide the KV block size 128"),

@@ -71,7 +71,7 @@ def mutated(draw, valid: dict):
     return value
 
 
-VALID_CONFIG = {"ratio": 0.5, "group_size": 1, "ranks": {"0": [8, 8]}, "method": "fisher",
+VALID_CONFIG = {"rank_fraction": 0.5, "head_group_size": 1, "ranks": {"0": [8, 8]}, "method": "fisher",
                 "rank_allocation": "fisher", "artifact": "auto", "calibration_tokens": 4096,
                 "k_bits": 4, "v_bits": 4, "quant_group_size": 8, "hadamard": True,
                 "token_adaptive": True, "sink_tokens": 4, "recent_tokens": 128,
@@ -94,7 +94,7 @@ def test_mutated_config_is_refused_cleanly_or_accepted(capsys, raw):
         _refused(capsys, lambda: _config_flag(text))
     else:
         _config_flag(text)  # accepted from the command line as well
-        assert cfg.to_dict()["ratio"] == cfg.ratio
+        assert cfg.to_dict()["rank_fraction"] == cfg.rank_fraction
 
 
 def _numbers(value):

@@ -4,7 +4,7 @@ Subcommands:
 
 - ``prepare-model [NAME]``: convert an embedded model once, print its folder.
 - ``calibrate MODEL --output DIR``: write a calibration artifact.
-- ``allocate MODEL --output DIR (--ratio X | --bytes-per-token N | --ppl-increase P)``:
+- ``allocate MODEL --output DIR (--compression X | --bytes-per-token N | --ppl-increase P)``:
   byte-budget allocation of ranks and bits, written as an artifact
   (:mod:`vllm_lowrank.calibration.allocate`).
 - ``perplexity MODEL --config JSON [--config JSON ...]``: baseline and compressed
@@ -92,11 +92,12 @@ def _calibrate(args) -> None:
     )
 
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "method": args.method,
-                                   "ratio": args.ratio, "rank_allocation": args.rank_allocation,
-                                   "group_size": args.group_size})
+                                   "rank_fraction": args.rank_fraction,
+                                   "rank_allocation": args.rank_allocation,
+                                   "head_group_size": args.head_group_size})
     path = resolve_model(args.model)
     artifact = calibrate_model(path, method=args.method,
-                               group_size=args.group_size, num_tokens=args.tokens,
+                               group_size=args.head_group_size, num_tokens=args.tokens,
                                documents=documents, text_description=description)
     m = artifact.manifest["model"]
     shape = AttentionShape(**{k: m[k] for k in manifest_shape(AttentionShape(0, 0, 0, 0))})
@@ -121,7 +122,7 @@ def _allocate(args) -> None:
     else:
         artifact = art.load_artifact(args.artifact)
     out, report = budget_artifact(
-        path, artifact, cfg, ratio=args.ratio, bytes_per_token=args.bytes_per_token,
+        path, artifact, cfg, ratio=args.compression, bytes_per_token=args.bytes_per_token,
         ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
         context=args.context, block_size=args.block_size, num_windows=args.windows,
         choose_knobs=not args.fixed_knobs)
@@ -185,7 +186,7 @@ def describe_artifact(path: str) -> dict:
     ``serving`` and ``latent_bytes_per_token`` (all layers' latent slots,
     unpadded; exact tokens of the token-adaptive mode not included),
     ``bf16_kv_bytes_per_token`` and ``compression`` (their ratio); without one,
-    ``ranks: null`` (serving derives them from ``ratio`` and
+    ``ranks: null`` (serving derives them from ``rank_fraction`` and
     ``rank_allocation``).
 
     Raises:
@@ -281,6 +282,20 @@ def _estimate(args) -> None:
     print(f"GPU path   {info['gpu_path']}")
 
 
+def _deprecated_flag(parser, old: str, new: str, kind: type) -> None:
+    """Accept ``old`` as a hidden alias of the option ``new`` (same destination),
+    printing one warning line when it is used (one release, then removed)."""
+
+    class Deprecated(argparse.Action):
+        def __call__(self, parser_, namespace, value, option_string=None):
+            print(f"vllm-lowrank: warning: {old} is deprecated and will be removed in the "
+                  f"next release; use {new} (same meaning)", file=sys.stderr)
+            setattr(namespace, self.dest, value)
+
+    parser.add_argument(old, type=kind, dest=new.lstrip("-").replace("-", "_"),
+                        action=Deprecated, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -296,14 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face folder or embedded alias")
     s.add_argument("--output", required=True, help="artifact directory to write")
     s.add_argument("--method", choices=METHODS, default=LowRankConfig.method)
-    s.add_argument("--group-size", type=int, default=None,
-                   help="KV heads per group (default: all KV heads of a layer); the "
+    s.add_argument("--head-group-size", type=int, default=None,
+                   help="KV heads per head group (default: all KV heads of a layer); the "
                         "artifact serves tensor-parallel sizes N whose KV heads "
-                        "per rank (KV heads / N) are a multiple of it")
+                        "per TP rank (KV heads / N) are a multiple of it")
+    _deprecated_flag(s, "--group-size", "--head-group-size", int)
     s.add_argument("--tokens", type=int, default=LowRankConfig.calibration_tokens)
-    s.add_argument("--ratio", type=float, default=LowRankConfig.ratio,
-                   help="ratio whose rank allocation is recorded in the manifest "
-                        "(serving re-derives it for any other ratio)")
+    s.add_argument("--rank-fraction", type=float, default=LowRankConfig.rank_fraction,
+                   help="rank fraction whose rank allocation is recorded in the manifest "
+                        "(serving re-derives it for any other rank fraction)")
+    _deprecated_flag(s, "--ratio", "--rank-fraction", float)
     s.add_argument("--rank-allocation", default=None,
                    help="allocation recorded in the manifest (default: fisher for "
                         "method fisher, else energy)")
@@ -318,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--artifact", default="auto",
                    help="fisher artifact to start from (default: the cached default)")
     target = s.add_mutually_exclusive_group(required=True)
-    target.add_argument("--ratio", type=float, help="compression ratio (16-bit K+V / bytes)")
+    target.add_argument("--compression", type=float,
+                        help="compression ratio (16-bit K+V bytes / stored bytes)")
+    _deprecated_flag(target, "--ratio", "--compression", float)
     target.add_argument("--bytes-per-token", type=float, help="bytes per token, all layers")
     target.add_argument("--ppl-increase", type=float,
                         help="estimated perplexity increase in percent (objective budget)")

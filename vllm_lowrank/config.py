@@ -9,20 +9,28 @@ Terms used throughout the package:
 
 - *latent*: the rank-``r`` vector ``x @ A`` cached per token instead of the full
   key or value heads.
-- *head group* (G-LRD, Palu sec. 3.2.3): ``group_size`` consecutive KV heads that
-  share one latent. ``group_size=1`` is per-head (M-LRD), ``group_size`` equal to
-  the layer's KV heads is joint (J-LRD).
-- *ratio*: the fraction of the K+V cache width kept, ``sum(r_k + r_v) /
+- *head group* (G-LRD, Palu sec. 3.2.3): ``head_group_size`` consecutive KV
+  heads that share one latent. ``head_group_size=1`` is per-head (M-LRD),
+  ``head_group_size`` equal to the layer's KV heads is joint (J-LRD). (Not the
+  quantization group of GPTQ/AWQ/KIVI: that is ``quant_group_size``.)
+- *rank fraction*: the fraction of the K+V cache width kept, ``sum(r_k + r_v) /
   (2 * num_kv_heads * head_dim)`` per layer, before rank rounding.
-- *compression ratio*: original KV bytes per token / stored bytes per token.
+- *compression ratio* (or *compression*): original KV bytes per token / stored
+  bytes per token.
+
+The keys ``ratio`` and ``group_size`` of earlier releases are read as
+``rank_fraction`` and ``head_group_size`` with a warning
+(:data:`DEPRECATED_KEYS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,7 +61,7 @@ MAX_CALIBRATION_TOKENS = 1 << 18
 (the calibration half of the gensim Wikipedia excerpt) gives about 375k tokens
 with SmolLM2's tokenizer; a user text is checked when it is read."""
 INTEGER_MAXIMA = {
-    "group_size": 1 << 12,
+    "head_group_size": 1 << 12,
     "calibration_tokens": MAX_CALIBRATION_TOKENS,
     "quant_group_size": 1 << 12,
     "sink_tokens": MAX_TOKENS,
@@ -76,20 +84,20 @@ class LowRankConfig:
             key but ``mode`` (``--kv-compression lowrank`` alone) takes
             :data:`vllm_lowrank.presets.DEFAULT_PRESET`; the field defaults
             below apply to the keys a config without a preset leaves out.
-        ratio: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
+        rank_fraction: Fraction of the K+V cache width kept per layer, in ``(0, 1]``.
             ``1.0`` keeps full rank: identity factors; greedy tokens equal the
             stock engine's in float32, in bf16 they differ by rounding (README).
-        group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
+        head_group_size: KV heads decomposed together (G-LRD). ``None`` means all KV
             heads of the layer (of one tensor-parallel rank's shard); must
             divide the number of KV heads per rank (a group never spans ranks).
         ranks: Optional per-layer override ``{layer_index: (r_k, r_v)}``: total
             key and value latent width of the layer (all tensor-parallel ranks
             together), split evenly over its head groups. Layers not listed
-            follow ``ratio``.
+            follow ``rank_fraction``.
         method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
             (activation-aware SVD), ``"eigen"`` (PCA of keys with queries),
             ``"kq"`` (attention-output-aware), ``"post_rope"`` (ZACK: scores in
-            the latent space, no key rebuild; ``group_size`` 1) or ``"fisher"``
+            the latent space, no key rebuild; ``head_group_size`` 1) or ``"fisher"``
             (loss-aware, K-FAC Fisher metric; the default). See
             :mod:`vllm_lowrank.factorization.bases`.
         rank_allocation: ``"uniform"`` (same rank everywhere), ``"energy"``
@@ -143,8 +151,8 @@ class LowRankConfig:
 
     mode: str = "none"
     preset: str | None = None
-    ratio: float = 0.5
-    group_size: int | None = None
+    rank_fraction: float = 0.5
+    head_group_size: int | None = None
     ranks: Mapping[int, tuple[int, int]] | None = None
     method: str = "fisher"
     rank_allocation: str = "fisher"
@@ -202,8 +210,9 @@ class LowRankConfig:
         if not isinstance(raw, Mapping):
             raise LowRankConfigError(
                 f"--kv-compression-config must be a JSON object, got "
-                f"{type(raw).__name__}; e.g. '{{\"ratio\": 0.5}}'"
+                f"{type(raw).__name__}; e.g. '{{\"preset\": \"2x\"}}'"
             )
+        raw = _renamed(raw)
         known = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -214,15 +223,15 @@ class LowRankConfig:
         kwargs = expand_preset(raw)
         if "ranks" in kwargs and kwargs["ranks"] is not None:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
-        if "ratio" in kwargs:
-            kwargs["ratio"] = _number("ratio", kwargs["ratio"])
+        if "rank_fraction" in kwargs:
+            kwargs["rank_fraction"] = _number("rank_fraction", kwargs["rank_fraction"])
         for key in ("hadamard", "token_adaptive", "allow_slow_path"):
             if key in kwargs and not isinstance(kwargs[key], bool):
                 raise LowRankConfigError(f"{key} must be true or false, got {kwargs[key]!r}")
-        for key in ("group_size", "calibration_tokens", "k_bits", "v_bits",
+        for key in ("head_group_size", "calibration_tokens", "k_bits", "v_bits",
                     "quant_group_size", "sink_tokens", "recent_tokens",
                     "exact_bits", "k_channel_tokens"):
-            nullable = key in ("group_size", "quant_group_size")
+            nullable = key in ("head_group_size", "quant_group_size")
             if key in kwargs and not (nullable and kwargs[key] is None):
                 kwargs[key] = _integer(key, kwargs[key])
         cfg = cls(**kwargs, explicit=frozenset(raw))
@@ -237,22 +246,24 @@ class LowRankConfig:
             LowRankConfigError: with the offending value and the accepted range.
         """
         _choice("mode", self.mode, MODES)
-        if not 0.0 < self.ratio <= 1.0:
+        if not 0.0 < self.rank_fraction <= 1.0:
             raise LowRankConfigError(
-                f"ratio={self.ratio} is out of range: it is the fraction of the K+V "
-                "cache width kept and must satisfy 0 < ratio <= 1 (e.g. 0.5 for 2x)"
+                f"rank_fraction={self.rank_fraction} is out of range: it is the fraction "
+                "of the K+V cache width kept and must satisfy 0 < rank_fraction <= 1 "
+                "(e.g. 0.5 for 2x)"
             )
-        if self.group_size is not None and self.group_size < 1:
+        if self.head_group_size is not None and self.head_group_size < 1:
             raise LowRankConfigError(
-                f"group_size={self.group_size} must be >= 1 (1 = per KV head) or "
-                "null (all KV heads of a layer)"
+                f"head_group_size={self.head_group_size} must be >= 1 (1 = per KV head) "
+                "or null (all KV heads of a layer)"
             )
         _choice("method", self.method, METHODS)
         _choice("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
-        if self.method == "post_rope" and self.group_size != 1:
+        if self.method == "post_rope" and self.head_group_size != 1:
             raise LowRankConfigError(
                 "method=\"post_rope\" projects each KV head after RoPE (ZACK) and "
-                f"needs group_size 1, got {self.group_size}; add \"group_size\": 1"
+                f"needs head_group_size 1, got {self.head_group_size}; add "
+                "\"head_group_size\": 1"
             )
         if self.rank_allocation == "fisher" and self.method != "fisher":
             raise LowRankConfigError(
@@ -325,6 +336,38 @@ class LowRankConfig:
                     raise LowRankConfigError(
                         f"ranks[{layer}]={list(pair)}: each latent width must be a "
                         f"positive integer (at most the layer's K or V width)")
+
+
+DEPRECATED_KEYS = {"ratio": "rank_fraction", "group_size": "head_group_size"}
+"""Config keys of earlier releases and their names now: ``ratio`` (a kept
+fraction, but ``allocate --ratio`` and the metrics meant a compression factor)
+and ``group_size`` (KV heads per decomposition group, not a quantization
+group). Read with a warning for one release."""
+
+
+def _renamed(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``raw`` with deprecated keys (:data:`DEPRECATED_KEYS`) under their new
+    names, warning once per key (``FutureWarning`` and the ``vllm.lowrank`` log).
+
+    Raises:
+        LowRankConfigError: a key given under both its old and its new name.
+    """
+    old = [k for k in DEPRECATED_KEYS if k in raw]
+    if not old:
+        return raw
+    out = dict(raw)
+    for key in old:
+        new = DEPRECATED_KEYS[key]
+        if new in raw:
+            raise LowRankConfigError(
+                f"--kv-compression-config gives both {key!r} and {new!r}; {key!r} is the "
+                f"old name of {new!r}: keep only {new!r}")
+        out[new] = out.pop(key)
+        message = (f"--kv-compression-config key {key!r} is deprecated and will be removed "
+                   f"in the next release; use {new!r} (same meaning)")
+        warnings.warn(message, FutureWarning, stacklevel=3)
+        logging.getLogger("vllm.lowrank").warning("vllm-lowrank: %s", message)
+    return out
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -411,15 +454,17 @@ CONFIG_KEYS = (
     (("preset",), "a measured recipe: " + ", ".join(f"`{n}`" for n in PRESETS)
      + " (see \"Which setting\"); the other keys override its settings",
      f"`{DEFAULT_PRESET}` when the config gives no other key, else none"),
-    (("ratio",), "fraction of the K+V cache width kept, `0 < ratio <= 1`", None),
-    (("group_size",), "KV heads decomposed together (G-LRD): `1` per head, `null` all KV heads "
+    (("rank_fraction",), "fraction of the K+V cache width kept, `0 < rank_fraction <= 1` "
+     "(was `ratio`)", None),
+    (("head_group_size",), "KV heads decomposed together (G-LRD; was `group_size`): `1` per "
+     "head, `null` all KV heads "
      "of a layer (J-LRD); with tensor parallelism a group never spans ranks: it must divide "
      "each rank's KV heads, and `null` means all KV heads of the rank's shard", None),
     (("ranks",), "per-layer override `{\"layer\": [r_k, r_v]}` (total latent widths of the "
      "layer, all ranks together; must split evenly over the tensor-parallel ranks)", None),
     (("method",), "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` "
      "(PCA of keys with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the "
-     "latent space, no key rebuild; needs `group_size: 1`), `fisher` (loss-aware, K-FAC)",
+     "latent space, no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC)",
      None),
     (("rank_allocation",), "`uniform`, `energy` (normalised spectra), `fisher` (estimated loss "
      "increase, one global budget)", None),

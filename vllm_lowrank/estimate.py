@@ -5,7 +5,7 @@ way the server does (presets, ranks, bits, slot layouts, the token-adaptive
 exact slots; :func:`vllm_lowrank.models.compression.resolve`) from its
 ``config.json`` alone: no weights are loaded, nothing is calibrated. Where the
 server would calibrate or allocate on first start and no cached artifact
-exists, the estimate says so (uniform ranks of the same ratio stand in for a
+exists, the estimate says so (uniform ranks of the same rank fraction stand in for a
 calibrated rank allocation; an allocation preset reports its target only).
 
 The token count is vLLM's for one KV cache group: ``kv_cache_bytes`` over the
@@ -91,7 +91,7 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
                 f"or run `vllm-lowrank allocate`, then estimate again"),
                 "compression_ratio": None, "gpu_path": preset.gpu_path}
         note = (f"no calibration artifact cached ({missing.args[0]}): uniform ranks at "
-                f"ratio {cfg.ratio} stand in for the calibrated allocation of the same ratio")
+                f"rank fraction {cfg.rank_fraction} stand in for the calibrated allocation of the same rank fraction")
         comp = resolve(vllm_config, dataclasses.replace(cfg, artifact="none",
                                                         rank_allocation="uniform"))
     elem = torch_dtype.itemsize

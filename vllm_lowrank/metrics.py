@@ -23,8 +23,8 @@ Metrics (all gauges):
 
 - ``vllm_lowrank_compression_enabled``: 1 when the workers run the latent
   cache, else 0.
-- ``vllm_lowrank_configured_ratio``: the ``ratio`` setting (fraction of the
-  K+V width kept).
+- ``vllm_lowrank_configured_rank_fraction``: the ``rank_fraction`` setting
+  (fraction of the K+V width kept; ``vllm_lowrank_configured_ratio`` before).
 - ``vllm_lowrank_kv_compression_ratio``: achieved, original KV bytes per token
   / stored bytes per token of the latent cache.
 - ``vllm_lowrank_sequence_compression_ratio``: the same for a whole sequence of
@@ -292,7 +292,7 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Combine the workers of one engine (tensor/pipeline shards) into one view.
 
     Returns:
-        ``None`` when no worker runs compression, else ``configured_ratio``,
+        ``None`` when no worker runs compression, else ``configured_rank_fraction``,
         ``method``, ``artifact``, ``original_bytes_per_token`` and
         ``stored_bytes_per_token`` (summed over shards: bytes per token of the
         whole engine), ``compression_ratio``, ``sequence_compression_ratio``
@@ -327,7 +327,7 @@ def aggregate(states: list[dict[str, Any]]) -> dict[str, Any] | None:
                 paths[name] = paths.get(name, 0) + 1
     return {
         "decode_layers": paths,
-        "configured_ratio": first["configured_ratio"],
+        "configured_rank_fraction": first["configured_rank_fraction"],
         "method": first["method"],
         "artifact": first["artifact"],
         "original_bytes_per_token": original,
@@ -360,7 +360,7 @@ class LowRankCollector:
         from prometheus_client.core import GaugeMetricFamily
 
         return [GaugeMetricFamily(PREFIX + n, "") for n in (
-            "compression_enabled", "configured_ratio", "kv_compression_ratio",
+            "compression_enabled", "configured_rank_fraction", "kv_compression_ratio",
             "sequence_compression_ratio",
             "original_bytes_per_token", "stored_bytes_per_token", "layer_rank", "info",
             "decode_layers", "kv_cache_capacity_tokens")]
@@ -390,9 +390,9 @@ class LowRankCollector:
             value=0 if view is None else 1)
         if view is not None:
             yield GaugeMetricFamily(
-                PREFIX + "configured_ratio",
-                "Configured fraction of the K+V cache width kept (ratio setting)",
-                value=view["configured_ratio"])
+                PREFIX + "configured_rank_fraction",
+                "Configured fraction of the K+V cache width kept (rank_fraction setting)",
+                value=view["configured_rank_fraction"])
             yield GaugeMetricFamily(
                 PREFIX + "kv_compression_ratio",
                 "Achieved KV compression: original KV bytes / stored bytes per token "

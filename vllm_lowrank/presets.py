@@ -47,7 +47,7 @@ class Preset:
         settings: ``--kv-compression-config`` keys the preset sets.
         allocate: Target compression ratio (16-bit K+V bytes / stored bytes at
             a 4,096-token context) of a byte-budget allocation made on first
-            start; ``None``: no allocation (ranks from ``ratio``).
+            start; ``None``: no allocation (ranks from ``rank_fraction``).
         measured: Compression ratio and perplexity change as measured, one line.
         gpu_path: The decode path its layers take on a CUDA device, and why.
         block_size: vLLM KV block size it was measured with, used when
@@ -65,18 +65,18 @@ class Preset:
 
 
 PRESETS = {p.name: p for p in (
-    Preset("2x", {"ratio": 1.0, "group_size": 1, "method": "post_rope",
+    Preset("2x", {"rank_fraction": 1.0, "head_group_size": 1, "method": "post_rope",
                   "rank_allocation": "uniform", "k_bits": 8, "v_bits": 4},
            "2.46x, +0.1 % wikipedia / +0.6 % bbc (full rank per KV head, post-RoPE latents "
            "(ZACK), Hadamard-rotated 8-bit keys and 4-bit values per token; no calibration)",
            "packed post-RoPE Triton kernel (codes in the dots, no key rebuild), CUDA graphs: "
            "1.03x / 1.00x / 0.93x stock's decode step at 1 x 4k / 16 x 4k / 8 x 32k "
            "(H100, Llama-3-8B shape)"),
-    Preset("lossless", {"ratio": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
+    Preset("lossless", {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
            "3.73x, +0.2 % wikipedia / +0.1 % bbc (latent 0.75, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
            TALE_GPU_PATH, block_size=32),
-    Preset("4x", {"ratio": 0.5, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
+    Preset("4x", {"rank_fraction": 0.5, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS},
            "5.18x, +0.9 % wikipedia / +1.6 % bbc (latent 0.5, 4-bit per-channel keys, "
            "4-bit values, 32 sink + 128 recent tokens exact)",
            TALE_GPU_PATH, block_size=32),
@@ -128,7 +128,7 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises:
         LowRankConfigError: unknown preset, or (``8x``) a key that its
-            allocation chooses itself (``ratio``, ``ranks``, ``k_bits``,
+            allocation chooses itself (``rank_fraction``, ``ranks``, ``k_bits``,
             ``v_bits``, ``rank_allocation``).
     """
     if set(raw) == {"mode"} and raw["mode"] == "lowrank":
@@ -137,7 +137,7 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
         return dict(raw)
     preset = get_preset(raw["preset"])
     if preset.allocate is not None:
-        fixed = sorted({"ratio", "ranks", "k_bits", "v_bits", "rank_allocation",
+        fixed = sorted({"rank_fraction", "ranks", "k_bits", "v_bits", "rank_allocation",
                         "artifact", "method"} & set(raw))
         if fixed:
             raise LowRankConfigError(

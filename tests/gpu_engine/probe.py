@@ -2,7 +2,7 @@
 engine tests; prints one ``RESULT {json}`` line. Run as a subprocess (one
 engine per process, so every engine starts on a free GPU)::
 
-    python3 -P tests/gpu_engine/probe.py --model small-h128 --config '{"ratio": 0.5}'
+    python3 -P tests/gpu_engine/probe.py --model small-h128 --config '{"rank_fraction": 0.5}'
 
 Scenarios (greedy, ``ignore_eos``): ``short`` (4 short prompts, one batch),
 ``mixed`` (10 prompts of 40..1,500 tokens at once: decode and chunked prefill

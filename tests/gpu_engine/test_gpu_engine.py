@@ -39,15 +39,15 @@ SETTINGS = {
     "default": {"preset": "2x"},
     # a config without a preset: the field defaults (J-LRD, ratio 0.5, 16-bit)
     "jlrd": {},
-    "g1-uniform": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform"},
-    "g1-energy": {"ratio": 0.5, "group_size": 1, "rank_allocation": "energy"},
-    "g2": {"ratio": 0.5, "group_size": 2, "rank_allocation": "uniform"},
-    "k4v4": {"ratio": 0.5, "group_size": 1, "rank_allocation": "uniform", "k_bits": 4,
+    "g1-uniform": {"rank_fraction": 0.5, "head_group_size": 1, "rank_allocation": "uniform"},
+    "g1-energy": {"rank_fraction": 0.5, "head_group_size": 1, "rank_allocation": "energy"},
+    "g2": {"rank_fraction": 0.5, "head_group_size": 2, "rank_allocation": "uniform"},
+    "k4v4": {"rank_fraction": 0.5, "head_group_size": 1, "rank_allocation": "uniform", "k_bits": 4,
              "v_bits": 4},
-    "k8v8-full": {"ratio": 1.0, "k_bits": 8, "v_bits": 8},
-    "token-adaptive": {"ratio": 0.5, "group_size": 1, "token_adaptive": True,
+    "k8v8-full": {"rank_fraction": 1.0, "k_bits": 8, "v_bits": 8},
+    "token-adaptive": {"rank_fraction": 0.5, "head_group_size": 1, "token_adaptive": True,
                        "sink_tokens": 16, "recent_tokens": 64},
-    "token-adaptive-k4c": {"ratio": 0.5, "group_size": 1, "token_adaptive": True,
+    "token-adaptive-k4c": {"rank_fraction": 0.5, "head_group_size": 1, "token_adaptive": True,
                            "sink_tokens": 16, "recent_tokens": 64, "k_bits": 4, "v_bits": 4,
                            "k_quant": "channel", "k_channel_tokens": 16},
 }
@@ -145,7 +145,7 @@ def test_full_rank_float32_greedy_equals_stock(model):
     gap under 1e-6 nats (dummy weights give nearly flat logits, so real-weight
     greedy equality is the CPU engine tests')."""
     stock = probe(model, None, dtype="float32")
-    full = probe(model, {"ratio": 1.0, "group_size": 1}, dtype="float32")
+    full = probe(model, {"rank_fraction": 1.0, "head_group_size": 1}, dtype="float32")
     assert _float32_steps_agree(full, stock, 1e-5) >= 15  # every prompt's first step
 
 

@@ -45,7 +45,7 @@ def auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
     for name in sorted(os.listdir(real)) if os.path.isdir(real) else []:
         st = os.stat(os.path.join(real, name))
         h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
-    h.update(f"{cfg.method}:{cfg.group_size}:{cfg.calibration_tokens}:"
+    h.update(f"{cfg.method}:{cfg.head_group_size}:{cfg.calibration_tokens}:"
              f"{CALIBRATION_VERSION}".encode())
     return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
 
@@ -80,7 +80,7 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
         logger.info("vllm-lowrank: no calibration artifact for %s; calibrating %s bases "
                     "on %d tokens of the default text (cached in %s)",
                     model_path, cfg.method, cfg.calibration_tokens, path)
-        artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.group_size,
+        artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.head_group_size,
                                    num_tokens=cfg.calibration_tokens)
         artifact.save(path)
         return artifact, path

@@ -147,7 +147,7 @@ def layer_bases(
         if group_size != 1:
             raise LowRankConfigError(
                 "method post_rope projects each KV head after RoPE (ZACK); it needs "
-                f"group_size 1, got {group_size}"
+                f"head_group_size 1, got {group_size}"
             )
         uniform = torch.ones(WINDOW, dtype=torch.float64)
         keys = []

@@ -129,15 +129,15 @@ def _offsets(ranks: Sequence[int]) -> list[int]:
 
 
 def resolve_group_size(cfg: LowRankConfig, shape: AttentionShape) -> int:
-    """``cfg.group_size`` checked against the layer, ``None`` -> all KV heads.
+    """``cfg.head_group_size`` checked against the layer, ``None`` -> all KV heads.
 
     Raises:
         LowRankConfigError: the group size does not divide the KV heads.
     """
-    g = cfg.group_size or shape.num_kv_heads
+    g = cfg.head_group_size or shape.num_kv_heads
     if shape.num_kv_heads % g:
         raise LowRankConfigError(
-            f"group_size={g} does not divide the {shape.num_kv_heads} KV heads of "
+            f"head_group_size={g} does not divide the {shape.num_kv_heads} KV heads of "
             f"the layer; use a divisor of {shape.num_kv_heads} (or null for all)"
         )
     return g
@@ -156,9 +156,9 @@ def round_rank(width: float, full: int, multiple: int = RANK_MULTIPLE) -> int:
     r = int(round(width / multiple)) * multiple
     if r <= 0:
         raise LowRankConfigError(
-            f"the ratio gives rank {width:.1f} < {multiple / 2} for a head "
-            f"group of width {full}, which rounds to rank 0; raise ratio or "
-            "group_size"
+            f"the rank fraction gives rank {width:.1f} < {multiple / 2} for a head "
+            f"group of width {full}, which rounds to rank 0; raise rank_fraction or "
+            "head_group_size"
         )
     return min(r, full)
 
@@ -166,7 +166,7 @@ def round_rank(width: float, full: int, multiple: int = RANK_MULTIPLE) -> int:
 def uniform_plan(
     cfg: LowRankConfig, shape: AttentionShape, layer_index: int
 ) -> LayerPlan:
-    """Same rank for K and V and every group: ``ratio * group_width`` (or the
+    """Same rank for K and V and every group: ``rank_fraction * group_width`` (or the
     layer's ``ranks`` override, split evenly over the groups).
 
     Raises:
@@ -184,5 +184,5 @@ def uniform_plan(
                     f"{n} head group(s) with 1..{full} per group"
                 )
         return LayerPlan(shape, g, (rk_total // n,) * n, (rv_total // n,) * n)
-    r = round_rank(cfg.ratio * full, full, cfg.rank_multiple)
+    r = round_rank(cfg.rank_fraction * full, full, cfg.rank_multiple)
     return LayerPlan(shape, g, (r,) * n, (r,) * n)

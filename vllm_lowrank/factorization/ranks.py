@@ -80,8 +80,8 @@ def energy_plans(
     spent = sum(ranks.values())
     if spent > budget:
         raise LowRankConfigError(
-            f"ratio={ratio} leaves {budget} latent columns, fewer than the "
-            f"{spent} needed for rank {multiple} in every head group; raise ratio"
+            f"rank_fraction={ratio} leaves {budget} latent columns, fewer than the "
+            f"{spent} needed for rank {multiple} in every head group; raise rank_fraction"
         )
     heap = [(-gains[k][1], k, 1) for k in keys if len(gains[k]) > 1]
     heapq.heapify(heap)

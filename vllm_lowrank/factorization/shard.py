@@ -94,7 +94,7 @@ def check_artifact_groups(manifest: Mapping, path: str, tp_size: int) -> None:
         f"tensor-parallel size {'/'.join(map(str, sizes))}, but --tensor-parallel-size "
         f"{tp_size} leaves {kv // tp_size} KV heads per rank and a head group cannot "
         f"span ranks; serve it with --tensor-parallel-size {sizes[-1]}, or recalibrate "
-        f"with `vllm-lowrank calibrate --group-size {kv // tp_size}` (or artifact "
+        f"with `vllm-lowrank calibrate --head-group-size {kv // tp_size}` (or artifact "
         "\"auto\")"
     )
 
@@ -102,21 +102,21 @@ def check_artifact_groups(manifest: Mapping, path: str, tp_size: int) -> None:
 def rank_config(cfg: LowRankConfig, tp_size: int, local_kv_heads: int) -> LowRankConfig:
     """``cfg`` as one tensor-parallel rank applies it.
 
-    ``group_size`` ``null`` keeps meaning "all KV heads of the layer's shard"
+    ``head_group_size`` ``null`` keeps meaning "all KV heads of the layer's shard"
     (:func:`~vllm_lowrank.factorization.plan.resolve_group_size` on the shard
     shape). A ``ranks`` override gives whole-layer latent widths, split evenly
     over the ranks.
 
     Raises:
-        LowRankConfigError: ``group_size`` does not divide the shard's KV heads,
+        LowRankConfigError: ``head_group_size`` does not divide the shard's KV heads,
             or an override does not split evenly over the ranks.
     """
     if tp_size == 1:
         return cfg
-    g = cfg.group_size
+    g = cfg.head_group_size
     if g is not None and local_kv_heads % g:
         raise LowRankConfigError(
-            f"group_size={g} does not divide the {local_kv_heads} KV heads of each "
+            f"head_group_size={g} does not divide the {local_kv_heads} KV heads of each "
             f"rank at --tensor-parallel-size {tp_size} (a head group cannot span "
             f"ranks); use a divisor of {local_kv_heads} or null (all heads of a rank)"
         )

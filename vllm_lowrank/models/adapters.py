@@ -134,7 +134,7 @@ def check_budget(cfg: LowRankConfig, shapes, per_layer: bool) -> None:
     from vllm_lowrank.factorization.ranks import energy_plans
 
     free = {i: s for i, s in shapes.items() if not (cfg.ranks and i in cfg.ranks)}
-    if cfg.rank_allocation == "uniform" or not free or (cfg.ratio == 1.0 and not cfg.ranks):
+    if cfg.rank_allocation == "uniform" or not free or (cfg.rank_fraction == 1.0 and not cfg.ranks):
         return
     if cfg.artifact == "none":  # no spectra to allocate by: uniform ranks
         for i, s in free.items():
@@ -144,7 +144,7 @@ def check_budget(cfg: LowRankConfig, shapes, per_layer: bool) -> None:
     spectra = {i: tuple([torch.ones(g * s.head_dim)] * (s.num_kv_heads // g) for _ in "kv")
                for i, s in free.items()}
     for part in ([{i: s} for i, s in free.items()] if per_layer else [free]):
-        energy_plans(part, g, {i: spectra[i] for i in part}, cfg.ratio,
+        energy_plans(part, g, {i: spectra[i] for i in part}, cfg.rank_fraction,
                      multiple=cfg.rank_multiple)
 
 

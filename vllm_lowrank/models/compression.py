@@ -81,7 +81,7 @@ class ModelCompression:
         """True when keys are cached as post-RoPE latents (``post_rope`` bases)."""
         if self.artifact is not None:
             return self.artifact.manifest["method"] == "post_rope"
-        full_rank = self.cfg.ratio == 1.0 and not self.cfg.ranks
+        full_rank = self.cfg.rank_fraction == 1.0 and not self.cfg.ranks
         return full_rank and self.cfg.method == "post_rope"
 
     def bases(self, layer: int):
@@ -139,7 +139,7 @@ class ModelCompression:
             dtype_bytes: Bytes per cached element (the KV cache dtype).
 
         Returns:
-            ``enabled``, ``configured_ratio``, ``method``
+            ``enabled``, ``configured_rank_fraction``, ``method``
             (:attr:`bases_source`), ``artifact`` (the artifact's
             :attr:`~vllm_lowrank.calibration.artifact.Artifact.digest`, or
             ``"none"``; never its path),
@@ -154,7 +154,7 @@ class ModelCompression:
         original, stored = self.bytes_per_token(dtype_bytes)
         return {
             "enabled": True,
-            "configured_ratio": self.cfg.ratio,
+            "configured_rank_fraction": self.cfg.rank_fraction,
             "method": self.bases_source,
             "artifact": self.artifact.digest if self.artifact else "none",
             "layers": {i: {"k_ranks": list(p.k_ranks), "v_ranks": list(p.v_ranks),
@@ -233,7 +233,7 @@ def resolve(vllm_config, cfg: LowRankConfig, *, create_artifacts: bool = True
     cfg = shard.rank_config(cfg, tp, shapes[0].num_kv_heads)
     exact = exact_tokens(cfg, vllm_config.cache_config.block_size)
     artifact, path = None, None
-    if cfg.ratio == 1.0 and not cfg.ranks and cfg.artifact in ("auto", "none"):
+    if cfg.rank_fraction == 1.0 and not cfg.ranks and cfg.artifact in ("auto", "none"):
         # Full rank everywhere: every group uses its exact identity basis, so no
         # calibration is needed (and none is run).
         plans = {i: uniform_plan(cfg, s, i) for i, s in shapes.items()}
@@ -241,8 +241,8 @@ def resolve(vllm_config, cfg: LowRankConfig, *, create_artifacts: bool = True
                                 exact_tokens=exact)
     if cfg.artifact == "auto" and cfg.needs_calibration:
         # "all KV heads" under tensor parallelism: all heads of one rank's shard
-        auto_cfg = cfg if tp == 1 or cfg.group_size else dataclasses.replace(
-            cfg, group_size=shapes[0].num_kv_heads)
+        auto_cfg = cfg if tp == 1 or cfg.head_group_size else dataclasses.replace(
+            cfg, head_group_size=shapes[0].num_kv_heads)
         artifact, path = load_or_calibrate(vllm_config.model_config.model, auto_cfg,
                                            create=create_artifacts)
         if cfg.preset is not None and get_preset(cfg.preset).allocate is not None:
@@ -261,12 +261,12 @@ def resolve(vllm_config, cfg: LowRankConfig, *, create_artifacts: bool = True
             shape=manifest_shape(full_shape),
         )
         shard.check_artifact_groups(artifact.manifest, path, tp)
-        if cfg.group_size is not None and cfg.group_size != artifact.group_size:
+        if cfg.head_group_size is not None and cfg.head_group_size != artifact.group_size:
             raise LowRankConfigError(
-                f"group_size={cfg.group_size} differs from the artifact's "
-                f"{artifact.group_size} ({path}); drop group_size or recalibrate"
+                f"head_group_size={cfg.head_group_size} differs from the artifact's "
+                f"{artifact.group_size} ({path}); drop head_group_size or recalibrate"
             )
-        cfg = dataclasses.replace(cfg, group_size=artifact.group_size)
+        cfg = dataclasses.replace(cfg, head_group_size=artifact.group_size)
         cfg, bits = allocation_settings(cfg, artifact, path)
         exact = exact_tokens(cfg, vllm_config.cache_config.block_size)
     else:
@@ -369,10 +369,10 @@ def record_ranks(artifact: art.Artifact, plans: dict[int, LayerPlan], cfg: LowRa
                  fixed: bool = False) -> None:
     """Write the allocation for ``cfg`` into the artifact's manifest (``ranks``:
     ratio, allocation, per-layer ``[k_ranks, v_ranks]`` per head group). With
-    ``fixed`` it is served as is; otherwise it documents what ``cfg.ratio``
+    ``fixed`` it is served as is; otherwise it documents what ``cfg.rank_fraction``
     gives and serving re-derives it from the spectra for any ratio."""
     artifact.manifest["ranks"] = {
-        "ratio": cfg.ratio, "allocation": cfg.rank_allocation, "fixed": fixed,
+        "ratio": cfg.rank_fraction, "allocation": cfg.rank_allocation, "fixed": fixed,
         "layers": {str(i): [list(p.k_ranks), list(p.v_ranks)] for i, p in plans.items()},
     }
 
@@ -416,7 +416,7 @@ def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
         allocated = {}
         for part in budgets:
             allocated.update(energy_plans(part, artifact.group_size,
-                                          {i: spectra[i] for i in part}, cfg.ratio,
+                                          {i: spectra[i] for i in part}, cfg.rank_fraction,
                                           normalize=normalize, multiple=cfg.rank_multiple))
     else:
         if cfg.rank_allocation != "uniform" and free:

@@ -67,7 +67,7 @@ class LatentSelfAttention(nn.Module):
         norm_eps: Epsilon of that norm.
         sliding_window: Tokens each query sees on a sliding-window layer
             (``None``: full attention).
-        post_rope: Cache post-RoPE key latents (needs ``group_size`` 1).
+        post_rope: Cache post-RoPE key latents (needs ``head_group_size`` 1).
         layout: Packed low-bit slot layout (:mod:`vllm_lowrank.quantization`),
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
