@@ -46,6 +46,8 @@ called by :func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -191,11 +193,19 @@ def blocker(plan, layout, mode: str, kv_cache) -> str | None:
     or the rank); one key rank and one value rank for every group, powers of two
     with at least 16 code bytes per side (``RK * bits / 8 >= 16``, the tensor
     cores' smallest K / N); at most 16 query heads per group; slots and cache
-    strides of an even number of bytes (float16 pairs)."""
+    strides of an even number of bytes (float16 pairs). The plan and layout
+    part is computed once per pair (a host lookup per call)."""
     if mode != "post_rope":
         return "pre_rope mode"
     if layout is None:
         return "unquantized cache"
+    if kv_cache.stride(0) % 2 or kv_cache.stride(2) % 2:
+        return "odd slot or scale offsets"
+    return _layout_blocker(plan, layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_blocker(plan, layout) -> str | None:
     if layout.k_per_channel:
         return "per-channel keys"
     if layout.k_bits not in SUPPORTED_BITS or layout.v_bits not in SUPPORTED_BITS:
@@ -211,7 +221,7 @@ def blocker(plan, layout, mode: str, kv_cache) -> str | None:
         return "more than 16 query heads per group"
     if layout.slot_bytes % 2 or any(o % 2 for o in (
             layout.k_scale_offset, layout.k_zero_offset, layout.v_scale_offset,
-            layout.v_zero_offset)) or kv_cache.stride(0) % 2 or kv_cache.stride(2) % 2:
+            layout.v_zero_offset)):
         return "odd slot or scale offsets"
     return None
 
