@@ -54,7 +54,7 @@ def _capacity(server) -> int:
 
 def test_full_rank_server_matches_uncompressed(stock_server, full_rank_server):
     assert full_rank_server.greedy() == stock_server.greedy()
-    assert "'ratio': 1.0" in full_rank_server.text()
+    assert "'rank_fraction': 1.0" in full_rank_server.text()
     assert _capacity(full_rank_server) == _capacity(stock_server)
 
 
