@@ -95,3 +95,28 @@ def clear_worker_states() -> None:
     directory = os.environ.get(metrics.STATE_DIR_ENV)
     for name in glob.glob(os.path.join(directory or "/nonexistent", "worker-*.json")):
         os.remove(name)
+
+
+def save_tiny_artifact(path: str, shape, ranks: dict | None = None) -> str:
+    """Save a two-layer calibration artifact of attention ``shape`` (an
+    :class:`~vllm_lowrank.factorization.plan.AttentionShape`, two KV heads in
+    one head group) at ``path``: random ``A``, identity ``B``, decreasing
+    energies, ``ranks`` as the manifest's ``ranks`` entry. Returns ``path``."""
+    from vllm_lowrank.calibration import artifact as art
+    from vllm_lowrank.factorization.bases import GroupBasis
+    from vllm_lowrank.models import compression as comp
+
+    g = torch.Generator().manual_seed(0)
+    n = shape.kv_width
+
+    def basis():
+        return GroupBasis(a=torch.randn(shape.hidden_size, n, generator=g), b=torch.eye(n),
+                          energy=torch.linspace(2.0, 1.0, n))
+
+    manifest = art.new_manifest(
+        model_id="tiny", architecture="LlamaForCausalLM", shape=comp.manifest_shape(shape),
+        num_layers=2, fingerprint="0" * 32, method="fisher", group_size=2,
+        calibration={"text": "none"})
+    manifest["ranks"] = ranks
+    art.Artifact(manifest, {i: ([basis()], [basis()]) for i in range(2)}).save(path)
+    return path

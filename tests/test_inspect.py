@@ -6,33 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from conftest import save_tiny_artifact
 
 from vllm_lowrank import cli
 from vllm_lowrank.calibration import artifact as art
-from vllm_lowrank.factorization.bases import GroupBasis
 from vllm_lowrank.factorization.plan import AttentionShape
-from vllm_lowrank.models import compression as comp
 
 SHAPE = AttentionShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def _artifact(tmp_path, ranks=None) -> str:
-    g = torch.Generator().manual_seed(0)
-    n = SHAPE.kv_width
-
-    def basis():
-        return GroupBasis(a=torch.randn(SHAPE.hidden_size, n, generator=g), b=torch.eye(n),
-                          energy=torch.linspace(2.0, 1.0, n))
-
-    manifest = art.new_manifest(
-        model_id="tiny", architecture="LlamaForCausalLM", shape=comp.manifest_shape(SHAPE),
-        num_layers=2, fingerprint="0" * 32, method="fisher", group_size=2,
-        calibration={"text": "none"})
-    manifest["ranks"] = ranks
-    path = str(tmp_path / "artifact")
-    art.Artifact(manifest, {i: ([basis()], [basis()]) for i in range(2)}).save(path)
-    return path
+    return save_tiny_artifact(str(tmp_path / "artifact"), SHAPE, ranks)
 
 
 def _serving(**kw):

@@ -16,13 +16,13 @@ import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from conftest import save_tiny_artifact
 from hypothesis import strategies as st
 from test_validation import _config_flag, _refused, _serving
 
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.format.exact import exact_tokens
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
-from vllm_lowrank.factorization.bases import GroupBasis
 from vllm_lowrank.factorization.plan import AttentionShape
 from vllm_lowrank.models import compression as comp
 
@@ -108,25 +108,11 @@ def _numbers(value):
 @pytest.fixture(scope="module")
 def tiny_artifact(tmp_path_factory) -> str:
     """Two layers of ``SHAPE``, one head group, a fixed byte-budget allocation."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    n = SHAPE.kv_width
-
-    def basis():
-        return GroupBasis(a=torch.randn(SHAPE.hidden_size, n, generator=g), b=torch.eye(n),
-                          energy=torch.linspace(2.0, 1.0, n))
-
-    manifest = art.new_manifest(
-        model_id="tiny", architecture="LlamaForCausalLM", shape=comp.manifest_shape(SHAPE),
-        num_layers=2, fingerprint="0" * 32, method="fisher", group_size=2,
-        calibration={"text": "none"})
-    manifest["ranks"] = {"ratio": None, "allocation": "bytes", "fixed": True,
-                         "layers": {"0": [[8], [8]], "1": [[8], [8]]},
-                         "bits": {"0": [8, 8], "1": [4, 4]}, "serving": _serving()}
-    path = str(tmp_path_factory.mktemp("tiny") / "artifact")
-    art.Artifact(manifest, {i: ([basis()], [basis()]) for i in range(2)}).save(path)
-    return path
+    return save_tiny_artifact(
+        str(tmp_path_factory.mktemp("tiny") / "artifact"), SHAPE,
+        {"ratio": None, "allocation": "bytes", "fixed": True,
+         "layers": {"0": [[8], [8]], "1": [[8], [8]]},
+         "bits": {"0": [8, 8], "1": [4, 4]}, "serving": _serving()})
 
 
 def _serve(path: str) -> dict:
