@@ -7,8 +7,8 @@ sink blocks kept while the window slides over a 600-token prompt prefilled in
 128-token chunks, a prefix-cache hit that needs the sink and window blocks
 cached, a branch off that prefix, and preemption with recompute. At ratio 0.5
 with ``recent_tokens`` covering the whole context no latent is ever read, and
-the tokens again equal the uncompressed engine's. With 4-bit latents and
-per-channel key groups (written when a group completes, from latents staged in
+the tokens again equal the uncompressed engine's. With per-channel 8-bit key
+groups (written when a group completes, from latents staged in
 the exact cache), a prefix-cache hit and preemption must give the tokens of a
 cold, undisturbed run of the same compressed engine.
 """
@@ -32,9 +32,16 @@ PROMPTS = [
 CHUNK = 128
 FULL_RANK_SMALL_WINDOW = {"mode": "lowrank", "rank_fraction": 1.0, "token_adaptive": True,
                           "sink_tokens": 4, "recent_tokens": 32}
-CHANNEL_KEYS = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
+CHANNEL_KEYS = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 8, "v_bits": 16,
                 "token_adaptive": True, "sink_tokens": 4, "recent_tokens": 32,
                 "k_quant": "channel", "k_channel_tokens": 32}
+"""Per-channel 8-bit keys, 16-bit values, for the tests that compare two runs
+of one compressed engine whose batches differ (a prefix hit, a preemption).
+Rounding to a code is discontinuous: the float noise of a different batch
+composition (with engine multiprocessing, also of when each request reached
+the engine) can flip a 4-bit code by a step that moves scores more than a near
+tie (seen once in CI, a prefix hit diverging at its 14th token); an 8-bit step
+is 17x smaller."""
 
 
 def _run(model_path, compression, prefix_caching=True, **kwargs):
@@ -151,17 +158,13 @@ def test_channel_keys_preempted_request_resumes_like_a_new_one(model_path, monke
     0.5 the earlier tokens differ from an undisturbed run's, because a
     recomputed chunk reads more tokens exactly than one-token decode steps
     did). Every request advances at most 32 tokens per step, so chunk
-    boundaries (and with them the exact/latent split) agree in both. 8-bit
-    keys: rounding to a code is discontinuous, and the float noise of
-    different batch compositions could flip a 4-bit code by a step that moves
-    scores more than a near tie."""
+    boundaries (and with them the exact/latent split) agree in both."""
     from vllm.inputs import TokensPrompt
 
     from vllm_lowrank.evaluation import eval_windows
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in-process
-    keys8 = {**CHANNEL_KEYS, "k_bits": 8, "v_bits": 16}
-    llm = make_llm(model_path, keys8, block_size=32, max_model_len=512,
+    llm = make_llm(model_path, CHANNEL_KEYS, block_size=32, max_model_len=512,
                    enable_prefix_caching=False, long_prefill_token_threshold=32,
                    max_num_batched_tokens=256,
                    async_scheduling=False)  # no token in flight at preemption
