@@ -434,12 +434,18 @@ def evaluate(model_name: str, dtypes: list[str], texts: list[str], windows: int,
 
 
 def vllm_check(model_name: str, dtype: str, texts: list[str], windows: int, context: int,
-               step: int = 32, block_size: int = 32) -> dict:
+               step: int = 32, block_size: int = 32, passkey_cases: int = 0) -> dict:
     """The same simulation inside vLLM's CPU engine (the frontier's
     generate-style protocol): ``Attention.forward`` gets the format's keys,
-    values (and queries) before vLLM caches and attends them. In this process
+    values (and queries) before vLLM caches and attends them, so a prefill
+    chunk also attends its own keys and values as stored (vLLM's kernels
+    attend a chunk's fresh keys unquantized in some of these formats: here at
+    worst a pessimistic bias). In this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); checks that the Hugging Face
-    simulation measures what the serving path would."""
+    simulation measures what the serving path would. ``passkey_cases > 0``:
+    also the passkey retrieval of :mod:`vllm_lowrank.passkey` at ``context``
+    tokens (``result["passkey"]``), as ``benchmarks/passkey.py`` runs it for
+    our presets."""
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -466,7 +472,9 @@ def vllm_check(model_name: str, dtype: str, texts: list[str], windows: int, cont
 
     Attention.forward = peer_forward
     spec = {"model": model, "compression": None, "texts": texts, "num_windows": windows,
-            "window": context, "passkey": None, "block_size": block_size,
+            "window": context, "block_size": block_size,
+            "passkey": ({"num_cases": passkey_cases, "context_tokens": context}
+                        if passkey_cases else None),
             "step_tokens": step}
     return _worker(spec)
 
@@ -477,18 +485,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=[d for d in DTYPES if d not in UNSUPPORTED])
-    p.add_argument("--texts", nargs="+", default=["wikipedia", "bbc"])
+    p.add_argument("--texts", nargs="*", default=["wikipedia", "bbc"])
     p.add_argument("--windows", type=int, default=2, help="windows per text")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--json", default=None, help="write (and resume from) every number")
     p.add_argument("--bytes", action="store_true", help="only print bytes per token")
     p.add_argument("--vllm-check", default=None, metavar="DTYPE",
                    help="simulate DTYPE inside vLLM's CPU engine instead (generate-style)")
+    p.add_argument("--passkey", type=int, default=0, metavar="CASES",
+                   help="with --vllm-check: passkey retrieval, CASES prompts of --context "
+                        "tokens (give --texts with no name to skip perplexity)")
     args = p.parse_args()
     if args.vllm_check:
-        r = vllm_check(args.model, args.vllm_check, args.texts, args.windows, args.context)
+        r = vllm_check(args.model, args.vllm_check, args.texts, args.windows, args.context,
+                       passkey_cases=args.passkey)
         print(args.vllm_check, "through vLLM:", {t: round(r[t]["ppl"], 3) for t in args.texts},
               {t: round(r[t]["seconds"]) for t in args.texts}, flush=True)
+        if args.passkey:
+            pk = r["passkey"]
+            depths = " / ".join(f"{v:.2f}" for v in pk["by_depth"].values())
+            print(f"| {args.vllm_check} (simulated) | {args.context} | {pk['accuracy']:.2f} | "
+                  f"{round(pk['accuracy'] * pk['cases'])}/{pk['cases']} | {depths} |",
+                  flush=True)
         os._exit(0)  # vLLM's CPU build may abort in its own teardown
     if args.bytes:  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64
         for d in DTYPES:

@@ -4,6 +4,8 @@ with the tests' settings, ready on return."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 from vllm_lowrank.local_server import VLLM, LocalServer, free_port, parse_metrics
 
@@ -41,3 +43,39 @@ class Server(LocalServer):
                                                  max_tokens=max_tokens, logprobs=1)
             out.append(r.choices[0].logprobs.tokens)
         return out
+
+    def sigterm_in_flight(self, prompt: str, max_tokens: int, timeout: float = 300):
+        """Send SIGTERM while a greedy completion of ``prompt`` (``max_tokens``
+        tokens, ``ignore_eos``) is running, then wait for both.
+
+        Returns:
+            ``(result, exit_code)``: ``result`` holds ``status`` and ``body`` (the
+            JSON reply) or ``error`` (the client's exception); ``exit_code`` is
+            the server's (``None`` if it did not exit within 120 s).
+        """
+        import subprocess
+
+        import requests
+
+        result = {}
+
+        def ask() -> None:
+            try:
+                r = requests.post(self.url + "/v1/completions", timeout=timeout, json={
+                    "model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0})
+                result["status"], result["body"] = r.status_code, r.json()
+            except Exception as e:  # noqa: BLE001 (returned to the test)
+                result["error"] = repr(e)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        running = self.wait_metric("vllm:num_requests_running", lambda v: v >= 1, 60)
+        assert running >= 1, "the request never started running"
+        self.proc.send_signal(signal.SIGTERM)
+        thread.join(timeout)
+        try:
+            code = self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            code = None
+        return result, code

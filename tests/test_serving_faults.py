@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import threading
 
 import pytest
 import requests
@@ -190,23 +188,8 @@ def test_damaged_artifact_is_refused_at_startup(server, model_path, tmp_path, ho
 # ------------------------------------------------------ shutdown (last)
 
 def test_sigterm_drains_in_flight_request_and_exits_0(server):
-    result = {}
-
-    def ask():
-        try:
-            r = requests.post(server.url + "/v1/completions", timeout=120, json={
-                "model": "m", "prompt": LONG_TEXT, "max_tokens": 48, "ignore_eos": True,
-                "temperature": 0})
-            result["status"], result["body"] = r.status_code, r.json()
-        except Exception as e:  # reported by the assertion below
-            result["error"] = repr(e)
-
-    thread = threading.Thread(target=ask)
-    thread.start()
-    assert server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
-    server.proc.send_signal(signal.SIGTERM)
-    thread.join(180)
+    result, code = server.sigterm_in_flight(LONG_TEXT, 48)
     assert result.get("status") == 200, result
     assert result["body"]["usage"]["completion_tokens"] == 48
-    assert server.proc.wait(120) == 0
+    assert code == 0
     assert "mode=drain" in server.text()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import threading
 import time
 
@@ -105,22 +104,10 @@ def test_token_adaptive_server_under_load(model_path, tmp_path):
         assert usage <= idle_usage, (usage, idle_usage, kinds)
 
         # clean drain: SIGTERM with a request in flight
-        result = {}
-
-        def last() -> None:
-            r = requests.post(server.url + "/v1/completions", timeout=300, json={
-                "model": "m", "prompt": TEXT * 10, "max_tokens": 32, "ignore_eos": True,
-                "temperature": 0})
-            result["status"], result["body"] = r.status_code, r.json()
-
-        thread = threading.Thread(target=last)
-        thread.start()
-        assert server.wait_metric("vllm:num_requests_running", lambda v: v >= 1, 60) >= 1
-        server.proc.send_signal(signal.SIGTERM)
-        thread.join(300)
+        result, code = server.sigterm_in_flight(TEXT * 10, 32)
         assert result.get("status") == 200, result
         assert result["body"]["usage"]["completion_tokens"] == 32
-        assert server.proc.wait(120) == 0
+        assert code == 0
         print(f"soak: {len(results)} requests in {seconds:.0f} s {kinds}")
     finally:
         server.stop()

@@ -382,7 +382,14 @@ def test_packed_post_rope_kernel_scope():
         c = cache if lay is None else torch.zeros(nblk, 1, page, lay.slot_bytes,
                                                   dtype=torch.uint8)
         assert why in decode_packed.blocker(pl, lay, mode, c)
+        if why not in ("pre_rope mode", "per-channel"):  # those two: other kernels' cases
+            assert dec.triton_kernel(pl, lay, mode, c, 32) == "grid"
     assert decode_packed.blocker(plan, ok, "post_rope", cache) is None
+    # the one selector (launch and start-up log line): packed here, unless refused
+    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32) == "packed"
+    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32,
+                             dec.KernelConfig(packed=False)) == "grid"
+    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32, schedule="lpt") == "grid"
     q = torch.randn(3, 8, 32)
     bad = SlotLayout(plan.k_ranks, plan.v_ranks, 3, 4)
     with pytest.raises(ValueError, match="packed post-RoPE kernel cannot run this call: bits"):
@@ -1021,8 +1028,11 @@ def test_wide_chosen_for_large_key_tiles(monkeypatch):
     monkeypatch.setattr(dec, "_launch_wide", lambda *a, **k: calls.append(1) or launch(*a, **k))
     grid = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
     assert not calls and not dec.needs_wide(plan, None, 32)
+    assert dec.triton_kernel(plan, None, "pre_rope", cache, 32) == "grid"
     monkeypatch.setattr(launch_params, "TRITON_MAX_KEY_TILE", 64 * 64 - 1)  # 64 x 64 no longer fits
     assert dec.needs_wide(plan, None, 32)
+    assert dec.triton_kernel(plan, None, "pre_rope", cache, 32) == "wide"
+    assert dec.triton_kernel(plan, None, "post_rope", cache, 32) == "grid"
     wide = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
     assert calls
     assert rel_err(wide, grid) < TOL32

@@ -180,6 +180,71 @@ def _interpreting() -> bool:
 _DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+TRITON_KERNELS = {
+    "grid": "Triton kernel",
+    "wide": "wide-group Triton kernel (one program per KV head)",
+    "packed": "packed post-RoPE Triton kernel (codes in the dots)",
+}
+"""The Triton decode kernels, by the name :func:`triton_kernel` returns, with
+the label the start-up log line gives them."""
+
+
+def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
+                  config: KernelConfig | None = None, schedule=None,
+                  prep: Prepared | None = None) -> str:
+    """Which Triton kernel :func:`latent_decode_attention` launches for a call
+    (the one decision, also used for the start-up log line):
+
+    - ``"wide"`` (:mod:`.decode_wide`): per-channel keys, or pre-RoPE groups
+      whose key up-projection tile exceeds one program
+      (:func:`.launch.needs_wide`);
+    - ``"packed"`` (:mod:`.decode_packed`): in :func:`.decode_packed.blocker`'s
+      scope, on the plain grid;
+    - ``"grid"`` (:mod:`.decode_kernels`): everything else.
+
+    Args:
+        plan, layout, mode, kv_cache: As for :func:`latent_decode_attention`
+            (only the cache's strides and block size are read).
+        rotary_dim: Rotated channels per head (``head_dim`` in ``post_rope``
+            mode).
+        config: :class:`.launch.KernelConfig` whose ``wide`` / ``packed`` force
+            or forbid a kernel (``None``: the heuristic).
+        schedule: ``None`` or the longest-first schedule (grid kernel only).
+        prep: The call's :class:`.decode_prep.Prepared` (computed on the CPU when
+            ``None``).
+
+    Raises:
+        ValueError: a kernel forced by ``config`` (or per-channel keys, which
+            only the wide kernel reads) cannot run this call: the message says
+            why.
+    """
+    cfg = config or KernelConfig()
+    per_channel = layout is not None and layout.k_per_channel
+    if cfg.wide is not None:
+        wide = cfg.wide
+    else:
+        if prep is None and not per_channel and mode == "pre_rope":
+            prep = prepare(plan, layout, rotary_dim, True, "cpu")
+        wide = per_channel or (mode == "pre_rope" and _key_tile_too_large(prep))
+    if per_channel and not wide:
+        raise ValueError("per-channel keys decode on the wide-group kernel only "
+                         "(KernelConfig.wide=False was given)")
+    if per_channel and kv_cache.shape[2] % layout.k_channel_tokens:
+        raise ValueError(f"block_size {kv_cache.shape[2]} is not a multiple of the "
+                         f"per-channel key group ({layout.k_channel_tokens} tokens)")
+    if wide and mode != "pre_rope":
+        raise ValueError("the wide-group kernel rebuilds keys: pre_rope mode only")
+    if wide and schedule is not None:
+        raise ValueError("the wide-group kernel runs on the plain grid (schedule=None)")
+    packed_why = decode_packed.blocker(plan, layout, mode, kv_cache) if schedule is None \
+        else "LPT schedule"
+    if cfg.packed and packed_why:
+        raise ValueError(f"the packed post-RoPE kernel cannot run this call: {packed_why}")
+    if wide:
+        return "wide"
+    return "packed" if packed_why is None and cfg.packed is not False else "grid"
+
+
 def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_table,
                             seq_lens, max_seq_len, *, layout=None, num_splits=None,
                             schedule=None, mode: str = "pre_rope",
@@ -348,24 +413,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if query.shape[-1] < max(plan.k_ranks):
             raise ValueError("post_rope queries need >= max(k_ranks) columns")
 
-    per_channel = quant and layout.k_per_channel
-    wide = cfg.wide if cfg.wide is not None else (per_channel or (
-        mode == "pre_rope" and _key_tile_too_large(prep)))
-    if per_channel and not wide:
-        raise ValueError("per-channel keys decode on the wide-group kernel only "
-                         "(KernelConfig.wide=False was given)")
-    if per_channel and kv_cache.shape[2] % layout.k_channel_tokens:
-        raise ValueError(f"block_size {kv_cache.shape[2]} is not a multiple of the "
-                         f"per-channel key group ({layout.k_channel_tokens} tokens)")
-    if wide and mode != "pre_rope":
-        raise ValueError("the wide-group kernel rebuilds keys: pre_rope mode only")
-    if wide and schedule is not None:
-        raise ValueError("the wide-group kernel runs on the plain grid (schedule=None)")
-    packed_why = decode_packed.blocker(plan, layout, mode, kv_cache) if schedule is None \
-        else "LPT schedule"
-    if cfg.packed and packed_why:
-        raise ValueError(f"the packed post-RoPE kernel cannot run this call: {packed_why}")
-    packed = packed_why is None and cfg.packed is not False and not wide
+    kernel = triton_kernel(plan, layout, mode, kv_cache, rotary_dim, cfg, schedule, prep)
+    wide, packed = kernel == "wide", kernel == "packed"
     if packed:
         dflt = _packed_config(device)
     elif wide:

@@ -172,7 +172,6 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     if device.type != "cuda":
         return DecodePath("torch", "not on a CUDA device")
     from vllm_lowrank.triton_kernels import decode as dec
-    from vllm_lowrank.triton_kernels import decode_packed
 
     if not fused_supports(layer.layout):
         return _logged(layer, DecodePath(
@@ -193,14 +192,12 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     why = dec.cuda_path_blocker(plan, rope, q, cache, table, one, max_model_len, **kw) \
         or dec._cuda_unavailable()
-    wide = not layer.post_rope and (layout is not None and layout.k_per_channel
-                                    or dec.needs_wide(plan, layout, rope.rotary_dim))
-    if wide:
-        kernel = "wide-group Triton kernel (one program per KV head)"
-    elif decode_packed.blocker(plan, layout, kw["mode"], cache) is None:
-        kernel = "packed post-RoPE Triton kernel (codes in the dots)"
-    else:
-        kernel = "Triton kernel"
+    rotary_dim = plan.shape.head_dim if layer.post_rope else rope.rotary_dim
+    try:
+        kernel = dec.TRITON_KERNELS[dec.triton_kernel(plan, layout, kw["mode"], cache,
+                                                      rotary_dim)]
+    except ValueError as exc:  # no Triton kernel reads it: the self-check refuses it
+        kernel = f"Triton kernel ({exc})"
     candidates = [("triton", f"{kernel}; outside the CUDA kernel's scope: {why}")]
     if why is None:
         candidates = [("cuda", "in the CUDA kernel's scope"), ("triton", kernel)]
