@@ -101,35 +101,69 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
 }
 
 
-def allocation_artifact(model: str, cfg: dict, context: int, block: int) -> str:
+def corpus_artifact(model: str, corpus: str) -> str:
+    """A fisher artifact of ``model`` calibrated on the built-in text ``corpus``
+    (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`, the default
+    calibration tokens), made once and cached under the plugin's cache root;
+    what ``vllm-lowrank calibrate MODEL --corpus CORPUS`` writes."""
+    from vllm_lowrank.calibration.cache import cache_root
+
+    path = os.path.join(cache_root(), "artifacts",
+                        f"fisher-{os.path.basename(model)}-{corpus}")
+    if not os.path.isdir(path):
+        from vllm_lowrank.cli import main as cli
+
+        cli(["calibrate", model, "--corpus", corpus, "--output", path])
+    return path
+
+
+def allocation_artifact(model: str, cfg: dict, context: int, block: int,
+                        corpus: str = "wikipedia") -> str:
     """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
     (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
-    model's default fisher artifact, cached under the plugin's cache root)."""
+    model's default fisher artifact, or with ``corpus`` other than
+    ``wikipedia`` from :func:`corpus_artifact` and measured on that text;
+    cached under the plugin's cache root)."""
+    from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
-    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.calibration.artifact import load_artifact
     from vllm_lowrank.calibration.cache import cache_root, load_or_calibrate
+    from vllm_lowrank.config import LowRankConfig
 
     serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs")}
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
         f"{k}{v}" for k, v in sorted(serving.items())) + ("-chosen" if cfg.get("choose_knobs")
                                                          else "")
+    if corpus != "wikipedia":
+        name += f"-{corpus}"
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
-        artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
+        if corpus == "wikipedia":
+            artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
+            documents = None
+        else:
+            artifact = load_artifact(corpus_artifact(model, corpus))
+            documents = texts.CALIBRATION_TEXTS[corpus]()
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block,
-                                 choose_knobs=cfg.get("choose_knobs", False))
+                                 choose_knobs=cfg.get("choose_knobs", False),
+                                 documents=documents)
         out.save(path)
     return path
 
 
-def compression_of(model: str, cfg: dict | None, context: int, block: int) -> dict | None:
-    """The ``kv_compression`` settings a setting is served with."""
+def compression_of(model: str, cfg: dict | None, context: int, block: int,
+                   corpus: str = "wikipedia") -> dict | None:
+    """The ``kv_compression`` settings a setting is served with (calibrated on
+    ``corpus``: the default artifact for ``wikipedia``)."""
     if cfg is None:
         return None
     if "allocate" in cfg:
-        return {"mode": "lowrank", "artifact": allocation_artifact(model, cfg, context, block)}
+        return {"mode": "lowrank",
+                "artifact": allocation_artifact(model, cfg, context, block, corpus)}
+    if corpus != "wikipedia":
+        return {"mode": "lowrank", **cfg, "artifact": corpus_artifact(model, corpus)}
     return {"mode": "lowrank", **cfg}
 
 
@@ -248,7 +282,7 @@ def _label(name: str) -> str:
     (recent window if not 128, int8 exact tokens), ``TQ k8v4`` (vLLM's own)."""
     if name.startswith(VLLM_PREFIX):
         return VLLM_LABELS[name[len(VLLM_PREFIX):].split(" ")[0]]
-    kind, cfg = SETTINGS[name]
+    kind, cfg = SETTINGS[name.split(" [")[0]]
     if kind == "peer":
         return name.split(" (")[0].replace("-style int", "-").replace(" per token", "")
     if "allocate" in cfg:
@@ -378,6 +412,10 @@ def main() -> None:
                    help="rows of our settings saved by --save-rows: print and plot them "
                         "instead of running engines")
     p.add_argument("--save-rows", default=None, help="write the rows of this run here")
+    p.add_argument("--corpus", default="wikipedia",
+                   help="calibration text of our settings (a name of "
+                        "vllm_lowrank.calibration.text.CALIBRATION_TEXTS; `mix`: Wikipedia, "
+                        "BBC News, Shakespeare); rows are named with it unless wikipedia")
     args = p.parse_args()
 
     rows = load_rows(args.rows) if args.rows else measure_rows(args)
@@ -433,15 +471,25 @@ def measure_rows(args) -> list[dict]:
     if args.json and os.path.exists(args.json):
         with open(args.json) as f:
             results = json.load(f)
+    def key(name: str) -> str:  # results and rows: named with a non-default corpus
+        ours = SETTINGS[name][0] == "ours"
+        return f"{name} [{args.corpus} calibration]" if ours and args.corpus != "wikipedia" \
+            else name
+
     for name in names:
-        if name in results:
+        if key(name) in results:
             continue
         kind, cfg = SETTINGS[name]
+        if kind == "ours" and args.corpus != "wikipedia" and "preset" in cfg \
+                and cfg["preset"] == "8x":
+            continue  # allocates from the default artifact: the "allocated 8x" rows instead
         spec = {"model": model,
-                "compression": compression_of(model, cfg, args.context, args.block_size),
+                "compression": compression_of(model, cfg,
+                                              args.context, args.block_size,
+                                              args.corpus if kind == "ours" else "wikipedia"),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
                 "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
-        results[name] = run_setting(spec)
+        results[key(name)] = run_setting(spec)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
@@ -450,19 +498,22 @@ def measure_rows(args) -> list[dict]:
     rows = []
     for name in names:
         kind, cfg = SETTINGS[name]
-        r = results[name]
+        if key(name) not in results:
+            continue
+        r = results[key(name)]
         if cfg is None:
             ratio = 1.0
         else:
             serving = None
             if "allocate" in cfg:
-                path = allocation_artifact(model, cfg, args.context, args.block_size)
+                path = allocation_artifact(model, cfg, args.context, args.block_size,
+                                           args.corpus if kind == "ours" else "wikipedia")
                 serving = read_manifest(path)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
                                                   args.block_size, serving)
             ratio = original / allocated
         deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]
-        rows.append({"name": name, "kind": kind, "ratio": ratio,
+        rows.append({"name": key(name), "kind": kind, "ratio": ratio,
                      "ppl": [r[t]["ppl"] for t in args.texts], "deltas": deltas,
                      "delta": sum(deltas) / len(deltas)})
     return rows

@@ -63,3 +63,30 @@ def test_every_held_out_domain_gives_windows_of_its_own_text(model_path):
     assert not any("**" in p for p in plays)  # markdown emphasis removed
     calibration = set(texts.wikipedia_split("calibration"))
     assert not calibration & set(texts.HELD_OUT["wikipedia"]())
+
+
+def test_calibration_mix_leaves_the_evaluation_text_and_code_out(model_path):
+    """The ``mix`` calibration text alternates Wikipedia, news and drama, reads
+    none of the text the evaluation windows of those domains come from (4
+    windows of 4,096 tokens each), and no code: ``code`` is the domain no
+    calibration sees."""
+    from transformers import AutoTokenizer
+
+    from vllm_lowrank.calibration import text as texts
+    from vllm_lowrank.evaluation import eval_windows
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    mix = texts.calibration_mix()
+    assert texts.CALIBRATION_TEXTS["mix"] is texts.calibration_mix
+    joined = "\n\n".join(mix)
+    for name in ("wikipedia", "bbc", "shakespeare", "code"):
+        for window in eval_windows(tok, name, 4, 4096):
+            probe = tok.decode(window[1000:1040])  # 40 tokens inside the window
+            assert probe not in joined, name
+    news, plays = texts.bbc_news(), texts.shakespeare()
+    first = mix[:3]  # one piece of each domain, in turn
+    assert first[0] in texts.wikipedia_split("calibration")[0]
+    assert any(first[1] in d for d in news[len(news) // 2:])
+    assert any(first[2] in d for d in plays[len(plays) // 2:])
+    code = texts.python_code()
+    assert not any(doc[:200] in joined for doc in (code[0], code[len(code) // 2], code[-1]))

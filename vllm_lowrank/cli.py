@@ -70,6 +70,33 @@ def check_calibration_tokens(tokens: int, user_text: bool) -> None:
             f"(default {LowRankConfig.calibration_tokens})")
 
 
+def _text_flags(parser) -> None:
+    """``--text FILE`` / ``--corpus NAME`` (one of them) of ``calibrate`` and
+    ``allocate``."""
+    from vllm_lowrank.calibration.text import CALIBRATION_TEXTS
+
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--text", default=None,
+                       help="calibration text: .txt, or .jsonl with a \"text\" field "
+                            "(default: Wikipedia (gensim excerpt), calibration split)")
+    group.add_argument("--corpus", choices=sorted(CALIBRATION_TEXTS), default=None,
+                       help="a built-in calibration text: wikipedia (the default) or mix "
+                            "(Wikipedia, BBC News and Shakespeare, round-robin; "
+                            "vllm_lowrank.calibration.text.calibration_mix)")
+
+
+def _calibration_text(args) -> tuple[list[str] | None, str | None]:
+    """``(documents, description)`` of ``--text FILE`` or ``--corpus NAME``;
+    ``(None, None)`` for the default (the calibration split of Wikipedia)."""
+    from vllm_lowrank.calibration import text as texts
+
+    if args.text:
+        return texts.read_text_file(args.text), f"user text {args.text}"
+    if args.corpus and args.corpus != "wikipedia":
+        return texts.CALIBRATION_TEXTS[args.corpus](), f"built-in calibration text {args.corpus}"
+    return None, None
+
+
 def _calibrate(args) -> None:
     check_calibration_tokens(args.tokens, bool(args.text))
     if args.rank_allocation is None:
@@ -77,10 +104,7 @@ def _calibrate(args) -> None:
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
-    documents, description = None, None
-    if args.text:
-        documents = texts.read_text_file(args.text)
-        description = f"user text {args.text}"
+    documents, description = _calibration_text(args)
     from transformers import AutoConfig
 
     from vllm_lowrank.factorization.plan import AttentionShape
@@ -125,7 +149,7 @@ def _allocate(args) -> None:
         path, artifact, cfg, ratio=args.compression, bytes_per_token=args.bytes_per_token,
         ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
         context=args.context, block_size=args.block_size, num_windows=args.windows,
-        choose_knobs=not args.fixed_knobs)
+        choose_knobs=not args.fixed_knobs, documents=_calibration_text(args)[0])
     out.save(args.output)
     serving = out.manifest["ranks"]["serving"]
     print(f"wrote {args.output}: {report['bytes_per_token']:.1f} B per token "
@@ -324,9 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank-allocation", default=None,
                    help="allocation recorded in the manifest (default: fisher for "
                         "method fisher, else energy)")
-    s.add_argument("--text", default=None,
-                   help="calibration text: .txt, or .jsonl with a \"text\" field "
-                        "(default: Wikipedia (gensim excerpt), calibration split)")
+    _text_flags(s)
     s.set_defaults(func=_calibrate)
 
     s = sub.add_parser("allocate", help="byte-budget allocation of ranks and bits -> artifact")
@@ -349,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence that amortise the exact tokens")
     s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
+    _text_flags(s)
     s.add_argument("--fixed-knobs", action="store_true",
                    help="keep hadamard, k_quant and recent_tokens as given (default: also "
                         "try the other hadamard/k_quant and twice the recent window)")

@@ -52,16 +52,12 @@ def serving_config(raw: Mapping[str, Any]) -> LowRankConfig:
     return LowRankConfig.from_dict({"mode": "lowrank", **raw, "k_bits": 8, "v_bits": 8})
 
 
-def _windows(tokenizer, num_windows: int):
-    from vllm_lowrank.calibration import text as texts
-    from vllm_lowrank.calibration.calibrate import WINDOW
-
-    return texts.token_windows(tokenizer, texts.wikipedia_split("calibration"),
-                               num_windows, WINDOW)
-
-
-def calibration_latents(model, tokenizer, artifact: art.Artifact, num_windows: int):
+def calibration_latents(model, windows: list[list[int]], artifact: art.Artifact):
     """Full-basis latents of every layer, side and head group on calibration text.
+
+    Args:
+        model: The Hugging Face model; windows: token ids of the calibration
+            windows; artifact: its bases.
 
     Returns:
         ``{layer: (k_latents, v_latents)}``, lists of ``[T, n]`` float32 per
@@ -71,7 +67,7 @@ def calibration_latents(model, tokenizer, artifact: art.Artifact, num_windows: i
 
     cols = {i: torch.cat([b.a for side in bases for b in side], dim=1)
             for i, bases in artifact.bases.items()}
-    lat = collect_projected(model, _windows(tokenizer, num_windows), cols)
+    lat = collect_projected(model, windows, cols)
     out = {}
     for i, (kb, vb) in artifact.bases.items():
         parts = torch.split(lat[i], [b.a.shape[1] for b in (*kb, *vb)], dim=1)
@@ -79,7 +75,7 @@ def calibration_latents(model, tokenizer, artifact: art.Artifact, num_windows: i
     return out
 
 
-def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int, exact):
+def loss_metrics(model, windows: list[list[int]], artifact: art.Artifact, exact):
     """Objective metrics ``M`` (:func:`~vllm_lowrank.factorization.budget.side_loss`)
     per layer, side and head group.
 
@@ -97,7 +93,7 @@ def loss_metrics(model, tokenizer, artifact: art.Artifact, num_windows: int, exa
     from vllm_lowrank.calibration.calibrate import _inv_freq
     from vllm_lowrank.calibration.collect import collect_far_gradients
 
-    grads = collect_far_gradients(model, _windows(tokenizer, num_windows), sink=exact.sink,
+    grads = collect_far_gradients(model, windows, sink=exact.sink,
                                   recent=exact.recent, inv_freq=lambda i: _inv_freq(model, i))
     out = {}
     for i, bases in artifact.bases.items():
@@ -198,7 +194,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
                     ratio: float | None = None, bytes_per_token: float | None = None,
                     ppl_increase: float | None = None, context: int = 4096,
                     block_size: int = 32, num_windows: int = 4, one_page: bool | None = None,
-                    choose_knobs: bool = True) -> tuple[art.Artifact, dict]:
+                    choose_knobs: bool = True,
+                    documents: list[str] | None = None) -> tuple[art.Artifact, dict]:
     """Allocate ranks and bits for a target and record them in a copy of ``artifact``.
 
     Args:
@@ -215,6 +212,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
         block_size: vLLM KV block size (exact tokens round up to whole blocks;
             per-channel key groups must divide it).
         num_windows: Calibration windows (of 1024 tokens) to measure on.
+        documents: Calibration text (default: the calibration split of the
+            Wikipedia text, :func:`~vllm_lowrank.calibration.text.wikipedia_split`).
         one_page: One slot size for every layer (default: with
             ``token_adaptive``, where vLLM needs one page size).
         choose_knobs: Also try Hadamard flipped, per-token keys and (token-adaptive
@@ -246,14 +245,19 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
             raise LowRankConfigError(f"ratio={ratio} must be > 1 (a compression ratio)")
         bytes_per_token = original / ratio
     one_page = cfg.token_adaptive if one_page is None else one_page
+    from vllm_lowrank.calibration import text as texts
+    from vllm_lowrank.calibration.calibrate import WINDOW
+
     model, tok = load_hf_model(model_path)
-    latents = calibration_latents(model, tok, artifact, num_windows)
+    windows = texts.token_windows(
+        tok, documents if documents is not None else texts.wikipedia_split("calibration"),
+        num_windows, WINDOW)
+    latents = calibration_latents(model, windows, artifact)
     from vllm_lowrank.format.exact import exact_tokens
 
     results = []
     for window in _exact_windows(cfg, choose_knobs):
-        metrics = loss_metrics(model, tok, artifact, num_windows,
-                               exact_tokens(window, block_size))
+        metrics = loss_metrics(model, windows, artifact, exact_tokens(window, block_size))
         for v in _knob_variants(window, choose_knobs):
             storage = bud.Storage(quant_group=v.quant_group_size, hadamard=v.hadamard,
                                   k_channel_tokens=(v.k_channel_tokens if v.k_quant == "channel"

@@ -142,6 +142,60 @@ HELD_OUT = {
 (encyclopedia, news, drama, code)."""
 
 
+MIX_PIECE_CHARS = 4096
+"""Characters per piece of :func:`calibration_mix` (about 1,000 tokens of
+prose: about one calibration window)."""
+
+
+def _pieces(documents, chars: int) -> list[str]:
+    """The documents cut at paragraph breaks into pieces of about ``chars``
+    characters (a longer paragraph is one piece)."""
+    out = []
+    for doc in documents:
+        piece = ""
+        for para in doc.split("\n\n"):
+            if piece and len(piece) + len(para) > chars:
+                out.append(piece)
+                piece = ""
+            piece = f"{piece}\n\n{para}" if piece else para
+        if piece:
+            out.append(piece)
+    return out
+
+
+def calibration_mix() -> list[str]:
+    """Calibration text across three domains, round-robin in pieces of about
+    :data:`MIX_PIECE_CHARS` characters (so that each 1,024-token calibration
+    window is mostly one domain and consecutive windows alternate):
+
+    - Wikipedia: the even-index articles (the default calibration split);
+    - BBC News: the second half of the articles (evaluation reads the
+      :data:`HELD_OUT` list from its start: a few thousand tokens of the first
+      half);
+    - Shakespeare: the second half of the plays (the same reason).
+
+    Python code stays out entirely: it is the domain no calibration sees.
+
+    Raises:
+        LowRankConfigError: a text package is not installed.
+    """
+    news, plays = list(bbc_news()), list(shakespeare())
+    domains = [_pieces(wikipedia_split("calibration"), MIX_PIECE_CHARS),
+               _pieces(news[len(news) // 2:], MIX_PIECE_CHARS),
+               _pieces(plays[len(plays) // 2:], MIX_PIECE_CHARS)]
+    out = []
+    for i in range(max(map(len, domains))):
+        out.extend(d[i] for d in domains if i < len(d))
+    return out
+
+
+CALIBRATION_TEXTS = {
+    "wikipedia": lambda: wikipedia_split("calibration"),
+    "mix": calibration_mix,
+}
+"""Built-in calibration texts by name (``wikipedia``: the default)."""
+
+
 def read_text_file(path: str, what: str = "calibration text") -> list[str]:
     """Documents of a user file: JSONL (``{"text": ...}`` per line) or plain text
     (``what`` names it in errors).
