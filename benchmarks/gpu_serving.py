@@ -56,12 +56,12 @@ CONFIGS = {
     "tale-k4v4": {"compression": {"rank_fraction": 0.5, "head_group_size": 1, "rank_allocation": "uniform",
                                   "k_bits": 4, "v_bits": 4, "token_adaptive": True,
                                   "sink_tokens": 32, "recent_tokens": 128}},
-    # vLLM's own compressed caches (Triton kernels, no calibration)
     # the presets (vllm_lowrank/presets.py), weight-SVD bases (artifact "none");
     # 8x allocates from a calibration artifact, which the GPU machine cannot make
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
     "preset-lossless": {"compression": {"preset": "lossless"}},
+    # vLLM's own compressed caches (Triton kernels, no calibration)
     "int8_per_token_head": {"kv_cache_dtype": "int8_per_token_head"},
     "int4_per_token_head": {"kv_cache_dtype": "int4_per_token_head"},
     "fp8_per_token_head": {"kv_cache_dtype": "fp8_per_token_head"},
