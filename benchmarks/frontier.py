@@ -50,6 +50,8 @@ import json
 import math
 import os
 
+from vllm_lowrank.calibration.text import DEFAULT_CALIBRATION_TEXT as DEFAULT_TEXT
+
 KIVI = {"rank_fraction": 1.0, "quant_group_size": 64, "hadamard": False, "token_adaptive": True,
         "sink_tokens": 0, "recent_tokens": 128, "k_quant": "channel", "k_channel_tokens": 32}
 TALE = {"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128, "k_quant": "channel",
@@ -118,11 +120,11 @@ def corpus_artifact(model: str, corpus: str) -> str:
 
 
 def allocation_artifact(model: str, cfg: dict, context: int, block: int,
-                        corpus: str = "wikipedia") -> str:
+                        corpus: str = DEFAULT_TEXT) -> str:
     """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
     (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
     model's default fisher artifact, or with ``corpus`` other than
-    ``wikipedia`` from :func:`corpus_artifact` and measured on that text;
+    the default text from :func:`corpus_artifact` and measured on that text;
     cached under the plugin's cache root)."""
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
@@ -134,17 +136,17 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
         f"{k}{v}" for k, v in sorted(serving.items())) + ("-chosen" if cfg.get("choose_knobs")
                                                          else "")
-    if corpus != "wikipedia":
+    if corpus != DEFAULT_TEXT:
         name += f"-{corpus}"
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
-        if corpus == "wikipedia":
+        if corpus == DEFAULT_TEXT:
             artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
             documents = None
         else:
             artifact = load_artifact(corpus_artifact(model, corpus))
-            documents = texts.CALIBRATION_TEXTS[corpus]()
+            documents = texts.calibration_documents(corpus)
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block,
                                  choose_knobs=cfg.get("choose_knobs", False),
@@ -154,15 +156,15 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
 
 
 def compression_of(model: str, cfg: dict | None, context: int, block: int,
-                   corpus: str = "wikipedia") -> dict | None:
+                   corpus: str = DEFAULT_TEXT) -> dict | None:
     """The ``kv_compression`` settings a setting is served with (calibrated on
-    ``corpus``: the default artifact for ``wikipedia``)."""
+    ``corpus``: the default artifact for the default text)."""
     if cfg is None:
         return None
     if "allocate" in cfg:
         return {"mode": "lowrank",
                 "artifact": allocation_artifact(model, cfg, context, block, corpus)}
-    if corpus != "wikipedia":
+    if corpus != DEFAULT_TEXT:
         return {"mode": "lowrank", **cfg, "artifact": corpus_artifact(model, corpus)}
     return {"mode": "lowrank", **cfg}
 
@@ -412,10 +414,10 @@ def main() -> None:
                    help="rows of our settings saved by --save-rows: print and plot them "
                         "instead of running engines")
     p.add_argument("--save-rows", default=None, help="write the rows of this run here")
-    p.add_argument("--corpus", default="wikipedia",
+    p.add_argument("--corpus", default=DEFAULT_TEXT,
                    help="calibration text of our settings (a name of "
-                        "vllm_lowrank.calibration.text.CALIBRATION_TEXTS; `mix`: Wikipedia, "
-                        "BBC News, Shakespeare); rows are named with it unless wikipedia")
+                        "vllm_lowrank.calibration.text.CALIBRATION_TEXTS); rows are named "
+                        "with it unless it is the default text")
     args = p.parse_args()
 
     rows = load_rows(args.rows) if args.rows else measure_rows(args)
@@ -473,20 +475,20 @@ def measure_rows(args) -> list[dict]:
             results = json.load(f)
     def key(name: str) -> str:  # results and rows: named with a non-default corpus
         ours = SETTINGS[name][0] == "ours"
-        return f"{name} [{args.corpus} calibration]" if ours and args.corpus != "wikipedia" \
+        return f"{name} [{args.corpus} calibration]" if ours and args.corpus != DEFAULT_TEXT \
             else name
 
     for name in names:
         if key(name) in results:
             continue
         kind, cfg = SETTINGS[name]
-        if kind == "ours" and args.corpus != "wikipedia" and "preset" in cfg \
+        if kind == "ours" and args.corpus != DEFAULT_TEXT and "preset" in cfg \
                 and cfg["preset"] == "8x":
             continue  # allocates from the default artifact: the "allocated 8x" rows instead
         spec = {"model": model,
                 "compression": compression_of(model, cfg,
                                               args.context, args.block_size,
-                                              args.corpus if kind == "ours" else "wikipedia"),
+                                              args.corpus if kind == "ours" else DEFAULT_TEXT),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
                 "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
         results[key(name)] = run_setting(spec)
@@ -507,7 +509,7 @@ def measure_rows(args) -> list[dict]:
             serving = None
             if "allocate" in cfg:
                 path = allocation_artifact(model, cfg, args.context, args.block_size,
-                                           args.corpus if kind == "ours" else "wikipedia")
+                                           args.corpus if kind == "ours" else DEFAULT_TEXT)
                 serving = read_manifest(path)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
                                                   args.block_size, serving)

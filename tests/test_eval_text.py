@@ -77,7 +77,8 @@ def test_calibration_mix_leaves_the_evaluation_text_and_code_out(model_path):
 
     tok = AutoTokenizer.from_pretrained(model_path)
     mix = texts.calibration_mix()
-    assert texts.CALIBRATION_TEXTS["mix"] is texts.calibration_mix
+    assert texts.calibration_documents("mix") == mix
+    assert texts.calibration_documents() == texts.wikipedia_split("calibration")  # default
     joined = "\n\n".join(mix)
     for name in ("wikipedia", "bbc", "shakespeare", "code"):
         for window in eval_windows(tok, name, 4, 4096):

@@ -212,8 +212,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
         block_size: vLLM KV block size (exact tokens round up to whole blocks;
             per-channel key groups must divide it).
         num_windows: Calibration windows (of 1024 tokens) to measure on.
-        documents: Calibration text (default: the calibration split of the
-            Wikipedia text, :func:`~vllm_lowrank.calibration.text.wikipedia_split`).
+        documents: Calibration text (default: the built-in
+            :data:`~vllm_lowrank.calibration.text.DEFAULT_CALIBRATION_TEXT`).
         one_page: One slot size for every layer (default: with
             ``token_adaptive``, where vLLM needs one page size).
         choose_knobs: Also try Hadamard flipped, per-token keys and (token-adaptive
@@ -250,7 +250,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
 
     model, tok = load_hf_model(model_path)
     windows = texts.token_windows(
-        tok, documents if documents is not None else texts.wikipedia_split("calibration"),
+        tok, documents if documents is not None else texts.calibration_documents(),
         num_windows, WINDOW)
     latents = calibration_latents(model, windows, artifact)
     from vllm_lowrank.format.exact import exact_tokens

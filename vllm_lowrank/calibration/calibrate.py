@@ -28,8 +28,8 @@ from vllm_lowrank.factorization.bases import (
 logger = logging.getLogger("vllm.lowrank")
 
 CALIBRATION_VERSION = 1
-"""Bumped whenever the statistics or closed forms change (invalidates cached
-``artifact="auto"`` results)."""
+"""Bumped whenever the statistics, closed forms or default text change
+(invalidates cached ``artifact="auto"`` results)."""
 WINDOW = 1024
 """Tokens per calibration window: distances up to 1023 inform the RoPE metric."""
 
@@ -176,8 +176,8 @@ def calibrate_model(
         group_size: KV heads per group (``None``: all of a layer).
         num_tokens: Calibration tokens (rounded down to whole windows of
             :data:`WINDOW`).
-        documents: Calibration texts; default: the calibration split of the
-            Wikipedia (gensim excerpt) text.
+        documents: Calibration texts; default: the built-in
+            :data:`~vllm_lowrank.calibration.text.DEFAULT_CALIBRATION_TEXT`.
         text_description: Recorded in the manifest for user texts.
 
     Returns:
@@ -199,9 +199,8 @@ def calibrate_model(
         raise LowRankConfigError(f"group_size={g} does not divide {num_kv} KV heads")
     num_windows = max(1, num_tokens // WINDOW)
     if documents is None:
-        documents = texts.wikipedia_split("calibration")
-        text_description = ("Wikipedia (gensim 4.4.0 excerpt), even-index articles "
-                            "(calibration split)")
+        documents = texts.calibration_documents()
+        text_description = texts.CALIBRATION_TEXTS[texts.DEFAULT_CALIBRATION_TEXT]
     stats = None
     if method != "svd":
         windows = texts.token_windows(tok, documents, num_windows, WINDOW)
