@@ -473,6 +473,7 @@ def measure_rows(args) -> list[dict]:
     if args.json and os.path.exists(args.json):
         with open(args.json) as f:
             results = json.load(f)
+
     def key(name: str) -> str:  # results and rows: named with a non-default corpus
         ours = SETTINGS[name][0] == "ours"
         return f"{name} [{args.corpus} calibration]" if ours and args.corpus != DEFAULT_TEXT \
@@ -482,13 +483,12 @@ def measure_rows(args) -> list[dict]:
         if key(name) in results:
             continue
         kind, cfg = SETTINGS[name]
-        if kind == "ours" and args.corpus != DEFAULT_TEXT and "preset" in cfg \
-                and cfg["preset"] == "8x":
+        corpus = args.corpus if kind == "ours" else DEFAULT_TEXT
+        if corpus != DEFAULT_TEXT and cfg.get("preset") == "8x":
             continue  # allocates from the default artifact: the "allocated 8x" rows instead
         spec = {"model": model,
-                "compression": compression_of(model, cfg,
-                                              args.context, args.block_size,
-                                              args.corpus if kind == "ours" else DEFAULT_TEXT),
+                "compression": compression_of(model, cfg, args.context, args.block_size,
+                                              corpus),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
                 "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
         results[key(name)] = run_setting(spec)

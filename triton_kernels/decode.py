@@ -34,7 +34,7 @@ from .decode_prep import (MAX_CLASSES, WEIGHT_CACHE, Prepared, cached_for, key_w
                           pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _packed_config, _wide_config, choose_num_splits)
-from .launch import needs_wide  # noqa: F401 (part of this module's interface)
+from .launch import needs_wide
 from .tiles import reduce_splits_kernel
 
 LOG2E = 1.4426950408889634
@@ -223,9 +223,9 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
     if cfg.wide is not None:
         wide = cfg.wide
     else:
-        if prep is None and not per_channel and mode == "pre_rope":
-            prep = prepare(plan, layout, rotary_dim, True, "cpu")
-        wide = per_channel or (mode == "pre_rope" and _key_tile_too_large(prep))
+        wide = per_channel or (mode == "pre_rope" and (
+            needs_wide(plan, layout, rotary_dim) if prep is None
+            else _key_tile_too_large(prep)))
     if per_channel and not wide:
         raise ValueError("per-channel keys decode on the wide-group kernel only "
                          "(KernelConfig.wide=False was given)")

@@ -103,7 +103,6 @@ def _calibrate(args) -> None:
     check_calibration_tokens(args.tokens, bool(args.text))
     if args.rank_allocation is None:
         args.rank_allocation = "fisher" if args.method == "fisher" else "energy"
-    from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
     documents, description = _calibration_text(args)
