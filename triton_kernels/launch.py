@@ -141,17 +141,23 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
                 programs_per_sm=2, groups_per_program=1)
 
 
-PACKED_CONFIG = (128, 8, 2)
-"""``(BLOCK_N, warps, stages)`` of the packed post-RoPE kernel
-(:mod:`.decode_packed`) on a GPU."""
+PACKED_CONFIG = (64, 2, 2, 4)
+"""``(BLOCK_N, warps, stages, programs per SM)`` of the packed post-RoPE kernel
+(:mod:`.decode_packed`) on a GPU: small programs, many of them resident per SM,
+each with its own softmax state, and the context split by the wave model at 4
+programs per SM. H200 sweep (``(BLOCK_N, warps, stages)`` in {32, 64, 128} x {1,
+2, 4, 8} x {2, 3, 4}, 2-16 programs per SM in the split model; benchmarks/README.md,
+"A kernel for the default's format"): 1.43x / 1.30x / 1.08x the earlier
+``(128, 8, 2)`` at 2 programs per SM, at 8 x 32k / 16 x 4k / 1 x 32k."""
 
 
 def _packed_config(device) -> dict:
     """Launch parameters of the packed post-RoPE kernel (:mod:`.decode_packed`):
     :data:`PACKED_CONFIG` on a GPU, 16-token tiles under the interpreter."""
-    block_n, num_warps, num_stages = PACKED_CONFIG if device.type == "cuda" else (16, 4, 1)
+    block_n, num_warps, num_stages, per_sm = PACKED_CONFIG if device.type == "cuda" \
+        else (16, 4, 1, 2)
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                transposed=False, programs_per_sm=2)
+                transposed=False, programs_per_sm=per_sm)
 
 
 def _wide_config(plan, prep: Prepared, device) -> dict:
