@@ -169,8 +169,8 @@ def make_plan(k_ranks, v_ranks):
     return LayerPlan(shape, 1, tuple(k_ranks), tuple(v_ranks))
 
 
-def make_problem(plan, batch, length, quant_bits, seed=0, lens=None):
-    dev = "cuda"
+def make_problem(plan, batch, length, quant_bits, seed=0, lens=None, device="cuda"):
+    dev = device
     g = torch.Generator(device=dev).manual_seed(seed)
     gw = plan.group_width
     k_up = torch.zeros(plan.k_width, KV_HEADS * HEAD_DIM, device=dev)
@@ -742,11 +742,15 @@ PACKED_SWEEP_CASES = [(1.0, "k8v4", "post_rope", "packed"), (1.0, "k8v8", "post_
 the ``2x`` preset (ratio 1.0, K8/V4) first."""
 
 
-PACKED_SWEEP_LAUNCHES = [(64, 4, 3), (128, 4, 3), (128, 8, 2), (256, 4, 3), (256, 8, 3)]
-"""``(BLOCK_N, warps, stages)`` of the packed kernel's sweep (each with the
-heuristic split and 2-32 splits): the fastest launches of a first 18-variant
-sweep (``BLOCK_N`` 32 / 64 / 128, 4 / 8 warps, 2-4 stages; H100) and larger
-tiles."""
+PACKED_SWEEP_LAUNCHES = [(32, 1, 3), (64, 2, 2), (64, 2, 3), (128, 4, 3), (128, 8, 2)]
+"""``(BLOCK_N, warps, stages)`` of the packed kernel's sweep, each with the
+heuristic split (:data:`~vllm_lowrank.triton_kernels.launch.PACKED_CONFIG`'s
+programs per SM) and explicit splits: the fastest launches of an H200 sweep of
+``BLOCK_N`` 32 / 64 / 128 x 1 / 2 / 4 / 8 warps x 2-4 stages, and the earlier
+default ``(128, 8, 2)``."""
+
+
+PACKED_SWEEP_SPLITS = (None, 4, 16, 64)
 
 
 def quant_sweep(rope, shapes, sdpa, only=None, cases=None):
@@ -782,7 +786,7 @@ def quant_sweep(rope, shapes, sdpa, only=None, cases=None):
     if packed:
         variants = [dict(packed=False), dict(packed=True)] + [
             dict(block_n=b, num_warps=w, num_stages=st, packed=True, num_splits=sp)
-            for b, w, st in PACKED_SWEEP_LAUNCHES for sp in (None, 2, 4, 8, 16, 32)]
+            for b, w, st in PACKED_SWEEP_LAUNCHES for sp in PACKED_SWEEP_SPLITS]
     else:
         variants = [None] + [dict(block_n=b, num_warps=w, num_stages=st, transposed=t,
                                   groups_per_program=1)

@@ -61,13 +61,14 @@ CONFIGS = {
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
     "preset-lossless": {"compression": {"preset": "lossless"}},
-    # vLLM's own compressed caches (Triton kernels, no calibration)
+    # vLLM's own compressed caches (Triton kernels, no calibration; TurboQuant:
+    # vLLM picks its backend per layer, its 16-bit boundary layers included)
     "int8_per_token_head": {"kv_cache_dtype": "int8_per_token_head"},
     "int4_per_token_head": {"kv_cache_dtype": "int4_per_token_head"},
     "fp8_per_token_head": {"kv_cache_dtype": "fp8_per_token_head"},
-    "turboquant_k8v4": {"kv_cache_dtype": "turboquant_k8v4"},
-    "turboquant_4bit_nc": {"kv_cache_dtype": "turboquant_4bit_nc"},
-    "turboquant_3bit_nc": {"kv_cache_dtype": "turboquant_3bit_nc"},
+    "turboquant_k8v4": {"kv_cache_dtype": "turboquant_k8v4", "backend": None},
+    "turboquant_4bit_nc": {"kv_cache_dtype": "turboquant_4bit_nc", "backend": None},
+    "turboquant_3bit_nc": {"kv_cache_dtype": "turboquant_3bit_nc", "backend": None},
 }
 
 
@@ -101,7 +102,7 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
         dtype="bfloat16", max_model_len=max_model_len, seed=0, max_num_seqs=max_num_seqs,
         enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_config={"backend": "TRITON_ATTN"},
+        attention_config={"backend": spec.get("backend", "TRITON_ATTN")},  # None: vLLM's choice
         ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
                         "gelu_and_mul_sparse": ["native"]},
         enforce_eager=args.eager,
