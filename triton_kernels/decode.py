@@ -173,6 +173,20 @@ def _cuda_decode(plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens
                                            return_lse=return_lse)
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device, dtype) -> torch.Tensor:
+    """A one-element zero tensor for kernel arguments a mode does not read (the
+    key weights and RoPE tables of post-RoPE decode), made once per device and
+    dtype: a fresh ``torch.zeros`` per call is a fill kernel in every layer's
+    CUDA graph."""
+    key = (str(device), dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, device=device, dtype=dtype)
+    return _PLACEHOLDERS[key]
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -407,8 +421,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         rope_direct = not rope_is_rotation(rope)
         s_rope, max_pos = cos.stride(0), cos.shape[0]
     else:
-        weights = torch.zeros(1, device=device, dtype=dt_torch)
-        cos = sin = torch.zeros(1, device=device, dtype=torch.float32)
+        weights = _placeholder(device, dt_torch)
+        cos = sin = _placeholder(device, torch.float32)
         rope_direct, s_rope, max_pos = False, 0, 0
         if query.shape[-1] < max(plan.k_ranks):
             raise ValueError("post_rope queries need >= max(k_ranks) columns")
