@@ -17,12 +17,16 @@ import torch
 from vllm_lowrank.config import EXACT_BITS, LowRankConfig, LowRankConfigError
 
 
-PREFILL_CHUNK_TOKENS = 256
+PREFILL_CHUNK_TOKENS = 128
 """vLLM's per-request prefill chunk (``long_prefill_token_threshold``) that the
 token-adaptive mode sets when the user did not: every token of a chunk is
 written to the exact cache for the step, so the chunk bounds the exact blocks a
 request holds and vLLM reserves (sink + recent + chunk tokens), which keeps
-the capacity gain under vLLM's default 8,192-token step budget."""
+the capacity gain under vLLM's default 8,192-token step budget. 128 rather than
+256: 31-33 % more KV capacity for the ``lossless`` and ``4x`` presets and 1.5-1.8x
+the concurrent sequences under load, for 1.7-2.6x the preemptions and 5-10 % more
+wall time in the CPU load test (benchmarks/README.md, "The presets under load");
+a request alone in the scheduler still prefills in whole-budget chunks."""
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
