@@ -102,6 +102,7 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
         dtype="bfloat16", max_model_len=max_model_len, seed=0, max_num_seqs=max_num_seqs,
         enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_config={"backend": spec.get("backend", "TRITON_ATTN")},  # None: vLLM's choice
         ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
                         "gelu_and_mul_sparse": ["native"]},
@@ -288,6 +289,9 @@ def main() -> None:
     p.add_argument("--load-out", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="vLLM's per-request prefill chunk (0: vLLM's default, or the "
+                        "plugin's for token-adaptive settings)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")

@@ -24,9 +24,11 @@ written to the exact cache for the step, so the chunk bounds the exact blocks a
 request holds and vLLM reserves (sink + recent + chunk tokens), which keeps
 the capacity gain under vLLM's default 8,192-token step budget. 128 rather than
 256: 31-33 % more KV capacity for the ``lossless`` and ``4x`` presets and 1.5-1.8x
-the concurrent sequences under load, for 1.7-2.6x the preemptions and 5-10 % more
-wall time in the CPU load test (benchmarks/README.md, "The presets under load");
-a request alone in the scheduler still prefills in whole-budget chunks."""
+the concurrent sequences in the CPU load test (more preemptions, wall time within
+its run-to-run spread); on a GPU, where token-adaptive prefill runs one request
+and chunk at a time, 1.67x the prefill time of 16 x 4k prompts (benchmarks/README.md,
+"The presets under load"). A request alone in the scheduler still prefills in
+whole-budget chunks."""
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
