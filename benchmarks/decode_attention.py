@@ -751,6 +751,7 @@ default ``(128, 8, 2)``."""
 
 
 PACKED_SWEEP_SPLITS = (None, 4, 16, 64)
+"""Context splits of each packed launch in the sweep (``None``: the heuristic)."""
 
 
 def quant_sweep(rope, shapes, sdpa, only=None, cases=None):

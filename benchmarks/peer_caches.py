@@ -62,6 +62,27 @@ UNSUPPORTED = {
 }
 
 
+def use_real_triton() -> None:
+    """Hand vLLM the real ``triton`` where its CPU build switched Triton off
+    (``vllm.triton_utils`` gives placeholders when Triton has no CPU backend),
+    so that vLLM's ``@triton.jit`` kernels run under ``TRITON_INTERPRET=1`` on
+    CPU tensors; vLLM kernel modules imported before are dropped, to be
+    rebuilt against it on their next import. A no-op where vLLM has Triton."""
+    import sys
+
+    import vllm.triton_utils as tu
+
+    if tu.HAS_TRITON:
+        return
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+
+    tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
+    for name in [m for m in sys.modules if m.startswith("vllm.v1.attention.ops")]:
+        del sys.modules[name]
+
+
 # ---------------------------------------------------------------------------------
 # per-token-head int8 / fp8 (triton_reshape_and_cache_flash._reshape_cache_per_token_head)
 # ---------------------------------------------------------------------------------

@@ -99,22 +99,6 @@ OURS = PRESETS["2x"].settings
 # ---------------------------------------------------------------------------------
 # Shared problem, vLLM cache allocation, reference attention
 # ---------------------------------------------------------------------------------
-def use_triton_interpreter():
-    """vLLM's CPU build switches its Triton off (``vllm.triton_utils`` hands out
-    placeholders without a Triton CPU backend); under ``TRITON_INTERPRET=1``
-    hand it the real ``triton`` so vLLM's kernels run in the interpreter on
-    CPU tensors (as ``tests/test_peer_quantizers.py`` does). Call before any
-    vLLM kernel module is imported."""
-    import triton
-    import triton.language as tl
-    import triton.language.extra.libdevice as tldevice
-
-    import vllm.triton_utils as tu
-
-    if not tu.HAS_TRITON:
-        tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
-
-
 def paged_problem(batch, length, device, dtype, seed=0):
     """The decode step every vLLM format is timed on: ``bt`` [B, pages] int32
     (the ``B * pages`` blocks shuffled), ``slots`` [B * L] int64 (vLLM's slot of
@@ -498,7 +482,7 @@ def main():
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("--smoke runs the Triton kernels in the interpreter: set "
                              "TRITON_INTERPRET=1 (before Python starts)")
-        use_triton_interpreter()
+        pc.use_real_triton()
         torch.set_num_threads(os.cpu_count() or 1)
         print("--smoke: CPU tensors, float16, Triton interpreter; `us` is one interpreted "
               "call (not a speed); x sdpa needs CUDA")

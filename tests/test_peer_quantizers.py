@@ -5,8 +5,8 @@ On a machine without CUDA vLLM's kernels run under ``TRITON_INTERPRET=1`` (set
 by ``conftest.py``) on CPU tensors. vLLM's CPU build switches its Triton off
 (``vllm.triton_utils`` hands out placeholders when Triton has no CPU backend);
 this module hands the real ``triton`` to ``vllm.triton_utils`` and (re)imports
-vLLM's kernel modules after that, so their ``@triton.jit`` functions run in the
-interpreter.
+vLLM's kernel modules after that (``peer_caches.use_real_triton``), so their
+``@triton.jit`` functions run in the interpreter.
 
     python -P -m pytest tests/test_peer_quantizers.py -q
 """
@@ -26,17 +26,10 @@ pytest.importorskip("vllm")
 
 import triton.language as tl  # noqa: E402
 
-import vllm.triton_utils as tu  # noqa: E402
-
-if not tu.HAS_TRITON:  # CPU build: hand vLLM the real Triton (interpreter mode)
-    import triton.language.extra.libdevice as tldevice
-
-    tu.HAS_TRITON, tu.triton, tu.tl, tu.tldevice = True, triton, tl, tldevice
-    for name in [m for m in sys.modules if m.startswith("vllm.v1.attention.ops")]:
-        del sys.modules[name]  # rebuilt below against the real Triton
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 import benchmarks.peer_caches as pc  # noqa: E402
+
+pc.use_real_triton()  # CPU build: vLLM's kernels in the interpreter
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 NUM_BLOCKS, BLOCK, HEADS = 3, 16, 2

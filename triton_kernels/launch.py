@@ -147,7 +147,7 @@ PACKED_CONFIG = (64, 2, 2, 4)
 each with its own softmax state, and the context split by the wave model at 4
 programs per SM. H200 sweep (``(BLOCK_N, warps, stages)`` in {32, 64, 128} x {1,
 2, 4, 8} x {2, 3, 4}, 2-16 programs per SM in the split model; benchmarks/README.md,
-"A kernel for the default's format"): 1.43x / 1.30x / 1.08x the earlier
+"Small programs for the packed kernel"): 1.43x / 1.30x / 1.08x the earlier
 ``(128, 8, 2)`` at 2 programs per SM, at 8 x 32k / 16 x 4k / 1 x 32k."""
 
 
