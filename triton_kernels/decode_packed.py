@@ -88,13 +88,14 @@ def _add_pair(a0, a1, b0, b1):
 def _tile_pairs(bt_row, cache_ptr, s_blk, s_tok, pos, valid, g, k_scale_off, k_zero_off,
                 v_scale_off, v_zero_off, PAGE: tl.constexpr, K_OFF: tl.constexpr,
                 V_OFF: tl.constexpr):
-    """The key and value pairs of head group ``g`` at positions ``pos`` [N]
-    (:func:`_pair`; 0 where not ``valid``): ``(s_k, z_k', s_v, z_v')`` float32."""
+    """The slot pointers [N] of positions ``pos`` and the key and value pairs
+    of head group ``g`` there (:func:`_pair`; 0 where not ``valid``):
+    ``(rows, s_k, z_k', s_v, z_v')``, the pairs float32."""
     blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
     rows = cache_ptr + (blk * s_blk + (pos % PAGE) * s_tok)
     ks, kz = _pair(rows, valid, k_scale_off + 2 * g, k_zero_off + 2 * g, K_OFF)
     vs, vz = _pair(rows, valid, v_scale_off + 2 * g, v_zero_off + 2 * g, V_OFF)
-    return ks, kz, vs, vz
+    return rows, ks, kz, vs, vz
 
 
 @triton.jit
@@ -150,19 +151,21 @@ def packed_decode_kernel(
     z_i = tl.full([Q_PAD], 0.0, tl.float32)  # sum_t p (value zero point)
     acc0 = tl.full([Q_PAD, VB], 0.0, tl.float32)
     acc1 = acc0
-    # The scale/zero pairs of tile t + 1 are loaded during tile t (their 2-byte
-    # gathers are not pipelined by the compiler; waiting for them in the tile
-    # that uses them cost 1.3x at 8 x 32k, H200).
+    # The slot pointers and scale/zero pairs of tile t + 1 are loaded during
+    # tile t (the 2-byte gathers are not pipelined by the compiler; waiting for
+    # them in the tile that uses them cost 1.3x at 8 x 32k, H200). Carrying the
+    # pointers over, rather than loading the block table again for the codes,
+    # gave 2-3.5 % with 3 stages (H200, benchmarks/README.md).
     pos = first + t_lo * BLOCK_N + i
     valid = pos < tl.where(t_lo < t_hi, end, 0)
-    ks, kz, vs, vz = _tile_pairs(bt_row, cache_ptr, s_blk, s_tok, pos, valid, g, k_scale_off,
-                                 k_zero_off, v_scale_off, v_zero_off, PAGE, K_OFF, V_OFF)
+    rows_c, ks, kz, vs, vz = _tile_pairs(bt_row, cache_ptr, s_blk, s_tok, pos, valid, g,
+                                         k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+                                         PAGE, K_OFF, V_OFF)
     for t in range(t_lo, t_hi):
         pos = first + t * BLOCK_N + i
         valid = pos < end
-        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        rows = cache_ptr + (blk * s_blk + (pos % PAGE) * s_tok)  # [BLOCK_N] slot pointers
-        ks_n, kz_n, vs_n, vz_n = _tile_pairs(
+        rows = rows_c  # [BLOCK_N] slot pointers
+        rows_n, ks_n, kz_n, vs_n, vz_n = _tile_pairs(
             bt_row, cache_ptr, s_blk, s_tok, pos + BLOCK_N,
             pos + BLOCK_N < tl.where(t + 1 < t_hi, end, 0), g, k_scale_off, k_zero_off,
             v_scale_off, v_zero_off, PAGE, K_OFF, V_OFF)
@@ -190,7 +193,7 @@ def packed_decode_kernel(
             acc0 = tl.dot(ps, _centred(vx & 15, V_OFF, DT, F16), acc0 * alpha[:, None])
             acc1 = tl.dot(ps, _centred(vx >> 4, V_OFF, DT, F16), acc1 * alpha[:, None])
         m_i = m_new
-        ks, kz, vs, vz = ks_n, kz_n, vs_n, vz_n
+        rows_c, ks, kz, vs, vz = rows_n, ks_n, kz_n, vs_n, vz_n
 
     # Epilogue: an empty split or span (l = 0) gives a zero row and LSE -inf.
     nonempty = l_i > 0.0

@@ -141,14 +141,16 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
                 programs_per_sm=2, groups_per_program=1)
 
 
-PACKED_CONFIG = (64, 2, 2, 4)
+PACKED_CONFIG = (64, 2, 3, 4)
 """``(BLOCK_N, warps, stages, programs per SM)`` of the packed post-RoPE kernel
 (:mod:`.decode_packed`) on a GPU: small programs, many of them resident per SM,
 each with its own softmax state, and the context split by the wave model at 4
 programs per SM. H200 sweep (``(BLOCK_N, warps, stages)`` in {32, 64, 128} x {1,
 2, 4, 8} x {2, 3, 4}, 2-16 programs per SM in the split model; benchmarks/README.md,
 "Small programs for the packed kernel"): 1.43x / 1.30x / 1.08x the earlier
-``(128, 8, 2)`` at 2 programs per SM, at 8 x 32k / 16 x 4k / 1 x 32k."""
+``(128, 8, 2)`` at 2 programs per SM, at 8 x 32k / 16 x 4k / 1 x 32k. 3 stages
+since the slot pointers are carried from tile to tile (2 were best before):
+210.8 / 65.9 / 49.2 us against 215.2 / 68.3 / 50.1 us, H200, two runs."""
 
 
 def _packed_config(device) -> dict:

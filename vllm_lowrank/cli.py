@@ -86,6 +86,20 @@ def _text_flags(parser) -> None:
                             "code; better perplexity off Wikipedia, worse passkey retrieval)")
 
 
+def _device_flags(parser) -> None:
+    """``--device`` / ``--dtype`` of ``calibrate`` and ``allocate``
+    (:mod:`vllm_lowrank.calibration.device`)."""
+    from vllm_lowrank.calibration.device import DTYPES
+
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs on the calibration text: cpu (default), "
+                             "cuda or cuda:N; the run's memory is estimated and checked "
+                             "before the model loads")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="the model's dtype for the run (default float32; bfloat16 "
+                             "halves the weights' memory on a GPU)")
+
+
 def _calibration_text(args) -> tuple[list[str] | None, str | None]:
     """``(documents, description)`` of ``--text FILE`` or ``--corpus NAME``;
     ``(None, None)`` for the default text
@@ -123,7 +137,8 @@ def _calibrate(args) -> None:
     path = resolve_model(args.model)
     artifact = calibrate_model(path, method=args.method,
                                group_size=args.head_group_size, num_tokens=args.tokens,
-                               documents=documents, text_description=description)
+                               documents=documents, text_description=description,
+                               device=args.device, dtype=args.dtype)
     m = artifact.manifest["model"]
     shape = AttentionShape(**{k: m[k] for k in manifest_shape(AttentionShape(0, 0, 0, 0))})
     per_layer = mixes_attention_kinds(AutoConfig.from_pretrained(path))
@@ -132,7 +147,8 @@ def _calibrate(args) -> None:
     artifact.save(args.output)
     cal = artifact.manifest["calibration"]
     print(f"wrote {args.output}: method {args.method}, group size "
-          f"{artifact.group_size}, {cal['tokens']} calibration tokens, {cal['seconds']} s")
+          f"{artifact.group_size}, {cal['tokens']} calibration tokens, {cal['seconds']} s "
+          f"on {cal['device']} in {cal['dtype']}")
 
 
 def _allocate(args) -> None:
@@ -143,14 +159,15 @@ def _allocate(args) -> None:
     cfg = serving_config(parse_config_text(args.config) if args.config else {})
     path = resolve_model(args.model)
     if args.artifact == "auto":
-        artifact, _ = load_or_calibrate(path, cfg)
+        artifact, _ = load_or_calibrate(path, cfg, device=args.device, dtype=args.dtype)
     else:
         artifact = art.load_artifact(args.artifact)
     out, report = budget_artifact(
         path, artifact, cfg, ratio=args.compression, bytes_per_token=args.bytes_per_token,
         ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
         context=args.context, block_size=args.block_size, num_windows=args.windows,
-        choose_knobs=not args.fixed_knobs, documents=_calibration_text(args)[0])
+        choose_knobs=not args.fixed_knobs, documents=_calibration_text(args)[0],
+        device=args.device, dtype=args.dtype)
     out.save(args.output)
     serving = out.manifest["ranks"]["serving"]
     print(f"wrote {args.output}: {report['bytes_per_token']:.1f} B per token "
@@ -350,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allocation recorded in the manifest (default: fisher for "
                         "method fisher, else energy)")
     _text_flags(s)
+    _device_flags(s)
     s.set_defaults(func=_calibrate)
 
     s = sub.add_parser("allocate", help="byte-budget allocation of ranks and bits -> artifact")
@@ -373,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
     _text_flags(s)
+    _device_flags(s)
     s.add_argument("--fixed-knobs", action="store_true",
                    help="keep hadamard, k_quant and recent_tokens as given (default: also "
                         "try the other hadamard/k_quant and twice the recent window)")
@@ -415,8 +434,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_to_stderr() -> None:
+    """Show the plugin's INFO lines (memory estimate, progress) on stderr
+    while vLLM's own logger is not configured (``calibrate`` and ``allocate``
+    do not import vLLM; once it is imported its handler prints them)."""
+    import logging
+
+    log = logging.getLogger("vllm.lowrank")
+    if any(getattr(h, "lowrank_cli", False) for h in log.handlers):
+        return
+    class Stderr(logging.StreamHandler):  # the current sys.stderr at each record
+        stream = property(lambda _self: sys.stderr, lambda _self, _value: None)
+
+    handler = Stderr()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(lambda _record: not logging.getLogger("vllm").handlers)
+    handler.lowrank_cli = True
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    _log_to_stderr()
     try:
         args.func(args)
     except LowRankConfigError as e:

@@ -195,7 +195,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
                     ppl_increase: float | None = None, context: int = 4096,
                     block_size: int = 32, num_windows: int = 4, one_page: bool | None = None,
                     choose_knobs: bool = True,
-                    documents: list[str] | None = None) -> tuple[art.Artifact, dict]:
+                    documents: list[str] | None = None, device: str = "cpu",
+                    dtype: str = "float32") -> tuple[art.Artifact, dict]:
     """Allocate ranks and bits for a target and record them in a copy of ``artifact``.
 
     Args:
@@ -219,15 +220,18 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
         choose_knobs: Also try Hadamard flipped, per-token keys and (token-adaptive
             mode) twice the recent window, and keep the best objective
             (:func:`_exact_windows`, :func:`_knob_variants`).
+        device, dtype: Where and in which dtype the model runs on the
+            calibration text (:mod:`~vllm_lowrank.calibration.device`); the
+            allocation itself is solved on the CPU.
 
     Returns:
         ``(artifact with manifest["ranks"] fixed, report dict)``.
 
     Raises:
-        LowRankConfigError: not a fisher artifact, no or several targets, or a
-            target no allocation meets.
+        LowRankConfigError: not a fisher artifact, no or several targets, a
+            target no allocation meets, or a device or dtype the run cannot use.
     """
-    from vllm_lowrank.calibration.calibrate import load_hf_model
+    from vllm_lowrank.calibration.calibrate import load_for_calibration
 
     if artifact.manifest["method"] != "fisher":
         raise LowRankConfigError(
@@ -248,7 +252,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.calibrate import WINDOW
 
-    model, tok = load_hf_model(model_path)
+    model, tok = load_for_calibration(model_path, device, dtype, gradients=True)
     windows = texts.token_windows(
         tok, documents if documents is not None else texts.calibration_documents(),
         num_windows, WINDOW)

@@ -34,9 +34,10 @@ def cache_root() -> str:
                           os.path.join(os.path.expanduser("~"), ".cache", "vllm_lowrank"))
 
 
-def auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
+def auto_artifact_path(model_path: str, cfg: LowRankConfig, dtype: str = "float32") -> str:
     """Where the ``artifact: "auto"`` artifact of ``model_path`` for ``cfg``
-    (its method, head grouping and calibration tokens) is cached."""
+    (its method, head grouping and calibration tokens) is cached; a run in
+    another ``dtype`` than float32 is cached apart (its statistics differ)."""
     from vllm_lowrank.calibration.calibrate import CALIBRATION_VERSION
 
     h = hashlib.blake2b(digest_size=8)
@@ -47,6 +48,8 @@ def auto_artifact_path(model_path: str, cfg: LowRankConfig) -> str:
         h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
     h.update(f"{cfg.method}:{cfg.head_group_size}:{cfg.calibration_tokens}:"
              f"{CALIBRATION_VERSION}".encode())
+    if dtype != "float32":
+        h.update(f":{dtype}".encode())
     return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
 
 
@@ -55,10 +58,12 @@ class NotCached(LookupError):
     (``create=False``); ``args[0]`` is the path it would have."""
 
 
-def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
-                      create: bool = True) -> tuple[art.Artifact, str]:
+def load_or_calibrate(model_path: str, cfg: LowRankConfig, *, create: bool = True,
+                      device: str = "cpu", dtype: str = "float32"
+                      ) -> tuple[art.Artifact, str]:
     """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
-    the cache, or calibrated on the default text and cached.
+    the cache, or calibrated on the default text (on ``device`` in ``dtype``,
+    :func:`~vllm_lowrank.calibration.calibrate.calibrate_model`) and cached.
 
     Returns:
         ``(artifact, path)``.
@@ -67,7 +72,7 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
         LowRankConfigError: calibration cannot run (no text, a bad setting).
         NotCached: none cached and ``create`` false.
     """
-    path = auto_artifact_path(model_path, cfg)
+    path = auto_artifact_path(model_path, cfg, dtype)
     if not create:
         return _require_cached(path), path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -81,7 +86,8 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *,
                     "on %d tokens of the default text (cached in %s)",
                     model_path, cfg.method, cfg.calibration_tokens, path)
         artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.head_group_size,
-                                   num_tokens=cfg.calibration_tokens)
+                                   num_tokens=cfg.calibration_tokens, device=device,
+                                   dtype=dtype)
         artifact.save(path)
         return artifact, path
 

@@ -1,6 +1,7 @@
 """Calibrate bases for a model: statistics on real text -> artifact.
 
-``calibrate_model`` loads the Hugging Face checkpoint (float32, eager attention),
+``calibrate_model`` loads the Hugging Face checkpoint (eager attention; float32
+on the CPU by default, or on a GPU in a 16-bit dtype: :mod:`.device`),
 collects :mod:`~vllm_lowrank.calibration.collect` statistics on calibration text
 and solves, for every layer, side and head group, the closed form of
 :mod:`vllm_lowrank.factorization.bases` for the chosen ``method``.
@@ -16,6 +17,7 @@ import torch
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.calibration import text as texts
 from vllm_lowrank.calibration.collect import LayerStats, collect_stats
+from vllm_lowrank.calibration.device import check_memory, resolve_device, resolve_dtype
 from vllm_lowrank.config import METHODS, LowRankConfigError
 from vllm_lowrank.factorization.bases import (
     GroupBasis,
@@ -34,8 +36,10 @@ WINDOW = 1024
 """Tokens per calibration window: distances up to 1023 inform the RoPE metric."""
 
 
-def load_hf_model(model_path: str):
-    """Hugging Face causal LM (float32, eager attention) and tokenizer.
+def load_hf_model(model_path: str, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32):
+    """Hugging Face causal LM (eager attention) on ``device`` in ``dtype``, and
+    its tokenizer.
 
     Raises:
         LowRankConfigError: the path is not a loadable checkpoint.
@@ -45,12 +49,34 @@ def load_hf_model(model_path: str):
     try:
         tok = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="eager"
+            model_path, dtype=dtype, attn_implementation="eager"
         )
     except (OSError, ValueError) as e:
         raise LowRankConfigError(f"cannot load {model_path!r} for calibration: {e}") from None
-    model.eval()
+    model.to(device).eval()
     return model, tok
+
+
+def load_for_calibration(model_path: str, device: str, dtype: str, *,
+                         gradients: bool):
+    """:func:`load_hf_model` after the checks of :mod:`.device`: the device
+    exists and the run's estimated memory fits.
+
+    Args:
+        model_path: Hugging Face checkpoint directory.
+        device: ``--device`` name (``cpu``, ``cuda``, ``cuda:N``).
+        dtype: ``--dtype`` name (``float32``, ``bfloat16``, ``float16``).
+        gradients: The run does backward passes (``fisher`` statistics,
+            allocation): its activations count for every layer.
+
+    Raises:
+        LowRankConfigError: unknown device or dtype, no such GPU, too little
+            memory, or an unloadable checkpoint.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype)
+    check_memory(model_path, dev, dt, window=WINDOW, gradients=gradients)
+    return load_hf_model(model_path, device=dev, dtype=dt)
 
 
 def _inv_freq(model, layer: int) -> torch.Tensor | None:
@@ -65,6 +91,10 @@ def _inv_freq(model, layer: int) -> torch.Tensor | None:
     if table is None:
         table = rotary.inv_freq
     return table.detach().float()
+
+
+def _to_cpu(b: GroupBasis) -> GroupBasis:
+    return GroupBasis(a=b.a.cpu(), b=b.b.cpu(), energy=b.energy.cpu())
 
 
 def layer_bases(
@@ -149,7 +179,7 @@ def layer_bases(
                 "method post_rope projects each KV head after RoPE (ZACK); it needs "
                 f"head_group_size 1, got {group_size}"
             )
-        uniform = torch.ones(WINDOW, dtype=torch.float64)
+        uniform = torch.ones(WINDOW, dtype=torch.float64, device=w_k.device)
         keys = []
         for g in groups:
             wg = cols(w_k, g).double()
@@ -167,6 +197,8 @@ def calibrate_model(
     num_tokens: int = 16384,
     documents: list[str] | None = None,
     text_description: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> art.Artifact:
     """Calibrate every layer of ``model_path``.
 
@@ -179,17 +211,24 @@ def calibrate_model(
         documents: Calibration texts; default: the built-in
             :data:`~vllm_lowrank.calibration.text.DEFAULT_CALIBRATION_TEXT`.
         text_description: Recorded in the manifest for user texts.
+        device: Where the model runs and the bases are solved (``cpu``,
+            ``cuda``, ``cuda:N``); statistics and solves stay float64.
+        dtype: The model's dtype for the run (``float32``, ``bfloat16``,
+            ``float16``); recorded in the manifest.
 
     Returns:
-        The artifact (not yet saved).
+        The artifact (not yet saved), its tensors on the CPU.
 
     Raises:
-        LowRankConfigError: unknown method, unloadable model, too little text.
+        LowRankConfigError: unknown method, device or dtype, too little memory
+            (:func:`~vllm_lowrank.calibration.device.check_memory`), unloadable
+            model, too little text.
     """
     if method not in METHODS:
         raise LowRankConfigError(f"method={method!r} is not one of {list(METHODS)}")
     t0 = time.time()
-    model, tok = load_hf_model(model_path)
+    model, tok = load_for_calibration(model_path, device, dtype,
+                                      gradients=method == "fisher")
     cfg = model.config
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -217,6 +256,7 @@ def calibrate_model(
             num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
             group_size=g, inv_freq=_inv_freq(model, i),
         )
+        layers[i] = tuple([_to_cpu(b) for b in side] for side in layers[i])
     manifest = art.new_manifest(
         model_id=getattr(cfg, "_name_or_path", None) or model_path,
         architecture=cfg.architectures[0],
@@ -231,9 +271,11 @@ def calibrate_model(
             "tokens": 0 if stats is None else num_windows * WINDOW,
             "window": WINDOW,
             "seconds": round(time.time() - t0, 1),
+            "device": str(model.device),
+            "dtype": dtype,
             "calibration_version": CALIBRATION_VERSION,
         },
     )
-    logger.info("vllm-lowrank: calibrated %s (%s, group %d) in %.1f s", model_path,
-                method, g, time.time() - t0)
+    logger.info("vllm-lowrank: calibrated %s (%s, group %d) on %s in %.1f s", model_path,
+                method, g, model.device, time.time() - t0)
     return art.Artifact(manifest=manifest, bases=layers)

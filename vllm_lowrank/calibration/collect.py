@@ -28,14 +28,29 @@ import torch
 
 def progress(items, what: str):
     """``items`` with a progress bar on stderr (``tqdm``, ``what`` as its label)
-    when stderr is a terminal; the plain sequence otherwise (logs, tests)."""
+    when stderr is a terminal; otherwise (a log, a Kubernetes Job) with an
+    INFO line on the ``vllm.lowrank`` logger after each tenth of the items."""
     import sys
 
-    if not sys.stderr.isatty():
-        return items
-    from tqdm.auto import tqdm
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
 
-    return tqdm(items, desc=what, unit="window", leave=False)
+        return tqdm(items, desc=what, unit="window", leave=False)
+    return _logged(list(items), what)
+
+
+def _logged(items: list, what: str):
+    import logging
+    import time
+
+    log = logging.getLogger("vllm.lowrank")
+    t0 = time.monotonic()
+    step = max(1, len(items) // 10)
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % step == 0 or i == len(items):
+            log.info("vllm-lowrank: %s %d/%d (%.0f s)", what, i, len(items),
+                     time.monotonic() - t0)
 
 
 @dataclasses.dataclass
@@ -53,10 +68,10 @@ class LayerStats:
 def _distance_mass(p: torch.Tensor) -> torch.Tensor:
     """``[B, H, L, L]`` causal probabilities -> ``[H, L]`` mass per distance."""
     b, h, length, _ = p.shape
-    m = torch.arange(length)
+    m = torch.arange(length, device=p.device)
     delta = (m[:, None] - m[None, :]).clamp_min(0).reshape(-1)
     flat = p.float().sum(0).reshape(h, -1)
-    out = torch.zeros(h, length, dtype=torch.float64)
+    out = torch.zeros(h, length, dtype=torch.float64, device=p.device)
     out.scatter_add_(1, delta.expand(h, -1), flat.double())
     return out
 
@@ -67,7 +82,8 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
 
     Args:
         model: Hugging Face causal LM with ``model.model.layers[i].self_attn``
-            holding ``q_proj``/``k_proj``/``v_proj`` (eager attention, float32).
+            holding ``q_proj``/``k_proj``/``v_proj`` (eager attention), on any
+            device and in any float dtype.
         windows: Token id lists (same length).
         queries: Collect ``sq`` and ``dist`` (query moments, attention distances).
         gradients: Collect ``gk`` and ``gv`` (one backward pass per window).
@@ -75,9 +91,10 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
             query (``q_proj``; ``q_norm`` for models with QK-norm).
 
     Returns:
-        One :class:`LayerStats` per layer.
+        One :class:`LayerStats` per layer, float64 on the model's device.
     """
     cfg = model.config
+    device = model.device
     layers = model.model.layers
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -86,7 +103,7 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
     length = len(windows[0])
 
     def zeros(*shape):
-        return torch.zeros(*shape, dtype=torch.float64)
+        return torch.zeros(*shape, dtype=torch.float64, device=device)
 
     stats = [
         LayerStats(
@@ -137,7 +154,7 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
         p.requires_grad_(False)
     try:
         for ids in progress(windows, "calibration windows"):
-            ids_t = torch.tensor([ids])
+            ids_t = torch.tensor([ids], device=device)
             if not gradients:
                 with torch.no_grad():
                     model(ids_t, use_cache=False)
@@ -169,9 +186,11 @@ def collect_projected(model, windows: list[list[int]],
             key and value down-projections ``A`` of every head group).
 
     Returns:
-        ``{layer: [sum(len(w)), m]}`` float32, ``x @ projections[layer]`` for
-        every position of every window.
+        ``{layer: [sum(len(w)), m]}`` float32 on the CPU, ``x @ projections[layer]``
+        for every position of every window.
     """
+    device = model.device
+    projections = {i: p.to(device, torch.float32) for i, p in projections.items()}
     out: dict[int, list[torch.Tensor]] = {i: [] for i in projections}
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -180,13 +199,13 @@ def collect_projected(model, windows: list[list[int]],
 
         def on_kv_input(_mod, args, i=i):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            out[i].append(x @ projections[i].float())
+            out[i].append((x @ projections[i]).cpu())
 
         handles.append(layer.self_attn.k_proj.register_forward_pre_hook(on_kv_input))
     try:
         with torch.no_grad():
             for ids in progress(windows, "projected windows"):
-                model(torch.tensor([ids]), use_cache=False)
+                model(torch.tensor([ids], device=device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
@@ -209,14 +228,15 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
 
     Args:
         model: Hugging Face Llama-style causal LM (keys go straight from
-            ``k_proj`` to RoPE: no QK-norm), float32.
+            ``k_proj`` to RoPE: no QK-norm), on any device and in any float dtype.
         windows: Token id lists (same length).
         sink, recent: Exact positions of the cache (tokens).
         inv_freq: ``inv_freq(layer) -> [rot/2]`` RoPE inverse frequencies.
         neox: RoPE pair layout.
 
     Returns:
-        Per layer ``(gk, gv)``, ``[kv_width, kv_width]`` float64 per-position means.
+        Per layer ``(gk, gv)``, ``[kv_width, kv_width]`` float64 per-position
+        means, on the CPU.
 
     Raises:
         LowRankConfigError: the model has QK-norm (not supported here).
@@ -242,7 +262,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
         kf, vf = key + dk, value + dv
         n = module.num_key_value_groups
         length = key.shape[2]
-        pos = torch.arange(length)
+        pos = torch.arange(length, device=key.device)
         far = ((pos[:, None] - pos[None, :]) >= recent) & (pos[None, :] >= sink)
         s_near = query @ repeat_kv(key, n).transpose(2, 3)
         s_far = query @ repeat_kv(kf, n).transpose(2, 3)
@@ -260,8 +280,9 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
     model.set_attn_implementation("lowrank_far")
     num_kv = layers[0].self_attn.config.num_key_value_heads
     head_dim = layers[0].self_attn.head_dim
-    sums = [(torch.zeros(num_kv * head_dim, num_kv * head_dim, dtype=torch.float64),
-             torch.zeros(num_kv * head_dim, num_kv * head_dim, dtype=torch.float64))
+    device = model.device
+    sums = [tuple(torch.zeros(num_kv * head_dim, num_kv * head_dim, dtype=torch.float64,
+                              device=device) for _ in range(2))
             for _ in layers]
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
@@ -269,7 +290,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
     tokens = 0
     try:
         for ids in progress(windows, "gradient windows"):
-            ids_t = torch.tensor([ids])
+            ids_t = torch.tensor([ids], device=device)
             leaves.clear()
             logits = model(ids_t, use_cache=False).logits[0, :-1]
             loss = torch.nn.functional.cross_entropy(logits.float(), ids_t[0, 1:],
@@ -286,7 +307,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
         model.set_attn_implementation(previous)
         for p in params:
             p.requires_grad_(True)
-    return [(gk / tokens, gv / tokens) for gk, gv in sums]
+    return [((gk / tokens).cpu(), (gv / tokens).cpu()) for gk, gv in sums]
 
 
 def _unrotate(g: torch.Tensor, inv_freq: torch.Tensor, neox: bool) -> torch.Tensor:

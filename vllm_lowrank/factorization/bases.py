@@ -178,10 +178,11 @@ def factors_for_rank(
     return basis.a[:, :rank].contiguous(), basis.b[:rank].contiguous()
 
 
-def rotate_half_matrix(dim: int, neox: bool) -> torch.Tensor:
+def rotate_half_matrix(dim: int, neox: bool, device: torch.device | str = "cpu"
+                       ) -> torch.Tensor:
     """``P`` with ``P @ x = rotate_half(x)`` (neox: ``[-x2, x1]``; gptj:
-    interleaved pairs ``(-x_{2i+1}, x_{2i})``), float64 ``[dim, dim]``."""
-    p = torch.zeros(dim, dim, dtype=torch.float64)
+    interleaved pairs ``(-x_{2i+1}, x_{2i})``), float64 ``[dim, dim]`` on ``device``."""
+    p = torch.zeros(dim, dim, dtype=torch.float64, device=device)
     half = dim // 2
     for i in range(half):
         if neox:
@@ -204,19 +205,22 @@ def rope_tables(length: int, inv_freq: torch.Tensor, dim: int, neox: bool = True
         neox: neox (half split) or gptj (interleaved) pair layout.
 
     Returns:
-        ``(c [length, d], s [length, d], P [d, d])`` float64: cosines (1 past
-        ``rot``), sines (0 past ``rot``) and the rotate-half matrix
-        (:func:`rotate_half_matrix` on the first ``rot`` dimensions).
+        ``(c [length, d], s [length, d], P [d, d])`` float64 on ``inv_freq``'s
+        device: cosines (1 past ``rot``), sines (0 past ``rot``) and the
+        rotate-half matrix (:func:`rotate_half_matrix` on the first ``rot``
+        dimensions).
     """
     rot = 2 * inv_freq.numel()
-    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    dev = inv_freq.device
+    ang = (torch.arange(length, dtype=torch.float64, device=dev)[:, None]
+           * inv_freq.to(torch.float64)[None, :])
     ang = torch.cat([ang, ang], dim=1) if neox else ang.repeat_interleave(2, dim=1)
-    c = torch.ones(length, dim, dtype=torch.float64)
-    s = torch.zeros(length, dim, dtype=torch.float64)
+    c = torch.ones(length, dim, dtype=torch.float64, device=dev)
+    s = torch.zeros(length, dim, dtype=torch.float64, device=dev)
     c[:, :rot] = ang.cos()
     s[:, :rot] = ang.sin()
-    p = torch.zeros(dim, dim, dtype=torch.float64)
-    p[:rot, :rot] = rotate_half_matrix(rot, neox)
+    p = torch.zeros(dim, dim, dtype=torch.float64, device=dev)
+    p[:rot, :rot] = rotate_half_matrix(rot, neox, dev)
     return c, s, p
 
 
