@@ -198,9 +198,9 @@ def test_rank_keys_from_python_may_be_ints_but_not_twice():
 def test_config_keys_document_every_field_once():
     import dataclasses
 
-    from vllm_lowrank.config import CONFIG_KEYS
+    from vllm_lowrank.config import config_keys
 
-    documented = [n for names, _, _ in CONFIG_KEYS for n in names]
+    documented = [n for names, _, _ in config_keys() for n in names]
     fields = [f.name for f in dataclasses.fields(LowRankConfig)
               if not f.metadata.get("internal") and f.name != "mode"]
     assert sorted(documented) == sorted(fields)
@@ -209,11 +209,11 @@ def test_config_keys_document_every_field_once():
 def test_readme_key_table_and_cli_help_come_from_config_keys():
     import pathlib
 
-    from vllm_lowrank.config import CONFIG_KEYS, keys_table
+    from vllm_lowrank.config import config_keys, keys_table
     from vllm_lowrank.patches import CONFIG_HELP
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert keys_table() in readme, "README key table drifted: paste config.keys_table()"
-    for names, _, _ in CONFIG_KEYS:
+    for names, _, _ in config_keys():
         assert all(f"{n}" in CONFIG_HELP for n in names)
     assert "default 0.5" in CONFIG_HELP  # field defaults rendered (ratio)

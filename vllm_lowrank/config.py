@@ -1,7 +1,9 @@
 """The ``--kv-compression-config`` settings: parsing, validation and defaults.
 
-One frozen dataclass, :class:`LowRankConfig`, carries every user-facing knob. It
-travels to every vLLM process inside ``VllmConfig.additional_config`` under the
+One frozen dataclass, :class:`LowRankConfig`, carries every user-facing knob,
+and is the schema: each key's annotation holds its type or choices and a
+pydantic ``Field`` with its range and meaning, from which the validation, the
+README key table and the CLI help are made. It travels to every vLLM process inside ``VllmConfig.additional_config`` under the
 key :data:`ADDITIONAL_CONFIG_KEY`, as a plain JSON dict, so it is part of vLLM's
 compile-cache hash and survives process spawning.
 
@@ -26,13 +28,18 @@ The keys ``ratio`` and ``group_size`` of earlier releases are read as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
+import typing
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
 
 from vllm_lowrank.errors import LowRankConfigError
 from vllm_lowrank.presets import DEFAULT_PRESET, PRESETS
@@ -41,13 +48,19 @@ from vllm_lowrank.presets import expand as expand_preset
 ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
 
-MODES = ("none", "lowrank")
-METHODS = ("svd", "whitened", "eigen", "kq", "post_rope", "fisher")
-RANK_ALLOCATIONS = ("uniform", "energy", "fisher")
-STORAGE_BITS = (16, 8, 4, 3, 2)
-EXACT_BITS = (16, 8)
+Mode = Literal["none", "lowrank"]
+Method = Literal["svd", "whitened", "eigen", "kq", "post_rope", "fisher"]
+RankAllocation = Literal["uniform", "energy", "fisher"]
+StorageBits = Literal[16, 8, 4, 3, 2]
+ExactBits = Literal[16, 8]
+KQuantAxis = Literal["token", "channel"]
+MODES = get_args(Mode)
+METHODS = get_args(Method)
+RANK_ALLOCATIONS = get_args(RankAllocation)
+STORAGE_BITS = get_args(StorageBits)
+EXACT_BITS = get_args(ExactBits)
 """Storage of the token-adaptive mode's exact keys and values (16: model dtype)."""
-K_QUANT_AXES = ("token", "channel")
+K_QUANT_AXES = get_args(KQuantAxis)
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
@@ -60,21 +73,28 @@ MAX_CALIBRATION_TOKENS = 1 << 18
 """Most calibration tokens ``artifact: "auto"`` may ask for: the default text
 (the calibration half of the gensim Wikipedia excerpt) gives about 375k tokens
 with SmolLM2's tokenizer; a user text is checked when it is read."""
-INTEGER_MAXIMA = {
-    "head_group_size": 1 << 12,
-    "calibration_tokens": MAX_CALIBRATION_TOKENS,
-    "quant_group_size": 1 << 12,
-    "sink_tokens": MAX_TOKENS,
-    "recent_tokens": MAX_TOKENS,
-    "k_channel_tokens": 1 << 12,
-}
-"""Largest accepted value of every free integer setting (bits are a choice
-from a list; the lower bounds are checked one by one in ``validate``)."""
+
+
+def _key(meaning: str, *, refused: str | None = None, default_text: str | None = None,
+         row: str | None = None, **constraints: Any) -> FieldInfo:
+    """The schema of one config key: its ``meaning`` (Markdown; the README key
+    table and the CLI help), pydantic ``constraints`` (``ge``, ``le``,
+    ``multiple_of``, ...), the message of a value below range (``refused``,
+    formatted with ``value``; default: ``KEY=VALUE must be >= LOW``), the
+    default as documented where the field's own is not what a user gets
+    (``default_text``), and ``row``: the key whose README row it shares."""
+    return Field(description=meaning, **constraints, json_schema_extra={
+        "refused": refused, "default_text": default_text, "row": row})
 
 
 @dataclasses.dataclass(frozen=True)
 class LowRankConfig:
-    """Settings of the latent KV cache.
+    """Settings of the latent KV cache: the schema of ``--kv-compression-config``.
+
+    Each key's meaning, type and range live in its annotation (a pydantic
+    ``Field``: the one source of the validation in :meth:`validate`, the
+    README key table :func:`keys_table` and the CLI help :func:`keys_help`);
+    rules that tie keys together are in :meth:`validate`. The semantics:
 
     Attributes:
         mode: ``"none"`` (stock vLLM) or ``"lowrank"``.
@@ -149,26 +169,83 @@ class LowRankConfig:
             config key.
     """
 
-    mode: str = "none"
-    preset: str | None = None
-    rank_fraction: float = 0.5
-    head_group_size: int | None = None
-    ranks: Mapping[int, tuple[int, int]] | None = None
-    method: str = "fisher"
-    rank_allocation: str = "fisher"
-    artifact: str = "auto"
-    calibration_tokens: int = 16384
-    k_bits: int = 16
-    v_bits: int = 16
-    quant_group_size: int | None = None
-    hadamard: bool = True
-    token_adaptive: bool = False
-    sink_tokens: int = 4
-    recent_tokens: int = 128
-    exact_bits: int = 16
-    k_quant: str = "token"
-    k_channel_tokens: int = 32
-    allow_slow_path: bool = False
+    mode: Mode = "none"
+    preset: Annotated[str | None, _key(
+        "a measured recipe: " + ", ".join(f"`{n}`" for n in PRESETS)
+        + " (see \"Which setting\"); the other keys override its settings",
+        default_text=f"`{DEFAULT_PRESET}` when the config gives no other key, else none", strict=True)] = None
+    rank_fraction: Annotated[float, _key(
+        "fraction of the K+V cache width kept, `0 < rank_fraction <= 1` (was `ratio`)",
+        refused="rank_fraction={value} is out of range: it is the fraction of the K+V "
+                "cache width kept and must satisfy 0 < rank_fraction <= 1 (e.g. 0.5 for 2x)",
+        gt=0.0, le=1.0, allow_inf_nan=False, strict=True)] = 0.5
+    head_group_size: Annotated[int | None, _key(
+        "KV heads decomposed together (G-LRD; was `group_size`): `1` per head, `null` all KV "
+        "heads of a layer (J-LRD); with tensor parallelism a group never spans ranks: it must "
+        "divide each rank's KV heads, and `null` means all KV heads of the rank's shard",
+        refused="head_group_size={value} must be >= 1 (1 = per KV head) or null (all KV "
+                "heads of a layer)", ge=1, le=1 << 12, strict=True)] = None
+    ranks: Annotated[Mapping[int, tuple[int, int]] | None, _key(
+        "per-layer override `{\"layer\": [r_k, r_v]}` (total latent widths of the layer, all "
+        "ranks together; must split evenly over the tensor-parallel ranks)")] = None
+    method: Annotated[Method, _key(
+        "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` (PCA of keys "
+        "with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the latent space, "
+        "no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC)")] = "fisher"
+    rank_allocation: Annotated[RankAllocation, _key(
+        "`uniform`, `energy` (normalised spectra), `fisher` (estimated loss increase, one "
+        "global budget)")] = "fisher"
+    artifact: Annotated[str, _key(
+        "calibration artifact directory; `\"auto\"`: cached per model, made on first start; "
+        "`\"none\"`: weight SVD, no calibration (logged; destroys accuracy). An artifact from "
+        "`vllm-lowrank allocate` also fixes ranks, bits per layer and the serving settings it "
+        "was allocated for",
+        refused="artifact must be a directory path, \"auto\" or \"none\"",
+        min_length=1, max_length=4096, strict=True)] = "auto"
+    calibration_tokens: Annotated[int, _key(
+        "tokens of calibration text for `artifact: \"auto\"`",
+        refused="calibration_tokens={value} is too small; use >= 512 (default 16384)",
+        ge=512, le=MAX_CALIBRATION_TOKENS, strict=True)] = 16384
+    k_bits: Annotated[StorageBits, _key(
+        "latent storage: `16` (model dtype) or `8`, `4`, `3`, `2` (packed per-token asymmetric "
+        "integers with float16 scale and zero)")] = 16
+    v_bits: Annotated[StorageBits, _key("", row="k_bits")] = 16
+    quant_group_size: Annotated[int | None, _key(
+        "latent channels per scale/zero pair (multiple of 8; ranks are then multiples of it); "
+        "`null`: one pair per head group and token",
+        refused=f"quant_group_size={{value}} must be a positive multiple of {RANK_MULTIPLE} "
+                "(or null: one scale per head group per token)",
+        ge=RANK_MULTIPLE, multiple_of=RANK_MULTIPLE, le=1 << 12, strict=True)] = None
+    hadamard: Annotated[bool, _key(
+        "fold a randomised Walsh-Hadamard rotation into the factors of quantized per-token "
+        "sides (Palu eq. 8; no run-time cost)", strict=True)] = True
+    token_adaptive: Annotated[bool, _key(
+        "TALE mode: the first `sink_tokens` and last `recent_tokens` tokens of every sequence "
+        "are also cached exactly and attended exactly; only the middle of the context is read "
+        "from latents (see \"Token-adaptive mode\")", strict=True)] = False
+    sink_tokens: Annotated[int, _key(
+        "exact attention-sink tokens, rounded up to whole KV blocks (`0`: none)",
+        refused="sink_tokens={value} must be >= 0 (0: no exact sinks)",
+        ge=0, le=MAX_TOKENS, strict=True)] = 4
+    recent_tokens: Annotated[int, _key(
+        "exact recent tokens, rounded up to whole KV blocks",
+        refused="recent_tokens={value} must be >= 1; to turn the exact recent window off, "
+                "set token_adaptive to false", ge=1, le=MAX_TOKENS, strict=True)] = 128
+    exact_bits: Annotated[ExactBits, _key(
+        "storage of the exact tokens' keys and values: `16` (model dtype) or `8` (int8 per "
+        "token and head, float16 scale/zero: half their bytes)")] = 16
+    k_quant: Annotated[KQuantAxis, _key(
+        "quantized keys: `token` (per-token scale/zero, Palu) or `channel` (per-channel "
+        "scale/zero over groups of `k_channel_tokens` tokens, KIVI; needs `token_adaptive`, "
+        "see \"Per-channel keys\")")] = "token"
+    k_channel_tokens: Annotated[int, _key(
+        "tokens per per-channel key group; must divide the KV block size",
+        refused="k_channel_tokens={value} must be >= 1 (tokens per per-channel key group, "
+                "a divisor of the KV block size; e.g. 32)", ge=1, le=1 << 12, strict=True)] = 32
+    allow_slow_path: Annotated[bool, _key(
+        "on a GPU, serve layers that no fused kernel decodes (a raw 16-bit side in a packed "
+        "slot, a kernel that failed its start-up self-check) on the torch path, eagerly; "
+        "`false` refuses them, naming the reason", strict=True)] = False
     explicit: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False,
                                             metadata={"internal": True})
 
@@ -225,40 +302,32 @@ class LowRankConfig:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
         if "rank_fraction" in kwargs:
             kwargs["rank_fraction"] = _number("rank_fraction", kwargs["rank_fraction"])
-        for key in ("hadamard", "token_adaptive", "allow_slow_path"):
-            if key in kwargs and not isinstance(kwargs[key], bool):
-                raise LowRankConfigError(f"{key} must be true or false, got {kwargs[key]!r}")
-        for key in ("head_group_size", "calibration_tokens", "k_bits", "v_bits",
-                    "quant_group_size", "sink_tokens", "recent_tokens",
-                    "exact_bits", "k_channel_tokens"):
-            nullable = key in ("head_group_size", "quant_group_size")
-            if key in kwargs and not (nullable and kwargs[key] is None):
-                kwargs[key] = _integer(key, kwargs[key])
+        for key, value in kwargs.items():
+            # JSON numbers are exact: 16.0 is not the integer 16 (pydantic's lax
+            # mode would take it, and its strict mode does not apply to choices)
+            if key in _INTEGER_KEYS and value is not None:
+                _integer(key, value)
         cfg = cls(**kwargs, explicit=frozenset(raw))
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        """Check every field on its own (model-dependent checks live in
+        """Check every key against its schema (type, choices, range: the
+        ``Field`` of its annotation), then the rules that tie keys together
+        (model-dependent checks live in
         :func:`vllm_lowrank.models.adapters.check_model`).
 
         Raises:
-            LowRankConfigError: with the offending value and the accepted range.
+            LowRankConfigError: one line naming the key, the offending value
+                and what is accepted.
         """
-        _choice("mode", self.mode, MODES)
-        if not 0.0 < self.rank_fraction <= 1.0:
-            raise LowRankConfigError(
-                f"rank_fraction={self.rank_fraction} is out of range: it is the fraction "
-                "of the K+V cache width kept and must satisfy 0 < rank_fraction <= 1 "
-                "(e.g. 0.5 for 2x)"
-            )
-        if self.head_group_size is not None and self.head_group_size < 1:
-            raise LowRankConfigError(
-                f"head_group_size={self.head_group_size} must be >= 1 (1 = per KV head) "
-                "or null (all KV heads of a layer)"
-            )
-        _choice("method", self.method, METHODS)
-        _choice("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        try:
+            _schema().validate_python(
+                {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        except ValidationError as e:
+            raise _refusal(e.errors()[0]) from None
+        if "\x00" in self.artifact:
+            raise LowRankConfigError(_field_info("artifact").json_schema_extra["refused"])
         if self.method == "post_rope" and self.head_group_size != 1:
             raise LowRankConfigError(
                 "method=\"post_rope\" projects each KV head after RoPE (ZACK) and "
@@ -271,34 +340,6 @@ class LowRankConfig:
                 f"only method=\"fisher\" produces (got method={self.method!r}); use "
                 "rank_allocation \"energy\" or \"uniform\""
             )
-        if (not isinstance(self.artifact, str) or not self.artifact or "\x00" in self.artifact
-                or len(self.artifact) > 4096):
-            raise LowRankConfigError(
-                "artifact must be a directory path, \"auto\" or \"none\""
-            )
-        for side in ("k_bits", "v_bits"):
-            if getattr(self, side) not in STORAGE_BITS:
-                raise LowRankConfigError(
-                    f"{side}={getattr(self, side)} is not supported; choose one of "
-                    f"{list(STORAGE_BITS)} (16 = unquantized)"
-                )
-        q = self.quant_group_size
-        if q is not None and (q < RANK_MULTIPLE or q % RANK_MULTIPLE):
-            raise LowRankConfigError(
-                f"quant_group_size={q} must be a positive multiple of {RANK_MULTIPLE} "
-                "(or null: one scale per head group per token)"
-            )
-        if self.sink_tokens < 0:
-            raise LowRankConfigError(
-                f"sink_tokens={self.sink_tokens} must be >= 0 (0: no exact sinks)")
-        if self.recent_tokens < 1:
-            raise LowRankConfigError(
-                f"recent_tokens={self.recent_tokens} must be >= 1; to turn the exact "
-                "recent window off, set token_adaptive to false")
-        if self.exact_bits not in EXACT_BITS:
-            raise LowRankConfigError(
-                f"exact_bits={self.exact_bits} is not supported; choose one of "
-                f"{list(EXACT_BITS)} (16 = the model dtype, 8 = int8 per token and head)")
         if self.exact_bits != 16 and not self.token_adaptive:
             raise LowRankConfigError(
                 f"exact_bits={self.exact_bits} sets how the token-adaptive mode stores its "
@@ -308,34 +349,66 @@ class LowRankConfig:
                 "token_adaptive is not supported with method=\"post_rope\" (its queries "
                 "are projected into the latent basis); use another method or set "
                 "token_adaptive to false")
-        _choice("k_quant", self.k_quant, K_QUANT_AXES)
-        if self.k_channel_tokens < 1:
-            raise LowRankConfigError(
-                f"k_channel_tokens={self.k_channel_tokens} must be >= 1 (tokens per "
-                "per-channel key group, a divisor of the KV block size; e.g. 32)")
         if self.k_quant == "channel" and (self.k_bits == 16 or not self.token_adaptive):
             raise LowRankConfigError(
                 "k_quant=\"channel\" quantizes keys per channel over groups of tokens "
                 "and needs k_bits < 16 and token_adaptive true (a group is quantized "
                 "once complete, from latents staged with the exact recent tokens); "
                 f"got k_bits={self.k_bits}, token_adaptive={self.token_adaptive}")
-        if self.calibration_tokens < 512:
-            raise LowRankConfigError(
-                f"calibration_tokens={self.calibration_tokens} is too small; use "
-                ">= 512 (default 16384)"
-            )
-        for key, high in INTEGER_MAXIMA.items():
-            value = getattr(self, key)
-            if value is not None and value > high:
-                raise LowRankConfigError(
-                    f"{key}={value} is too large; at most {high} is accepted "
-                    f"(default {getattr(LowRankConfig, key)})")
         if self.ranks is not None:
             for layer, pair in self.ranks.items():
                 if not all(1 <= r <= MAX_TOKENS for r in pair):
                     raise LowRankConfigError(
                         f"ranks[{layer}]={list(pair)}: each latent width must be a "
                         f"positive integer (at most the layer's K or V width)")
+
+
+@functools.cache
+def _schema() -> TypeAdapter:
+    """The pydantic validator of :class:`LowRankConfig`'s annotations."""
+    return TypeAdapter(LowRankConfig)
+
+
+@functools.cache
+def _field_info(name: str) -> FieldInfo | None:
+    """The schema ``Field`` of a config key (``None`` for ``mode`` and
+    ``explicit``)."""
+    hint = typing.get_type_hints(LowRankConfig, include_extras=True)[name]
+    return next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, FieldInfo)),
+                None)
+
+
+_INTEGER_KEYS = ("head_group_size", "calibration_tokens", "k_bits", "v_bits",
+                 "quant_group_size", "sink_tokens", "recent_tokens", "exact_bits",
+                 "k_channel_tokens")
+
+
+def _refusal(error: Mapping[str, Any]) -> LowRankConfigError:
+    """One line for the first error of the schema: the key, the value and what
+    the key accepts (its ``refused`` message for a value below range, its
+    choices, its maximum)."""
+    key = error["loc"][0]
+    value = error["input"]
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    info = _field_info(key) if key in _KEY_NAMES else None
+    extra = (info.json_schema_extra if info is not None else None) or {}
+    if kind == "literal_error":
+        choices = list(get_args(typing.get_type_hints(LowRankConfig)[key]))
+        return LowRankConfigError(f"{key}={value!r} is not supported; choose one of {choices}")
+    if kind == "bool_type":
+        return LowRankConfigError(f"{key} must be true or false, got {value!r:.40}")
+    if kind in ("int_type", "float_type", "string_type", "finite_number"):
+        what = {"int_type": "an integer", "float_type": "a number", "finite_number":
+                "a finite number", "string_type": "a string"}[kind]
+        return LowRankConfigError(f"{key} must be {what}, got {value!r:.40}")
+    if kind in ("less_than_equal", "less_than") and key != "rank_fraction":
+        default = getattr(LowRankConfig, key)
+        return LowRankConfigError(f"{key}={value} is too large; at most {ctx.get('le')} is "
+                                  f"accepted (default {default})")
+    if extra.get("refused"):
+        return LowRankConfigError(extra["refused"].format(value=value))
+    return LowRankConfigError(f"{key}={value!r:.40}: {error['msg']}")
 
 
 DEPRECATED_KEYS = {"ratio": "rank_fraction", "group_size": "head_group_size"}
@@ -450,80 +523,44 @@ def parse_config_text(text: str) -> dict[str, Any]:
     return value
 
 
-CONFIG_KEYS = (
-    (("preset",), "a measured recipe: " + ", ".join(f"`{n}`" for n in PRESETS)
-     + " (see \"Which setting\"); the other keys override its settings",
-     f"`{DEFAULT_PRESET}` when the config gives no other key, else none"),
-    (("rank_fraction",), "fraction of the K+V cache width kept, `0 < rank_fraction <= 1` "
-     "(was `ratio`)", None),
-    (("head_group_size",), "KV heads decomposed together (G-LRD; was `group_size`): `1` per "
-     "head, `null` all KV heads "
-     "of a layer (J-LRD); with tensor parallelism a group never spans ranks: it must divide "
-     "each rank's KV heads, and `null` means all KV heads of the rank's shard", None),
-    (("ranks",), "per-layer override `{\"layer\": [r_k, r_v]}` (total latent widths of the "
-     "layer, all ranks together; must split evenly over the tensor-parallel ranks)", None),
-    (("method",), "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` "
-     "(PCA of keys with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the "
-     "latent space, no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC)",
-     None),
-    (("rank_allocation",), "`uniform`, `energy` (normalised spectra), `fisher` (estimated loss "
-     "increase, one global budget)", None),
-    (("artifact",), "calibration artifact directory; `\"auto\"`: cached per model, made on "
-     "first start; `\"none\"`: weight SVD, no calibration (logged; destroys accuracy). An "
-     "artifact from `vllm-lowrank allocate` also fixes ranks, bits per layer and the serving "
-     "settings it was allocated for", None),
-    (("calibration_tokens",), "tokens of calibration text for `artifact: \"auto\"`", None),
-    (("k_bits", "v_bits"), "latent storage: `16` (model dtype) or `8`, `4`, `3`, `2` (packed "
-     "per-token asymmetric integers with float16 scale and zero)", None),
-    (("quant_group_size",), "latent channels per scale/zero pair (multiple of 8; ranks are "
-     "then multiples of it); `null`: one pair per head group and token", None),
-    (("hadamard",), "fold a randomised Walsh-Hadamard rotation into the factors of quantized "
-     "per-token sides (Palu eq. 8; no run-time cost)", None),
-    (("token_adaptive",), "TALE mode: the first `sink_tokens` and last `recent_tokens` tokens "
-     "of every sequence are also cached exactly and attended exactly; only the middle of the "
-     "context is read from latents (see \"Token-adaptive mode\")", None),
-    (("sink_tokens",), "exact attention-sink tokens, rounded up to whole KV blocks (`0`: "
-     "none)", None),
-    (("recent_tokens",), "exact recent tokens, rounded up to whole KV blocks", None),
-    (("exact_bits",), "storage of the exact tokens' keys and values: `16` (model dtype) or "
-     "`8` (int8 per token and head, float16 scale/zero: half their bytes)", None),
-    (("k_quant",), "quantized keys: `token` (per-token scale/zero, Palu) or `channel` "
-     "(per-channel scale/zero over groups of `k_channel_tokens` tokens, KIVI; needs "
-     "`token_adaptive`, see \"Per-channel keys\")", None),
-    (("k_channel_tokens",), "tokens per per-channel key group; must divide the KV block "
-     "size", None),
-    (("allow_slow_path",), "on a GPU, serve layers that no fused kernel decodes (a raw 16-bit "
-     "side in a packed slot, a kernel that failed its start-up self-check) on the torch path, "
-     "eagerly; `false` refuses them, naming the reason", None),
-)
-"""Every ``--kv-compression-config`` key, in order: ``(names, meaning
-(Markdown), default text or None for the field's own default)``. The one
-source of the README's key table (:func:`keys_table`) and of the CLI help
-(:func:`keys_help`); ``tests/test_config.py`` checks that it names every
-config field once and that the README table is its rendering."""
+_KEY_NAMES = tuple(f.name for f in dataclasses.fields(LowRankConfig)
+                   if not f.metadata.get("internal"))
+"""Every ``--kv-compression-config`` key, in order (``mode`` included)."""
 
 
-def _default_text(name: str) -> str:
-    value = {f.name: f.default for f in dataclasses.fields(LowRankConfig)}[name]
-    return f"`{json.dumps(value)}`"
+def config_keys() -> tuple[tuple[tuple[str, ...], str, str], ...]:
+    """The documented keys, in order, one row per meaning: ``(names, meaning
+    (Markdown), default (Markdown))``, read from each key's schema ``Field``
+    (keys with ``row`` join that key's row). The one source of the README's
+    key table (:func:`keys_table`) and of the CLI help (:func:`keys_help`)."""
+    rows: dict[str, list] = {}
+    for name in _KEY_NAMES:
+        info = _field_info(name)
+        if info is None:
+            continue
+        extra = info.json_schema_extra or {}
+        if extra.get("row"):
+            rows[extra["row"]][0].append(name)
+            continue
+        default = extra.get("default_text") or f"`{json.dumps(getattr(LowRankConfig, name))}`"
+        rows[name] = [[name], info.description, default]
+    return tuple((tuple(names), meaning, default) for names, meaning, default in rows.values())
 
 
 def keys_table() -> str:
-    """The README's Markdown table of the config keys (:data:`CONFIG_KEYS`)."""
+    """The README's Markdown table of the config keys (:func:`config_keys`)."""
     rows = ["| key | meaning | default |", "|---|---|---|"]
-    for names, meaning, default in CONFIG_KEYS:
+    for names, meaning, default in config_keys():
         keys = ", ".join(f"`{n}`" for n in names)
-        rows.append(f"| {keys} | {meaning} | {default or _default_text(names[0])} |")
+        rows.append(f"| {keys} | {meaning} | {default} |")
     return "\n".join(rows) + "\n"
 
 
 def keys_help() -> str:
     """The config keys as one line of plain text (``--kv-compression-config``
-    help), from :data:`CONFIG_KEYS`."""
-    parts = []
-    for names, meaning, default in CONFIG_KEYS:
-        text = f"{', '.join(names)}: {meaning}; default {default or _default_text(names[0])}"
-        parts.append(text.replace("`", ""))
+    help), from :func:`config_keys`."""
+    parts = [f"{', '.join(names)}: {meaning}; default {default}".replace("`", "")
+             for names, meaning, default in config_keys()]
     return "; ".join(parts)
 
 
