@@ -5,7 +5,8 @@
 #      their own virtualenv .venv-tools, apart from the project's .venv because
 #      checkov's dependencies may conflict with vLLM's. Installed once, then
 #      reused while it holds the pinned versions (CI caches it).
-#   2. `kubectl kustomize` renders every overlay under deploy/overlays/.
+#   2. `kubectl kustomize` renders every overlay under deploy/overlays/ and
+#      every Job under deploy/jobs/ (the offline calibration Job).
 #   3. checkov (framework kubernetes) on the rendered manifests and checkov
 #      (framework dockerfile) on the Dockerfile.
 #   4. hadolint on the Dockerfile (fails on any finding, info level included).
@@ -16,7 +17,8 @@
 # (tests/test_deploy.py asserts it). This script skips nothing itself.
 #
 # Environment:
-#   VALIDATE_DEPLOY_OUT  keep the rendered manifests there (<overlay>.yaml)
+#   VALIDATE_DEPLOY_OUT  keep the rendered manifests there (<overlay>.yaml,
+#                        job-<job>.yaml)
 #                        instead of a temporary folder removed at exit.
 #   TOOLS_VENV           tools virtualenv (default: <repo>/.venv-tools).
 #   PYTHON               interpreter that creates it (default: python3).
@@ -103,6 +105,23 @@ else
         else
             fail "kubectl kustomize deploy/overlays/$overlay"
             rm -f "$OUT/$overlay.yaml"
+        fi
+    done
+fi
+
+# Jobs (deploy/jobs/*/): rendered to job-<name>.yaml and checked like the overlays.
+job_names=()
+for dir in deploy/jobs/*/; do
+    [ -f "$dir/kustomization.yaml" ] && job_names+=("$(basename "$dir")")
+done
+if [ ${#job_names[@]} -gt 0 ] && command -v kubectl >/dev/null; then
+    step "kubectl kustomize: jobs ${job_names[*]}"
+    for job in "${job_names[@]}"; do
+        if kubectl kustomize "deploy/jobs/$job" > "$OUT/job-$job.yaml"; then
+            echo "rendered job $job: $(grep -c '^kind:' "$OUT/job-$job.yaml") objects -> $OUT/job-$job.yaml"
+        else
+            fail "kubectl kustomize deploy/jobs/$job"
+            rm -f "$OUT/job-$job.yaml"
         fi
     done
 fi

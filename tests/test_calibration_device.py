@@ -153,3 +153,32 @@ def test_cuda_calibration_matches_the_cpu(tmp_path, method):
                 assert torch.allclose(b.energy[:k], a.energy[:k], rtol=1e-3), (i, method)
                 qa, qb = torch.linalg.qr(a.b[:k].T)[0], torch.linalg.qr(b.b[:k].T)[0]
                 assert torch.linalg.svdvals(qa.T @ qb).min() >= 0.999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_allocation_matches_the_cpu(tmp_path):
+    """A byte-budget allocation (token-adaptive, per-channel keys) measured on
+    the GPU equals the one measured on the CPU: the same ranks and bits per
+    layer, objectives within 1e-3 relative."""
+    from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
+    from vllm_lowrank.calibration.calibrate import calibrate_model
+
+    tokenizer = os.path.join(os.environ["GPUVLLM_MODELS"], "smollm2-135m-shape") \
+        if "GPUVLLM_MODELS" in os.environ else None
+    if tokenizer is None:
+        from vllm_lowrank import embedded
+
+        tokenizer = embedded.prepare()
+    path = _tiny_llama(tmp_path / "tiny", tokenizer)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = calibrate_model(path, method="fisher", num_tokens=2048, documents=TEXT)
+    cfg = serving_config({"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128,
+                          "k_quant": "channel"})
+    kw = dict(ratio=4.0, context=1024, block_size=32, num_windows=2, documents=TEXT,
+              choose_knobs=False)
+    cpu, r_cpu = budget_artifact(path, base, cfg, **kw)
+    gpu, r_gpu = budget_artifact(path, base, cfg, device="cuda", **kw)
+    for key in ("layers", "bits", "serving"):
+        assert gpu.manifest["ranks"][key] == cpu.manifest["ranks"][key], key
+    assert r_gpu["objective_nats"] == pytest.approx(r_cpu["objective_nats"], rel=1e-3)

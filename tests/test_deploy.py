@@ -1,8 +1,9 @@
 """Deployment artefacts: Dockerfile and the kustomize manifests under deploy/.
 
-``scripts/validate_deploy.sh`` (run once per session) renders every overlay with
-``kubectl kustomize``, runs checkov on the rendered manifests and the Dockerfile
-and hadolint on the Dockerfile; it must exit 0. The remaining tests read the
+``scripts/validate_deploy.sh`` (run once per session) renders every overlay and
+every Job (``deploy/jobs/``: the offline calibration) with ``kubectl kustomize``,
+runs checkov on the rendered manifests and the Dockerfile and hadolint on the
+Dockerfile; it must exit 0. The remaining tests read the
 very manifests it rendered and check what checkov does not know about: the
 probes, the compression flags and config, the GPU request, the volumes.
 
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,9 @@ yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "validate_deploy.sh"
 OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
+JOBS = ("calibrate",)  # deploy/jobs/<name>/, rendered as job-<name>.yaml
+ARTIFACTS_DIR = "/var/lib/vllm-lowrank/artifacts"
+MODELS_DIR = "/var/lib/vllm-lowrank/models"
 CONFIG_PATH = "/etc/vllm-lowrank/compression.json"
 UID_MIN = 10000
 
@@ -53,6 +58,18 @@ def rendered(validation):
         path = out / f"{overlay}.yaml"
         assert path.is_file(), f"overlay {overlay} was not rendered"
         docs[overlay] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def rendered_jobs(validation):
+    """{job: [objects]} of the Jobs under deploy/jobs/ the script rendered."""
+    _, out = validation
+    docs = {}
+    for job in JOBS:
+        path = out / f"job-{job}.yaml"
+        assert path.is_file(), f"job {job} was not rendered"
+        docs[job] = [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
 
@@ -111,10 +128,9 @@ def test_probes_on_health(rendered, overlay):
     assert budget >= 20 * 60, f"{overlay}: startup probe allows only {budget} s"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_container_is_non_root_and_locked_down(rendered, overlay):
-    dep, c = _container(rendered[overlay])
-    pod = dep["spec"]["template"]["spec"]
+def _assert_locked_down(pod):
+    """Non-root, no privilege, read-only root filesystem, no capabilities, no
+    service-account token: the pod spec of the Deployment and of the Jobs."""
     psc = pod.get("securityContext", {})
     assert psc.get("runAsNonRoot") is True
     assert psc.get("runAsUser", UID_MIN) >= UID_MIN, psc
@@ -129,6 +145,12 @@ def test_container_is_non_root_and_locked_down(rendered, overlay):
         assert csc["capabilities"]["drop"] == ["ALL"], each["name"]
         assert "add" not in csc["capabilities"], each["name"]
     assert pod.get("automountServiceAccountToken") is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_container_is_non_root_and_locked_down(rendered, overlay):
+    dep, c = _container(rendered[overlay])
+    _assert_locked_down(dep["spec"]["template"]["spec"])
     # With a read-only root filesystem, HOME's caches and /tmp must be volumes.
     # (and the prebuilt CUDA extension dir, where torch's loader takes a lock).
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
@@ -307,6 +329,141 @@ def test_network_policy_is_closed_by_default(rendered, overlay):
     scraper = [s for s in sources if "podSelector" in s]
     assert scraper and scraper[0]["podSelector"]["matchLabels"] == {
         "app.kubernetes.io/name": "prometheus"}
+
+
+def test_every_job_is_tested():
+    """A Job under deploy/jobs/ is rendered by the script and must be listed in JOBS."""
+    present = {p.parent.name for p in (ROOT / "deploy" / "jobs").glob("*/kustomization.yaml")}
+    assert present == set(JOBS), (present, JOBS)
+
+
+def _calibrate_job(rendered_jobs):
+    objs = rendered_jobs["calibrate"]
+    job = _one(objs, "Job", "batch/v1")
+    pod = job["spec"]["template"]["spec"]
+    assert len(pod["containers"]) == 1
+    return objs, job, pod, pod["containers"][0]
+
+
+def _script(c):
+    """The container's shell script, line continuations joined."""
+    assert c["command"] == ["/bin/sh", "-c"] and len(c["args"]) == 1, (c["command"], c["args"])
+    return c["args"][0].replace("\\\n", " ")
+
+
+def test_calibrate_job_calibrates_on_a_gpu_into_the_artifacts_pvc(rendered_jobs, rendered):
+    objs, job, pod, c = _calibrate_job(rendered_jobs)
+    spec = job["spec"]
+    assert 0 <= spec["backoffLimit"] <= 2, spec
+    assert spec["ttlSecondsAfterFinished"] > 0 and spec["activeDeadlineSeconds"] > 0, spec
+    assert pod["restartPolicy"] == "Never"
+    res = c["resources"]
+    assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"] == "1", res
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory", "ephemeral-storage"} <= set(res[kind]), res
+    _assert_locked_down(pod)
+    sa = _one(objs, "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert sa["automountServiceAccountToken"] is False
+    # No Namespace or PVC in it: `kubectl delete -k` of the Job keeps the model cache.
+    assert not {"Namespace", "PersistentVolumeClaim"} & {o["kind"] for o in objs}
+
+    # The gpu overlay's namespace, image (by digest), model and PVCs.
+    gpu_objs = rendered["gpu"]
+    gpu_dep, gpu_c = _container(gpu_objs)
+    gpu_pod = gpu_dep["spec"]["template"]["spec"]
+    assert {o["metadata"]["namespace"] for o in objs} == {gpu_dep["metadata"]["namespace"]}
+    assert c["image"] == gpu_c["image"], (c["image"], gpu_c["image"])
+    assert re.search(r":[\w.-]+@sha256:[0-9a-f]{64}$", c["image"]), c["image"]
+    env = _env(c)
+    assert env["VLLM_MODEL"] == _env(gpu_c)["VLLM_MODEL"]
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"] == MODELS_DIR
+    assert "HF_TOKEN" not in env
+
+    def volume_at(p, mount_path):
+        mount = next(m for m in p["containers"][0]["volumeMounts"]
+                     if (mount_path + "/").startswith(m["mountPath"] + "/"))
+        return mount, next(v for v in p["volumes"] if v["name"] == mount["name"])
+
+    artifact = env["ARTIFACT"]
+    assert artifact.startswith(ARTIFACTS_DIR + "/"), artifact
+    for path, writable in ((artifact, True), (MODELS_DIR, False)):
+        mount, volume = volume_at(pod, path)
+        assert bool(mount.get("readOnly")) is not writable, mount
+        assert volume["persistentVolumeClaim"]["claimName"] == \
+            volume_at(gpu_pod, path)[1]["persistentVolumeClaim"]["claimName"], volume
+    mount, volume = volume_at(pod, env["HF_TOKEN_PATH"])
+    assert mount.get("readOnly") is True
+    assert volume["secret"]["secretName"] == "vllm-lowrank-hf-token"
+    # The read-only root filesystem: caches and /tmp are volumes.
+    assert {"/tmp", "/home/vllm/.cache"} <= {m["mountPath"] for m in c["volumeMounts"]}
+
+    script = _script(c)
+    calibrate = re.search(r"vllm-lowrank calibrate (.*)", script).group(1).split()
+    pairs = list(zip(calibrate, calibrate[1:]))
+    for pair in (("--output", '"$ARTIFACT"'), ("--method", "fisher"), ("--tokens", "16384"),
+                 ("--device", "cuda"), ("--dtype", "bfloat16")):
+        assert pair in pairs, (pair, calibrate)
+    # Kubernetes expands $(NAME) of a defined variable and $$ in args: none here.
+    assert "$$" not in script and not any(f"$({name})" in script for name in env)
+
+    policy = _one(objs, "NetworkPolicy")
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
+    assert sorted(policy["spec"]["policyTypes"]) == ["Egress", "Ingress"]
+    assert policy["spec"].get("ingress", []) == [] and policy["spec"].get("egress", []) == []
+
+
+@pytest.mark.parametrize("compression", ["", "8"])
+def test_calibrate_job_script_runs(rendered_jobs, tmp_path, compression):
+    """The Job's script with a stub `vllm-lowrank`: the model id resolves to its
+    folder in an offline Hugging Face cache; calibrate, then allocate when
+    ALLOCATE_COMPRESSION is set."""
+    pytest.importorskip("huggingface_hub")
+    _, _, _, c = _calibrate_job(rendered_jobs)
+    env = _env(c)
+    repo = env["VLLM_MODEL"]
+    snapshot = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.jsonl"
+    for name, body in (("vllm-lowrank", f"import json, sys\nwith open({str(log)!r}, 'a') as f:\n"
+                                        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"),
+                       ("python3", None)):
+        stub = bin_dir / name
+        stub.write_text(f"#!{sys.executable}\n{body}" if body else
+                        f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        stub.chmod(0o755)
+    artifact = str(tmp_path / "artifacts" / "model-fisher")
+    run_env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+               "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "VLLM_MODEL": repo,
+               "ARTIFACT": artifact, "ALLOCATE_COMPRESSION": compression,
+               "ALLOCATE_CONFIG": env["ALLOCATE_CONFIG"]}
+    proc = subprocess.run(["/bin/sh", "-c", c["args"][0]], env=run_env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == (2 if compression else 1), calls
+    assert calls[0][:2] == ["calibrate", str(snapshot)] and "--output" in calls[0]
+    assert calls[0][calls[0].index("--output") + 1] == artifact
+    if not compression:  # a model missing from the cache: exit 2, the Job fails at once
+        proc = subprocess.run(["/bin/sh", "-c", c["args"][0]],
+                              env=dict(run_env, VLLM_MODEL="org/not-cached"),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and len(log.read_text().splitlines()) == 1, proc.stderr
+    else:
+        allocate = calls[1]
+        assert allocate[:2] == ["allocate", str(snapshot)], allocate
+        opts = dict(zip(allocate[2::2], allocate[3::2]))
+        assert opts["--artifact"] == artifact and opts["--output"] == f"{artifact}-8x"
+        assert opts["--compression"] == "8" and opts["--device"] == "cuda"
+        assert opts["--dtype"] == "bfloat16"
+        allocation = pytest.importorskip("vllm_lowrank.calibration.allocate")
+        assert allocation.serving_config(json.loads(opts["--config"])).token_adaptive
 
 
 def test_no_checkov_skips():

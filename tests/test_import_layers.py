@@ -23,7 +23,7 @@ LAYERS = (
     ("attention",),
     ("calibration",),
     ("models",),
-    ("passkey", "evaluation", "embedded", "patches", "serve_entry", "local_server",
+    ("passkey", "cloze", "evaluation", "embedded", "patches", "serve_entry", "local_server",
      "estimate"),
     ("cli", "plugin"),
 )

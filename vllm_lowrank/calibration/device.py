@@ -133,6 +133,8 @@ def check_memory(model_path: str, device: torch.device, dtype: torch.dtype, *,
     """
     need = peak_bytes(model_path, dtype, window=window, gradients=gradients)
     if not need:
+        logger.info("vllm-lowrank: no memory estimate for %s (not a local folder with "
+                    "config.json and *.safetensors); not checked", model_path)
         return
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]

@@ -148,7 +148,7 @@ def side_loss(latents: torch.Tensor, metric: torch.Tensor, basis_b: torch.Tensor
     y = c @ basis_b.double() if full else c[:, :rank]  # what the cache stores
     rot = None
     if bits < 16 and storage.hadamard and not per_channel:
-        rot = _rotation(rank, layer, group, side)
+        rot = _rotation(rank, layer, group, side).to(y.device)
         y = y @ rot
     dy = _store(y, bits, storage, per_channel) - y
     if rot is not None:
