@@ -49,28 +49,26 @@ def validation(tmp_path_factory):
     return proc, out
 
 
+def _parsed(out, names, prefix: str) -> dict:
+    """``{name: [objects]}`` of the rendered ``<prefix><name>.yaml`` files."""
+    docs = {}
+    for name in names:
+        path = out / f"{prefix}{name}.yaml"
+        assert path.is_file(), f"{prefix}{name} was not rendered"
+        docs[name] = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
 @pytest.fixture(scope="module")
 def rendered(validation):
     """{overlay: [objects]} parsed from the manifests the script rendered."""
-    _, out = validation
-    docs = {}
-    for overlay in OVERLAYS:
-        path = out / f"{overlay}.yaml"
-        assert path.is_file(), f"overlay {overlay} was not rendered"
-        docs[overlay] = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
+    return _parsed(validation[1], OVERLAYS, "")
 
 
 @pytest.fixture(scope="module")
 def rendered_jobs(validation):
     """{job: [objects]} of the Jobs under deploy/jobs/ the script rendered."""
-    _, out = validation
-    docs = {}
-    for job in JOBS:
-        path = out / f"job-{job}.yaml"
-        assert path.is_file(), f"job {job} was not rendered"
-        docs[job] = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
+    return _parsed(validation[1], JOBS, "job-")
 
 
 def _one(objs, kind, api_prefix=None):
