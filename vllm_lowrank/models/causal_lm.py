@@ -13,7 +13,7 @@ compression on:
   architecture's ``settings``), so no per-model copy of a decoder layer exists;
 - ``load_weights`` holds back each layer's q/k/v/o weights and factorizes them
   as soon as a layer's four have arrived
-  (:class:`~vllm_lowrank.models.compression.WeightInterceptor`); everything
+  (:class:`~vllm_lowrank.models.weight_loader.WeightInterceptor`); everything
   else (QK-norm weights included) goes through the stock loader.
 """
 
@@ -141,15 +141,15 @@ def lowrank_class(arch_name: str) -> type:
             return base.load_weights(self, weights)
         from vllm.model_executor.models.utils import extract_layer_index
 
-        from vllm_lowrank.models import compression as comp
         from vllm_lowrank.models.latent_self_attention import LatentSelfAttention
+        from vllm_lowrank.models.weight_loader import WeightInterceptor
 
         modules = {
             extract_layer_index(name): (name, m)
             for name, m in self.named_modules()
             if isinstance(m, LatentSelfAttention)
         }
-        interceptor = comp.WeightInterceptor(self._lowrank, modules)
+        interceptor = WeightInterceptor(self._lowrank, modules)
         loaded = set(base.load_weights(self, interceptor.filter(weights)))
         return loaded | interceptor.finish()
 
