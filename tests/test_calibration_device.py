@@ -40,14 +40,16 @@ def _plugin_log():
     messages: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: messages.append(record.getMessage())
-    level = log.level
+    level, disabled = log.level, log.disabled
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    log.disabled = False
     try:
         yield messages
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+        log.disabled = disabled
 
 
 TEXT = [" ".join(f"The {w} of item {i} is {i * 7 % 13}." for i in range(400)
