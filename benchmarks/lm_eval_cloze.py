@@ -37,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 
+from vllm_lowrank.presets import PRESETS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM_EVAL_VERSION = "0.4.13"
 """lm-evaluation-harness release the recipe is tested with."""
@@ -71,15 +73,10 @@ metadata:
 """The lm-eval task (``{data}``: the JSONL path). The regex filter is
 :func:`vllm_lowrank.cloze.first_word`. Three stop strings: vLLM's API takes
 at most four, and lm-eval may add the EOS text."""
-SETTINGS = {
-    "off": [],
-    "2x": ["--kv-compression", "lowrank"],
-    "lossless": ["--kv-compression", "lowrank", "--kv-compression-config",
-                 '{"preset": "lossless"}'],
-    "4x": ["--kv-compression", "lowrank", "--kv-compression-config", '{"preset": "4x"}'],
-    "8x": ["--kv-compression", "lowrank", "--kv-compression-config", '{"preset": "8x"}'],
-}
-"""``vllm serve`` arguments of each setting (``2x`` is the default preset)."""
+SETTINGS = {"off": [], **{name: ["--kv-compression", "lowrank", "--kv-compression-config",
+                                  json.dumps({"preset": name})] for name in PRESETS}}
+"""``vllm serve`` arguments of each setting: none, or one preset
+(:data:`vllm_lowrank.presets.PRESETS`; ``2x`` is the default)."""
 
 
 def ensure_lm_eval(venv: str) -> str:

@@ -52,6 +52,20 @@ def _plugin_log():
         log.disabled = disabled
 
 
+def _gpu_case(tmp_path, monkeypatch) -> str:
+    """The tiny Llama of a GPU-against-CPU test, with the SmolLM2 tokenizer of
+    the GPU machine's model folder (``GPUVLLM_MODELS``) or of the embedded
+    model; float32 matmuls without TF32 for the duration of the test."""
+    if "GPUVLLM_MODELS" in os.environ:
+        tokenizer = os.path.join(os.environ["GPUVLLM_MODELS"], "smollm2-135m-shape")
+    else:
+        from vllm_lowrank import embedded
+
+        tokenizer = embedded.prepare()
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    return _tiny_llama(tmp_path / "tiny", tokenizer)
+
+
 TEXT = [" ".join(f"The {w} of item {i} is {i * 7 % 13}." for i in range(400)
                  for w in ("colour", "weight"))]
 """Calibration text for the random-weight model: any tokens will do."""
@@ -151,20 +165,13 @@ def test_progress_logs_each_tenth_off_a_terminal():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["fisher", "kq"])
-def test_cuda_calibration_matches_the_cpu(tmp_path, method):
+def test_cuda_calibration_matches_the_cpu(tmp_path, monkeypatch, method):
     """The same checkpoint and text calibrated on the GPU and on the CPU (both
     float32) give the same bases: energies within 1e-3 relative, leading
     subspaces overlapping >= 0.999."""
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
-    tokenizer = (os.path.join(os.environ["GPUVLLM_MODELS"], "smollm2-135m-shape")
-                 if "GPUVLLM_MODELS" in os.environ else None)
-    if tokenizer is None:
-        from vllm_lowrank import embedded
-
-        tokenizer = embedded.prepare()
-    path = _tiny_llama(tmp_path / "tiny", tokenizer)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    path = _gpu_case(tmp_path, monkeypatch)
     cpu = calibrate_model(path, method=method, num_tokens=2048, documents=TEXT)
     gpu = calibrate_model(path, method=method, num_tokens=2048, documents=TEXT, device="cuda")
     assert gpu.manifest["calibration"]["device"].startswith("cuda")
@@ -180,21 +187,14 @@ def test_cuda_calibration_matches_the_cpu(tmp_path, method):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_allocation_matches_the_cpu(tmp_path):
+def test_cuda_allocation_matches_the_cpu(tmp_path, monkeypatch):
     """A byte-budget allocation (token-adaptive, per-channel keys) measured on
     the GPU equals the one measured on the CPU: the same ranks and bits per
     layer, objectives within 1e-3 relative."""
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
-    tokenizer = os.path.join(os.environ["GPUVLLM_MODELS"], "smollm2-135m-shape") \
-        if "GPUVLLM_MODELS" in os.environ else None
-    if tokenizer is None:
-        from vllm_lowrank import embedded
-
-        tokenizer = embedded.prepare()
-    path = _tiny_llama(tmp_path / "tiny", tokenizer)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    path = _gpu_case(tmp_path, monkeypatch)
     base = calibrate_model(path, method="fisher", num_tokens=2048, documents=TEXT)
     cfg = serving_config({"token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128,
                           "k_quant": "channel"})

@@ -290,7 +290,7 @@ class LowRankConfig:
                 f"{type(raw).__name__}; e.g. '{{\"preset\": \"2x\"}}'"
             )
         raw = _renamed(raw)
-        known = {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+        known = set(_KEY_NAMES)
         unknown = sorted(set(raw) - known)
         if unknown:
             raise LowRankConfigError(
@@ -305,7 +305,7 @@ class LowRankConfig:
         for key, value in kwargs.items():
             # JSON numbers are exact: 16.0 is not the integer 16 (pydantic's lax
             # mode would take it, and its strict mode does not apply to choices)
-            if key in _INTEGER_KEYS and value is not None:
+            if key in _integer_keys() and value is not None:
                 _integer(key, value)
         cfg = cls(**kwargs, explicit=frozenset(raw))
         cfg.validate()
@@ -378,9 +378,17 @@ def _field_info(name: str) -> FieldInfo | None:
                 None)
 
 
-_INTEGER_KEYS = ("head_group_size", "calibration_tokens", "k_bits", "v_bits",
-                 "quant_group_size", "sink_tokens", "recent_tokens", "exact_bits",
-                 "k_channel_tokens")
+@functools.cache
+def _integer_keys() -> frozenset[str]:
+    """The keys whose values are integers: an ``int`` (or ``int | None``)
+    annotation, or a choice among integers (``k_bits``)."""
+    def integral(hint) -> bool:
+        args = get_args(hint)
+        if typing.get_origin(hint) is Literal:
+            return all(type(a) is int for a in args)
+        return hint is int or int in args
+    return frozenset(name for name, hint in typing.get_type_hints(LowRankConfig).items()
+                     if integral(hint))
 
 
 def _refusal(error: Mapping[str, Any]) -> LowRankConfigError:
@@ -391,7 +399,7 @@ def _refusal(error: Mapping[str, Any]) -> LowRankConfigError:
     value = error["input"]
     kind = error["type"]
     ctx = error.get("ctx") or {}
-    info = _field_info(key) if key in _KEY_NAMES else None
+    info = _field_info(key)
     extra = (info.json_schema_extra if info is not None else None) or {}
     if kind == "literal_error":
         choices = list(get_args(typing.get_type_hints(LowRankConfig)[key]))

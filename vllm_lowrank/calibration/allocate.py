@@ -227,7 +227,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
             (:func:`_exact_windows`, :func:`_knob_variants`).
         device, dtype: Where and in which dtype the model runs on the
             calibration text (:mod:`~vllm_lowrank.calibration.device`); the
-            allocation itself is solved on the CPU.
+            losses of every choice are measured on ``device`` too
+            (:func:`layer_fronts`), the allocation is solved on the CPU.
 
     Returns:
         ``(artifact with manifest["ranks"] fixed, report dict)``.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 
 import torch
@@ -69,20 +70,17 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def checkpoint_parameters(model_path: str) -> int:
     """Number of parameters in the checkpoint's ``*.safetensors`` files, read
-    from their headers (no tensor is loaded); 0 where there are none."""
+    from their headers by ``safetensors`` (no tensor is loaded); 0 where there
+    are none. An unreadable file counts nothing (the loader reports it)."""
+    from safetensors import SafetensorError, safe_open
+
     total = 0
     for name in glob.glob(os.path.join(model_path, "*.safetensors")):
-        with open(name, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= 1 << 27:
-                continue
-            header = json.loads(f.read(size))
-        for key, entry in header.items():
-            if key != "__metadata__":
-                n = 1
-                for dim in entry["shape"]:
-                    n *= dim
-                total += n
+        try:
+            with safe_open(name, framework="pt") as f:
+                total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+        except (SafetensorError, OSError):
+            continue
     return total
 
 
