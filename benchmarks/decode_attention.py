@@ -68,7 +68,7 @@ _bootstrap()
 from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
-from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 from vllm_lowrank.triton_kernels import schedule as lb  # noqa: E402
 from vllm_lowrank.triton_kernels.decode import (  # noqa: E402
     KernelConfig, choose_num_splits, latent_decode_attention)

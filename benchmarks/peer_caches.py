@@ -9,7 +9,7 @@ transform (``single_rht``), TurboQuant's presets, Lloyd-Max centroids and
 Hadamard matrix, UltraQuant's reference encoder/decoder and format constants,
 the backends' slot sizes. Where vLLM only has a Triton store kernel, the
 function below is a line-by-line torch port of that kernel (named in its
-docstring); ``tests/test_peer_quantizers.py`` runs vLLM's kernels under
+docstring); ``tests/kernels/test_peer_quantizers.py`` runs vLLM's kernels under
 ``TRITON_INTERPRET=1`` and checks the ports bit-exact against them.
 
 Round trips (``roundtrip(dtype, k, v, layer, num_layers)``, float32

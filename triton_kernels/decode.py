@@ -287,7 +287,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             is given. The last dimension must be contiguous.
         block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 (>= 1).
         max_seq_len: ``max(seq_lens)`` as a host int (sizes the split).
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of a packed cache
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` of a packed cache
             (with per-channel keys: the wide-group kernel, every key group in
             the attended span complete, ``block_size`` a multiple of
             ``k_channel_tokens``).

@@ -76,7 +76,7 @@ Internally the scores are base 2 (``qk_scale = scale * log2 e``): the stored LSE
 is ``ln 2 * (m + log2 l)``, written by the kernel itself (``num_splits=1``) or
 by the reduce pass, which merges the splits' base-2 partials.
 
-Quantized cache (``layout=`` a :class:`vllm_lowrank.quantization.SlotLayout`): the
+Quantized cache (``layout=`` a :class:`vllm_lowrank.format.latent.SlotLayout`): the
 cache is ``uint8 [num_blocks, 1, block_size, slot_bytes]``; each tile's packed codes
 are read once as rows of contiguous bytes (16-byte loads / ``cp.async`` when the
 offsets and ranks allow) and unpacked in registers with broadcast shifts and a

@@ -3,7 +3,7 @@ r"""Post-RoPE decode attention over per-token packed latents (the ``2x`` preset'
 The case: post-RoPE latents (ZACK; no key rebuild, no RoPE in the kernel), one
 uniform key rank ``RK`` and value rank ``RV`` for every head group, both sides
 packed at 8 or 4 bits with one float16 scale/zero pair per token and head group
-(Palu's per-token quantization, :class:`vllm_lowrank.quantization.SlotLayout`
+(Palu's per-token quantization, :class:`vllm_lowrank.format.latent.SlotLayout`
 with ``k_group = v_group = None``). Per sequence ``b``, head group ``g`` (its
 ``HG`` query heads) and token ``t``, with codes ``c`` and the pair ``(s, z)``
 (latent ``= s c + z``)::

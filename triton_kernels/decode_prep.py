@@ -111,7 +111,7 @@ def prepare(plan, layout, rotary_dim: int, neox: bool, device) -> Prepared:
         v_offs = [plan.k_width + o for o in plan.v_offsets()]
         kpar = vpar = [0] * ng
     else:
-        from vllm_lowrank.quantization import packed_bytes
+        from vllm_lowrank.format.latent import packed_bytes
 
         if tuple(layout.k_ranks) != tuple(plan.k_ranks) or \
                 tuple(layout.v_ranks) != tuple(plan.v_ranks):

@@ -109,7 +109,7 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
     (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
     checked correct on that compiler are chosen: triton 3.6 miscompiles several
     transposed bf16 variants (BLOCK_N=64 with 4 warps; 2 or 4 groups per
-    program; the rank-128 class at BLOCK_N >= 64); tests/test_gpu_kernels.py
+    program; the rank-128 class at BLOCK_N >= 64); tests/kernels/test_gpu_kernels.py
     guards the defaults at serving shapes."""
     hg = plan.heads_per_group
     if device.type != "cuda":  # interpreter: small tiles, every code path

@@ -2,7 +2,7 @@
 
 - latent tile loads: float rows, or packed 8/4/3/2-bit codes with their float16
   scale/zero pairs (:func:`load_latent`; the slot format of
-  :class:`vllm_lowrank.quantization.SlotLayout`), dequantized to the dot dtype;
+  :class:`vllm_lowrank.format.latent.SlotLayout`), dequantized to the dot dtype;
 - the key transforms applied to rebuilt keys before RoPE (key bias, QK-norm);
 - the split-K merge of partial outputs by their log-sum-exp (:func:`reduce_splits_kernel`).
 
@@ -49,7 +49,7 @@ def load_codes(rows, code_off, r, valid, BITS: tl.constexpr, PAD: tl.constexpr,
     on invalid rows).
 
     Code ``c`` sits at bit ``c * BITS`` of the little-endian stream
-    (:func:`vllm_lowrank.quantization.pack`). Every byte is loaded once, as a row
+    (:func:`vllm_lowrank.format.latent.pack`). Every byte is loaded once, as a row
     of contiguous bytes (vectorizable), and expanded in registers with broadcast
     shifts and a reshape; no ``tl.interleave`` (miscompiled by triton 3.6):
 
@@ -230,7 +230,7 @@ def load_channel_keys(cache_ptr, row_off, pos, valid, code_off, r, ch0, s_tok, s
                       rk_total, DT: tl.constexpr, BITS: tl.constexpr, PAD: tl.constexpr,
                       KCT: tl.constexpr, SHARE: tl.constexpr):
     """Per-channel quantized key latents (KIVI sec. 3.2; the layout of
-    :class:`vllm_lowrank.quantization.SlotLayout` with ``k_channel_tokens``):
+    :class:`vllm_lowrank.format.latent.SlotLayout` with ``k_channel_tokens``):
     channels ``ch0 .. ch0 + PAD - 1`` of the rows at positions ``pos`` [N]
     (``row_off`` [N] their slots' byte offsets, ``valid`` [N]), dequantized to
     ``DT`` [N, PAD] (0 on invalid rows and channels ``>= r``).

@@ -235,7 +235,7 @@ def describe_artifact(path: str) -> dict:
         LowRankConfigError: not a valid artifact.
     """
     from vllm_lowrank.calibration import artifact as art
-    from vllm_lowrank.quantization import RAW_BITS, SlotLayout
+    from vllm_lowrank.format.latent import RAW_BITS, SlotLayout
 
     artifact = art.load_artifact(path)
     m = artifact.manifest

@@ -1,7 +1,7 @@
 """Every use of a vLLM internal that is not a public API, in one place.
 
 vLLM 0.32 has no public hook for the things below; each function names what it
-reaches into and why. ``tests/test_compat.py`` checks every one against the
+reaches into and why. ``tests/unit/test_compat.py`` checks every one against the
 installed vLLM, so an upgrade that moves one fails ``make test-fast`` instead of
 a server mid-start. :func:`unsupported_vllm` compares the installed vLLM with
 the release series this package is built and tested for; ``plugin.register``

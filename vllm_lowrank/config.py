@@ -131,7 +131,7 @@ class LowRankConfig:
         calibration_tokens: Tokens of calibration text for ``artifact="auto"``.
         k_bits, v_bits: Storage of the key / value latents: 16 (model dtype,
             no quantization) or 8, 4, 3, 2 (per-token asymmetric integers with
-            float16 scale/zero, packed; :mod:`vllm_lowrank.quantization`).
+            float16 scale/zero, packed; :mod:`vllm_lowrank.format.latent`).
         quant_group_size: Latent channels per scale/zero pair; ``None`` = one
             pair per head group per token. Must be a multiple of 8; ranks are
             then allocated in multiples of it.

@@ -5,7 +5,7 @@ The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 ``sm_80`` on Ampere) into torch's extension cache, and reused afterwards. Nothing
 is built or imported at package import time.
 
-Kernels (quantized cache of :class:`vllm_lowrank.quantization.SlotLayout`):
+Kernels (quantized cache of :class:`vllm_lowrank.format.latent.SlotLayout`):
 
 - :func:`latent_scores` -- post-RoPE mode scores ``scale * q~ . deq(c_k)``, where no
   RoPE sits between the latent and the product;
@@ -127,7 +127,7 @@ def build(arch: str, verbose: bool = False):
 def group_table(plan, layout, side: str) -> torch.Tensor:
     """int32 ``[num_groups, 6]`` rows ``(code byte offset, first scale/zero index,
     rank, channels per scale/zero, first output column, 0)`` of ``side`` 'k' or 'v'."""
-    from vllm_lowrank.quantization import packed_bytes
+    from vllm_lowrank.format.latent import packed_bytes
 
     if side == "k":
         ranks, groups, bits, off = plan.k_ranks, layout.k_groups, layout.k_bits, 0

@@ -3,7 +3,7 @@ Prometheus ``/metrics`` page.
 
 One implementation for everything that drives a real server on this machine:
 the README's demo (``scripts/demo.py``), the load benchmark
-(``benchmarks/serve_load.py``) and the server tests (``tests/serving.py``).
+(``benchmarks/serve_load.py``) and the server tests (``tests/server_harness.py``).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def fused_supports(layout) -> bool:
     packed 8/4/3/2-bit per-token (or channel-grouped) sides and per-channel keys
     (KIVI; the wide-group Triton kernel). A side kept as raw float16 inside a
     packed slot takes the torch path."""
-    from vllm_lowrank.quantization import RAW_BITS
+    from vllm_lowrank.format.latent import RAW_BITS
 
     return layout is None or RAW_BITS not in (layout.k_bits, layout.v_bits)
 

@@ -111,7 +111,7 @@ def write_latents(
         v_latent: ``[num_tokens, Rv]``.
         slot_mapping: ``[num_tokens]`` int64 ``block * block_size + offset``;
             negative entries (padding) are skipped.
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` or ``None``.
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` or ``None``.
     """
     n = slot_mapping.shape[0]
     k_rows, v_rows = k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)
@@ -158,7 +158,7 @@ def gather_latents(
         block_table: ``[num_reqs, max_blocks]`` (rows of the requests to read).
         length: Positions to read (entries past a request's length are garbage
             and must be masked by the caller).
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` to dequantize
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` to dequantize
             packed slots, or ``None``.
         start: First position to read.
 

@@ -41,7 +41,7 @@ class LatentAttention(Attention):
         rotary: The model's rotary module (its cos/sin table rotates the
             rebuilt keys).
         post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` of packed
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` of packed
             low-bit latents, or ``None`` to cache them in the model dtype.
         key_norm: The model's per-head key norm module (QK-norm), applied to
             rebuilt keys before RoPE, or ``None``.

@@ -85,7 +85,7 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
         slot: Its slot layout.
         slot_mapping, exact_slots: ``[T]`` int64 slots of this step's tokens in
             the latent and the exact cache (negative: padding).
-        layout: :class:`~vllm_lowrank.quantization.SlotLayout` with per-channel keys.
+        layout: :class:`~vllm_lowrank.format.latent.SlotLayout` with per-channel keys.
     """
     g = layout.k_channel_tokens
     n = min(slot_mapping.shape[0], exact_slots.shape[0])

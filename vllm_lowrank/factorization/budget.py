@@ -17,7 +17,7 @@ V) of one head group at rank ``r`` and ``b`` bits is::
     L(r, b) = 1/2 sum_i e_i mean_t (c^_ti - c_ti)^2,   c^_ti = 0 for i >= r   (2)
 
 measured on calibration latents with the cache's own quantizer
-(:mod:`vllm_lowrank.quantization`: per-token groups after the Hadamard rotation
+(:mod:`vllm_lowrank.format.latent`: per-token groups after the Hadamard rotation
 the serving path folds in, or per-channel groups of ``k_channel_tokens``
 positions; 16 bits = float16 rounding). At full rank the cache stores the
 projection itself (identity basis, :func:`~vllm_lowrank.factorization.bases.factors_for_rank`),
@@ -27,7 +27,7 @@ perplexity grows by about ``exp(sum L) - 1``.
 
 Choices: per layer, bits for K and for V (:data:`BITS`) and a rank per head
 group and side (multiples of the rank granularity). The bytes are those of the
-layer's :class:`~vllm_lowrank.quantization.SlotLayout` (codes, float16 scales
+layer's :class:`~vllm_lowrank.format.latent.SlotLayout` (codes, float16 scales
 and zeros, per-channel key shares), which add over the two sides.
 
 Solver: exact. Per side and bits, the best split of a width over head groups
@@ -89,14 +89,14 @@ class Storage:
 def _rotation(rank: int, layer: int, group: int, side: str) -> torch.Tensor:
     """The Hadamard rotation the serving path folds into this latent
     (:func:`vllm_lowrank.factorization.fold.rotate_latents`, seed = layer)."""
-    from vllm_lowrank.quantization import latent_rotation
+    from vllm_lowrank.format.latent import latent_rotation
 
     return latent_rotation(rank, layer, group, side).double()
 
 
 def _store(y: torch.Tensor, bits: int, storage: Storage, per_channel: bool) -> torch.Tensor:
     """``y`` [T, r] as read back from the cache (float64)."""
-    from vllm_lowrank.quantization import dequantize, quantize, quantize_channels
+    from vllm_lowrank.format.latent import dequantize, quantize, quantize_channels
 
     if bits == 16:
         return y.to(torch.float16).double()
@@ -164,7 +164,7 @@ def side_bytes(ranks: Sequence[int], bits: int, storage: Storage, per_channel: b
     """Slot bytes of one side (codes, scales and zeros or the per-channel
     share): the side's part of :attr:`SlotLayout.natural_bytes`, which adds
     over the two sides (computed by a layout holding this side alone)."""
-    from vllm_lowrank.quantization import SlotLayout
+    from vllm_lowrank.format.latent import SlotLayout
 
     q = storage.quant_group
     return SlotLayout(ranks, (), bits, 16, q, q,
@@ -297,7 +297,7 @@ def allocate_bytes(fronts: Mapping[int, Sequence[LayerChoice]], budget: float, *
         budget: Bytes per token over all layers (latent slots, plus exact
             tokens when ``exact_cost`` is given).
         one_page: Every layer's slot padded to one size ``S`` (rounded up to
-            4 bytes, as :func:`vllm_lowrank.quantization.page_padding` does).
+            4 bytes, as :func:`vllm_lowrank.format.latent.page_padding` does).
         exact_cost: ``{layer: f(choice, slot_bytes) -> bytes per token}`` of
             the exact tokens of the token-adaptive mode (they depend on the
             latent slot through the exact slot's padding, and on the key width

@@ -103,7 +103,7 @@ def rotate_latents(plan: LayerPlan, f: LayerFactors, sides: str, seed: int) -> L
         sides: ``"k"``, ``"v"`` or ``"kv"``: which latents to rotate.
         seed: Base seed (each layer/side/group gets its own rotation).
     """
-    from vllm_lowrank.quantization import latent_rotation
+    from vllm_lowrank.format.latent import latent_rotation
 
     out = LayerFactors(f.a_k.clone(), f.k_up.clone(), f.a_v.clone(), f.v_up.clone())
     for side, a, up, ranks, offsets in (("k", out.a_k, out.k_up, plan.k_ranks, plan.k_offsets()),

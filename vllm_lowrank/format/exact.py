@@ -15,6 +15,7 @@ import functools
 import torch
 
 from vllm_lowrank.config import EXACT_BITS, LowRankConfig, LowRankConfigError
+from vllm_lowrank.format.latent import SlotLayout
 
 
 PREFILL_CHUNK_TOKENS = 128
@@ -82,7 +83,7 @@ class ExactSlot:
       (post-RoPE keys), bit for bit what the model computed.
     - ``bits=8``: ``k`` and ``v`` are per-token, per-head asymmetric int8
       codes with one float16 scale/zero pair per head and side (the packed
-      format of :class:`~vllm_lowrank.quantization.SlotLayout`, ``head_dim``
+      format of :class:`~vllm_lowrank.format.latent.SlotLayout`, ``head_dim``
       channels per group). On the embedded model this storage costs +0.0 %
       perplexity when applied to the whole cache (``../shared/notes/baselines.md``,
       row q2) and halves the bytes of the exact tokens.
@@ -135,8 +136,6 @@ class ExactSlot:
         """Per-head int8 layout of ``[k | v]`` (``bits=8``), else ``None``."""
         if self.bits == 16:
             return None
-        from vllm_lowrank.quantization import SlotLayout
-
         heads = (self.head_dim,) * (self.kv_width // self.head_dim)
         return SlotLayout(heads, heads, self.bits, self.bits)
 

@@ -89,7 +89,7 @@ class ModelCompression:
         return None if layouts is None else dict(zip(self.plans, layouts))
 
     def layout(self, layer: int):
-        """:class:`~vllm_lowrank.quantization.SlotLayout` of ``layer``'s packed
+        """:class:`~vllm_lowrank.format.latent.SlotLayout` of ``layer``'s packed
         slot (padded as :func:`slot_layouts` says), or ``None`` when latents are
         stored unquantized."""
         return None if self._layouts is None else self._layouts[layer]
@@ -312,7 +312,7 @@ def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequen
     layer has the same latent width", the token-adaptive mode and hybrid
     models) but the slots' natural sizes differ (a K/V split or bits that
     differ by layer, per-channel key shares), every slot is padded to the
-    largest (:func:`~vllm_lowrank.quantization.page_padding`).
+    largest (:func:`~vllm_lowrank.format.latent.page_padding`).
 
     Args:
         cfg: The settings (bits, quantization groups, per-channel keys).
@@ -327,7 +327,7 @@ def slot_layouts(cfg: LowRankConfig, ranks: Sequence[tuple[Sequence[int], Sequen
     """
     if not cfg.quantized and bits is None:
         return None
-    from vllm_lowrank.quantization import SlotLayout, page_padding
+    from vllm_lowrank.format.latent import SlotLayout, page_padding
 
     q = cfg.quant_group_size
     bits = list(bits) if bits is not None else [(cfg.k_bits, cfg.v_bits)] * len(ranks)

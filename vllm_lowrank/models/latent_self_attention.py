@@ -68,7 +68,7 @@ class LatentSelfAttention(nn.Module):
         sliding_window: Tokens each query sees on a sliding-window layer
             (``None``: full attention).
         post_rope: Cache post-RoPE key latents (needs ``head_group_size`` 1).
-        layout: Packed low-bit slot layout (:mod:`vllm_lowrank.quantization`),
+        layout: Packed low-bit slot layout (:mod:`vllm_lowrank.format.latent`),
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
             sides, or ``None`` for no rotation.

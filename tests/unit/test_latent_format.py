@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_lowrank.quantization import SlotLayout, dequantize, pack, packed_bytes, quantize, unpack
+from vllm_lowrank.format.latent import SlotLayout, dequantize, pack, packed_bytes, quantize, unpack
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

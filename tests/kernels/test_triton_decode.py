@@ -9,7 +9,7 @@ reduce, the LPT persistent schedule, key bias / QK-norm and sliding windows over
 NaN null blocks). On a CUDA machine the same tests run the
 compiled kernels on the GPU.
 
-    python -P -m pytest tests/test_triton_decode.py -q
+    python -P -m pytest tests/kernels/test_triton_decode.py -q
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ triton = pytest.importorskip("triton")
 
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
-from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
 import vllm_lowrank.triton_kernels.launch as launch_params  # noqa: E402

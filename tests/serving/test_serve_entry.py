@@ -4,6 +4,7 @@ with an API key (issue 23: closed by default)."""
 from __future__ import annotations
 
 import pytest
+from conftest import REPO
 
 from vllm_lowrank import serve_entry
 from vllm_lowrank.config import LowRankConfigError
@@ -50,11 +51,10 @@ def test_refuses_without_a_key(tmp_path, capsys, monkeypatch):
 
 
 def test_console_script_is_the_image_entry_point():
-    import pathlib
     import re
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["vllm-lowrank-serve"] == "vllm_lowrank.serve_entry:main"
     dockerfile = (root / "Dockerfile").read_text()

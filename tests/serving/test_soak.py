@@ -17,7 +17,7 @@ import time
 
 import pytest
 import requests
-from serving import Server
+from server_harness import Server
 
 pytestmark = pytest.mark.slow
 

@@ -19,13 +19,13 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "scripts" / "validate_deploy.sh"
 OVERLAYS = ("cpu-demo", "gpu", "gpu-tp2")
 JOBS = ("calibrate",)  # deploy/jobs/<name>/, rendered as job-<name>.yaml

@@ -5,7 +5,7 @@ Checked against float64 references: the quantizer itself; the write path
 staged in the exact cache, while partial groups stay unquantized there);
 reads at any start/length; and token-adaptive decode over such a cache
 against the float64 attention loop. Prefix-cache hits and preemption run in
-vLLM engines (``tests/test_token_adaptive_engine.py``).
+vLLM engines (``tests/engine/test_token_adaptive_engine.py``).
 """
 
 import pytest
@@ -17,7 +17,7 @@ from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
 from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
-from vllm_lowrank.quantization import SlotLayout, quantize, quantize_channels
+from vllm_lowrank.format.latent import SlotLayout, quantize, quantize_channels
 
 G = 8  # tokens per key group
 LATENT_BLOCK, EXACT_BLOCK = 32, 16  # vLLM enlarges the latent group's blocks

@@ -8,7 +8,7 @@ this module hands the real ``triton`` to ``vllm.triton_utils`` and (re)imports
 vLLM's kernel modules after that (``peer_caches.use_real_triton``), so their
 ``@triton.jit`` functions run in the interpreter.
 
-    python -P -m pytest tests/test_peer_quantizers.py -q
+    python -P -m pytest tests/kernels/test_peer_quantizers.py -q
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -26,7 +27,7 @@ pytest.importorskip("vllm")
 
 import triton.language as tl  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, str(REPO))
 import benchmarks.peer_caches as pc  # noqa: E402
 
 pc.use_real_triton()  # CPU build: vLLM's kernels in the interpreter

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from serving import VLLM, Server
+from server_harness import VLLM, Server
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 import requests
-from serving import VLLM, Server, free_port
+from server_harness import VLLM, Server, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import vllm_lowrank
+from conftest import REPO
 
 
 def test_general_plugin_entry_point():
@@ -29,10 +30,9 @@ def test_every_subpackage_is_installed():
     """pyproject's explicit package list names every sub-package of the source
     tree (a missing one installs in an editable checkout but not from a wheel or
     a Docker build)."""
-    import pathlib
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = REPO
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
                  ["packages"])
     found = {".".join(p.parent.relative_to(root).parts)

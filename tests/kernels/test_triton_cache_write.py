@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton")
 
 from vllm_lowrank.attention.latent_attention import scatter_rows  # noqa: E402
-from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 from vllm_lowrank.triton_kernels.cache_write import supports, write_packed_latents  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 import torch
-from serving import Server, parse_metrics
+from server_harness import Server, parse_metrics
 
 from vllm_lowrank import metrics
 from vllm_lowrank.config import LowRankConfig

@@ -2,7 +2,7 @@
 ``SlotLayout.decode`` + float64 torch, and the compiled Triton decode kernel at
 serving shapes (bf16). Skipped without a CUDA device.
 
-    python -m pytest tests/test_gpu_kernels.py -q -m gpu
+    python -m pytest tests/kernels/test_gpu_kernels.py -q -m gpu
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
-from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
 
 def _problem(k_ranks, v_ranks, bits, qgroup, lens, heads=32, kv=8, d=128, page=16, seed=0):

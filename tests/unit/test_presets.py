@@ -4,14 +4,14 @@ each one with its measured figures."""
 
 from __future__ import annotations
 
-import pathlib
 
 import pytest
+from conftest import REPO
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.presets import PRESETS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

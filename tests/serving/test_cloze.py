@@ -8,10 +8,11 @@ import re
 import sys
 
 import pytest
+from conftest import REPO
 
 from vllm_lowrank.cloze import first_word, name_cloze_items
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 @pytest.mark.parametrize("text, word", [
@@ -84,7 +85,7 @@ def test_lm_eval_recipe_scores_the_server(model_path, tmp_path):
     import lm_eval_cloze as rec
     from openai import OpenAI
 
-    from serving import Server
+    from server_harness import Server
 
     lm_eval = rec.ensure_lm_eval(os.path.join(ROOT, ".venv-lmeval"))
     from vllm_lowrank.calibration.text import bbc_news

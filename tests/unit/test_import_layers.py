@@ -12,12 +12,14 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from conftest import REPO
+
+ROOT = REPO
 
 LAYERS = (
     ("errors",),
     ("inputs", "presets", "config", "compat"),
-    ("quantization", "metrics"),
+    ("metrics",),
     ("format", "factorization"),
     ("cuda_ext", "csrc", "triton_kernels"),
     ("attention",),

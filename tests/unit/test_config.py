@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import REPO
 
 from vllm_lowrank.config import (
     LowRankConfig,
@@ -207,12 +208,11 @@ def test_config_keys_document_every_field_once():
 
 
 def test_readme_key_table_and_cli_help_come_from_config_keys():
-    import pathlib
 
     from vllm_lowrank.config import config_keys, keys_table
     from vllm_lowrank.patches import CONFIG_HELP
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     assert keys_table() in readme, "README key table drifted: paste config.keys_table()"
     for names, _, _ in config_keys():
         assert all(f"{n}" in CONFIG_HELP for n in names)

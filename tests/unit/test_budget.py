@@ -15,7 +15,7 @@ import torch
 
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import budget as bud
-from vllm_lowrank.quantization import SlotLayout
+from vllm_lowrank.format.latent import SlotLayout
 
 
 def _naive_token_quant(y: torch.Tensor, bits: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def test_side_loss_with_hadamard_is_rotation_invariant_reference():
     m = _psd(n, gen)
     storage = bud.Storage(hadamard=True, multiple=8)
     got = bud.side_loss(c, m, torch.eye(n), rank, 4, storage, side="v", layer=5, group=1)
-    from vllm_lowrank.quantization import hadamard_rotation
+    from vllm_lowrank.format.latent import hadamard_rotation
 
     rot = hadamard_rotation(rank, seed=5 * 1000 + 10 * 1 + 1).double()
     y = c[:, :rank] @ rot

@@ -151,6 +151,7 @@ def _preempt_three(llm, preempted):
     return lambda: setattr(scheduler, "schedule", schedule)
 
 
+@pytest.mark.isolated  # the engine core runs in this process
 def test_channel_keys_preempted_request_resumes_like_a_new_one(model_path, monkeypatch):
     """A preempted request is recomputed from its prompt and the tokens it had
     generated, which rewrites its per-channel key groups. Its continuation
@@ -188,6 +189,7 @@ def test_channel_keys_preempted_request_resumes_like_a_new_one(model_path, monke
     assert_same_until_tie(resumed, expected, gaps, at_least=40)
 
 
+@pytest.mark.isolated  # the engine core runs in this process
 def test_preempted_requests_resume_with_the_same_tokens(model_path, monkeypatch):
     """Requests preempted in the middle of decoding (by the scheduler's own
     preemption routine, called between steps: with the exact group vLLM

@@ -5,7 +5,7 @@ On a machine without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (set
 by ``conftest.py``) on CPU tensors in float32; on a CUDA machine the same tests
 run the compiled kernel in bf16.
 
-    python -P -m pytest tests/test_triton_prefill.py -q
+    python -P -m pytest tests/kernels/test_triton_prefill.py -q
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 from vllm_lowrank.attention import backend  # noqa: E402
 from vllm_lowrank.attention import latent_attention as ops  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
-from vllm_lowrank.quantization import SlotLayout  # noqa: E402
+from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
 import vllm_lowrank.triton_kernels.prefill as pre  # noqa: E402
 
