@@ -48,17 +48,19 @@ from vllm_lowrank.local_server import LocalServer, metric_totals
 def start(model: str, extra: list[str], name: str, kv_cache_bytes: int, max_model_len: int,
           max_num_seqs: int, max_batched_tokens: int, timeout: float = 900) -> LocalServer:
     """A ready ``vllm serve`` for one setting (served as ``m``, float32, eager),
-    its KV cache set in bytes; ``VLLM_CPU_KVCACHE_SPACE`` is removed from its
+    its KV cache set in bytes; ``max_num_seqs`` / ``max_batched_tokens`` of 0 leave
+    vLLM's own scheduler defaults (the flag is not passed); ``VLLM_CPU_KVCACHE_SPACE`` is removed from its
     environment because it would override ``--kv-cache-memory-bytes``.
 
     Raises:
         RuntimeError: the server exits before it is ready (log tail attached).
         TimeoutError: not ready within ``timeout`` seconds.
     """
+    scheduler = ([f"--max-num-seqs={max_num_seqs}"] if max_num_seqs else []) + (
+        [f"--max-num-batched-tokens={max_batched_tokens}"] if max_batched_tokens else [])
     server = LocalServer(
         model, ["--served-model-name", "m", "--dtype", "float32", "--enforce-eager",
-                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-                "--max-num-batched-tokens", str(max_batched_tokens),
+                "--max-model-len", str(max_model_len), *scheduler,
                 "--kv-cache-memory-bytes", str(kv_cache_bytes), *extra],
         log_dir=tempfile.gettempdir(), name=f"serve-load-{name}",
         env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"})
@@ -189,10 +191,12 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-cache-mib", type=int, default=256,
                    help="KV cache memory of every server, MiB (--kv-cache-memory-bytes)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="vLLM --max-num-seqs; 0: vLLM's default (flag not passed)")
     p.add_argument("--max-batched-tokens", type=int, default=8192,
                    help="vLLM --max-num-batched-tokens (tokens per engine step); large "
-                        "enough that admission, not the step budget, is limited by memory")
+                        "enough that admission, not the step budget, is limited by memory; "
+                        "0: vLLM's default (flag not passed)")
     p.add_argument("--scrape-interval", type=float, default=0.5, help="seconds")
     p.add_argument("--run-timeout", type=float, default=360, help="seconds per setting")
     p.add_argument("--json", help="also write the rows to this file")
@@ -224,7 +228,8 @@ def main() -> None:
     print(f"\nServing load test, {datetime.date.today().isoformat()}: {args.requests} "
           f"concurrent requests x {args.prompt_tokens}-token prompts (BBC News) + "
           f"{args.max_tokens} output tokens, float32, KV cache {args.kv_cache_mib} MiB "
-          f"(--kv-cache-memory-bytes), --max-num-batched-tokens {args.max_batched_tokens}, {os.cpu_count()} CPU "
+          f"(--kv-cache-memory-bytes), --max-num-seqs {args.max_num_seqs or '(vLLM default)'}, "
+          f"--max-num-batched-tokens {args.max_batched_tokens or '(vLLM default)'}, {os.cpu_count()} CPU "
           f"cores, /metrics scraped every {args.scrape_interval} s\n")
     print("| setting | KV capacity (tokens) | KV compression | per sequence | completed | failed | "
           "preemptions | peak running seqs | vs off | peak KV usage | wall (s) | req/s | "
