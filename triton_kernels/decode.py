@@ -22,16 +22,14 @@ Example::
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
-import triton.language as tl
 
 from . import decode_packed
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
-from .decode_prep import (MAX_CLASSES, WEIGHT_CACHE, Prepared, cached_for, key_weights,
-                          pow2, prepare, rope_is_rotation, sm_count)
+from .decode_prep import (MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
+                          interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _packed_config, _wide_config, choose_num_splits)
 from .launch import needs_wide
@@ -93,7 +91,7 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
     contiguous float32 if given."""
     sh = plan.shape
     checks = (
-        (query.device.type == "cuda" and not _interpreting(), "not on a CUDA device"),
+        (query.device.type == "cuda" and not interpreting(), "not on a CUDA device"),
         (mode == "pre_rope", "post_rope mode"),
         (config is None and schedule is None, "explicit Triton launch config or schedule"),
         (layout is None, "quantized cache"),
@@ -185,13 +183,6 @@ def _placeholder(device, dtype) -> torch.Tensor:
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.zeros(1, device=device, dtype=dtype)
     return _PLACEHOLDERS[key]
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 TRITON_KERNELS = {
@@ -376,9 +367,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         dt_torch = query.dtype
     else:
         dt_torch = kv_cache.dtype
-    if dt_torch not in _DT:
+    if dt_torch not in TL_DTYPES:
         raise ValueError(f"unsupported compute dtype {dt_torch}")
-    if _interpreting():
+    if interpreting():
         # Triton's CPU interpreter multiplies bf16/fp16 dot operands wrongly
         # (triton 3.9: raw bits); compute in float32 there. Loads, conversions
         # and the kernel structure are the same.
@@ -488,7 +479,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             num_warps=num_warps, num_stages=num_stages, po=po, plse=plse,
             window=int(window) if use_window else 0, sink=sink, recent=recent,
             use_window=use_window, use_span=use_span, return_lse=return_lse,
-            interpreting=_interpreting())
+            interpreting=interpreting())
         return _merge_splits(plan, prep, out, lse, po, plse, num_splits, return_lse)
     classes = list(prep.classes) + [(16, 16)] * (MAX_CLASSES - len(prep.classes))
     if quant:
@@ -534,7 +525,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         TRANS=trans,
         HG=hg, HG_PAD=pow2(gpp * hg), QPK=sh.queries_per_kv, GPP=gpp,
         C1=prep.c1, C3=prep.c3, CW=prep.cw,
-        BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=_DT[dt_torch],
+        BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=TL_DTYPES[dt_torch],
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
         ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
         NUM_CLS=len(prep.classes), K_BIAS=k_bias, K_NORM=k_norm, WINDOW=use_window,

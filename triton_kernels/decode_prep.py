@@ -7,17 +7,27 @@
   kernels' RoPE-section layout, cached per weight tensor (:func:`cached_for`);
 - :func:`rope_is_rotation`: whether a RoPE table composes as rotations (the
   kernels' tile-offset trick), cached per table;
-- :func:`sm_count`.
+- :func:`sm_count`, :func:`interpreting`, :data:`TL_DTYPES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import weakref
 from collections import OrderedDict
 
 import torch
+import triton.language as tl
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+"""Triton element type of each cache / query dtype the kernels take."""
+
+
+def interpreting() -> bool:
+    """True under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 MAX_CLASSES = 4
 """Rank classes (padded ``(r_k, r_v)`` pairs) one grid launch serves."""

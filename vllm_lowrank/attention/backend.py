@@ -439,11 +439,10 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         if nd:
             path = self._decode_path(layer, query).name
             kernel = None if path == "torch" else functools.partial(fused_decode(), backend=path)
-            out = tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
-                              exact_meta.block_table[:nd], m.seq_lens[:nd],
-                              m.max_decode_seq_len, latent_decode=kernel,
-                              min_seq_len=m.min_decode_seq_len, **common)
-            output[:nd].copy_(out)
+            tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
+                        exact_meta.block_table[:nd], m.seq_lens[:nd], m.max_decode_seq_len,
+                        latent_decode=kernel, min_seq_len=m.min_decode_seq_len,
+                        out=output[:nd], **common)
         qsl = m.query_start_loc_cpu
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])

@@ -282,9 +282,16 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
            exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int, *, sink: int, recent: int,
            exact: ExactSlot, layout=None, transform=None,
-           window: int | None = None, latent_decode=None, min_seq_len: int = 0) -> torch.Tensor:
+           window: int | None = None, latent_decode=None, min_seq_len: int = 0,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per request: latent span ``sink <= t < seq_len - 1 -
     recent`` plus the exact set, merged.
+
+    With a latent-span kernel, the exact part, the value up-projection and the
+    merge run in one Triton kernel
+    (:func:`vllm_lowrank.triton_kernels.decode_exact.exact_merge_decode`) where
+    its ``blocker`` allows, else in torch (:func:`exact_attention`,
+    :func:`values_up`, :func:`merge`).
 
     Args:
         query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
@@ -297,9 +304,11 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         latent_decode: The latent-span kernel (``None``: the torch path
             :func:`~vllm_lowrank.attention.latent_attention.decode_attention`;
             on CUDA the backend passes the Triton kernel, same contract).
+        out: ``[B, H * d]`` tensor to write the result into (any float dtype),
+            or ``None``.
 
     Returns:
-        ``[B, H * d]`` float32.
+        ``[B, H * d]``: ``out``, or a new float32 tensor.
     """
     args = (plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens, max_seq_len)
     span = dict(layout=layout, transform=transform, window=window, sink=sink,
@@ -308,10 +317,20 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
     else:
         lat, lat_lse = latent_decode(*args, mode="pre_rope", **span)
+        from vllm_lowrank.triton_kernels import decode_exact
+
+        if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:
+            return decode_exact.exact_merge_decode(
+                plan, v_up, scale, query, exact_cache, exact, exact_block_table, seq_lens,
+                sink, recent, lat, lat_lse, out)
     ex, ex_lse = exact_attention(query[:, None], exact_cache, exact, exact_block_table,
                                  seq_lens, 1, sink, recent, scale, window)
-    out = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
-    return out.reshape(query.shape[0], -1)
+    merged = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
+    merged = merged.reshape(query.shape[0], -1)
+    if out is None:
+        return merged
+    out.copy_(merged)
+    return out
 
 
 def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale: float,

@@ -132,8 +132,10 @@ class ExactSlot:
             raise ValueError(f"head_dim {self.head_dim} does not divide kv_width {self.kv_width}")
 
     @functools.cached_property
-    def _layout(self):
-        """Per-head int8 layout of ``[k | v]`` (``bits=8``), else ``None``."""
+    def int8_layout(self):
+        """The :class:`~vllm_lowrank.format.latent.SlotLayout` of ``[k | v]`` at
+        ``bits=8`` (one group per head and side: ``head_dim`` codes, one float16
+        scale/zero pair per token), else ``None``."""
         if self.bits == 16:
             return None
         heads = (self.head_dim,) * (self.kv_width // self.head_dim)
@@ -142,8 +144,8 @@ class ExactSlot:
     @property
     def kv_bytes(self) -> int:
         """Bytes of ``[k | v]`` (with their scales and zeros)."""
-        if self._layout is not None:
-            return self._layout.natural_bytes
+        if self.int8_layout is not None:
+            return self.int8_layout.natural_bytes
         return 2 * self.kv_width * self.dtype.itemsize
 
     @property
@@ -156,8 +158,8 @@ class ExactSlot:
                staged: torch.Tensor | None = None) -> torch.Tensor:
         """``key``/``value`` ``[T, kv_width]`` and ``staged`` ``[T,
         staged_width]`` (or ``None``) -> ``[T, slot_bytes]`` uint8 rows."""
-        if self._layout is not None:
-            parts = [self._layout.encode(key, value)]
+        if self.int8_layout is not None:
+            parts = [self.int8_layout.encode(key, value)]
         else:
             parts = [torch.cat((key, value), -1).to(self.dtype).contiguous().view(torch.uint8)]
         if staged is not None:
@@ -167,8 +169,8 @@ class ExactSlot:
 
     def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., slot_bytes]`` uint8 -> ``(k, v)``, each ``[..., kv_width]`` float32."""
-        if self._layout is not None:
-            return self._layout.decode(rows[..., :self.kv_bytes])
+        if self.int8_layout is not None:
+            return self.int8_layout.decode(rows[..., :self.kv_bytes])
         kv = rows[..., :self.kv_bytes].clone().view(self.dtype).float()  # clone: aligned
         return kv[..., :self.kv_width], kv[..., self.kv_width:]
 

@@ -1,0 +1,146 @@
+"""The token-adaptive decode kernel (exact part, value up-projection and merge in
+one launch, ``triton_kernels/decode_exact.py``) against the torch functions it
+replaces (``token_adaptive.exact_attention``, ``values_up``, ``merge``; those
+are checked against a float64 loop in ``tests/unit/test_token_adaptive.py``).
+
+Under the Triton interpreter on CPU tensors without CUDA, compiled on a GPU:
+
+    python -P -m pytest tests/kernels/test_triton_exact_decode.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from vllm_lowrank.attention import token_adaptive as tale  # noqa: E402
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
+from vllm_lowrank.format.exact import ExactSlot  # noqa: E402
+from vllm_lowrank.triton_kernels import decode_exact  # noqa: E402
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEV = torch.device("cuda" if ON_GPU else "cpu")
+BLOCK = 16
+
+
+def case(group_size, k_ranks, v_ranks, dtype, bits, lens, sink=16, recent=32, seed=0):
+    """A plan (8 query / 4 KV heads of 32), an exact cache holding random keys and
+    values at every position of ``len(lens)`` sequences on shuffled blocks (the
+    rest of the cache NaN), queries, latent-part outputs and log-sum-exps (the
+    first sequence's span empty: ``-inf``)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = AttentionShape(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32)
+    plan = LayerPlan(shape, group_size, k_ranks=k_ranks, v_ranks=v_ranks)
+    v_up = torch.zeros(plan.v_width, shape.kv_width)
+    gw = plan.group_width
+    for i, (off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        v_up[off:off + r, i * gw:(i + 1) * gw] = torch.randn(r, gw, generator=g) / r ** 0.5
+    slot = ExactSlot(shape.kv_width, shape.head_dim, dtype, bits, plan.k_width, 64)
+    nb = [-(-n // BLOCK) for n in lens]
+    cache = torch.full((sum(nb) + 1, 1, BLOCK, slot.slot_bytes), 0xFF, dtype=torch.uint8)
+    perm = torch.randperm(sum(nb), generator=g) + 1
+    table = torch.zeros(len(lens), max(nb) + 2, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        table[b, :nb[b]] = perm[used:used + nb[b]].to(torch.int32)
+        used += nb[b]
+        pos = torch.arange(n)
+        slots = table[b, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        k = torch.randn(n, shape.kv_width, generator=g)
+        v = torch.randn(n, shape.kv_width, generator=g)
+        tale.write_exact(cache, slot, k.to(dtype), v.to(dtype), slots,
+                         torch.randn(n, plan.k_width, generator=g))
+    q = torch.randn(len(lens), shape.num_heads, shape.head_dim, generator=g).to(dtype)
+    lat = torch.randn(len(lens), plan.out_width, generator=g)
+    lse = torch.randn(len(lens), shape.num_heads, generator=g) * 3
+    lse[0] = float("-inf")
+    lat[0] = 0.0
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent
+
+
+def torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, scale):
+    ex, ex_lse = tale.exact_attention(q[:, None], cache, slot, table, seq_lens, 1, sink, recent,
+                                      scale)
+    out = tale.merge(tale.values_up(plan, v_up, lat), lse, ex[:, 0], ex_lse[:, 0])
+    return out.reshape(q.shape[0], -1)
+
+
+SETTINGS = [
+    # (group size, key ranks, value ranks): one KV head per group, equal ranks;
+    # uneven ranks; two KV heads per group; all four in one group (J-LRD, the
+    # presets' grouping; value rank 96: two steps of the up-projection)
+    (1, (16, 16, 16, 16), (16, 16, 16, 16)),
+    (1, (8, 24, 16, 8), (24, 8, 16, 32)),
+    (2, (24, 40), (40, 24)),
+    (4, (48,), (96,)),
+]
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.float32, 16), (torch.float32, 8),
+                                        (torch.bfloat16, 16), (torch.bfloat16, 8)])
+@pytest.mark.parametrize("setting", SETTINGS, ids=["g1", "g1-uneven", "g2", "g4"])
+def test_kernel_matches_the_torch_path(setting, dtype, bits):
+    """Sequences shorter than the sinks, of exactly ``S + W + 1`` tokens, and
+    longer (exact set = sinks + the last ``W + 1``), the first with an empty
+    latent span; 16-bit slots in the query dtype and int8 slots."""
+    plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
+        *setting, dtype, bits, lens=[100, 7, 49, 83])
+    scale = 0.3
+    ref = torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, scale)
+    out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEV)
+    got = decode_exact.exact_merge_decode(
+        plan, v_up.to(DEV), scale, q.to(DEV), cache.to(DEV), slot, table.to(DEV),
+        seq_lens.to(DEV), sink, recent, lat.to(DEV), lse.to(DEV), out)
+    assert got is out
+    # interpreter: float32 dots, a bf16 output rounds (2^-8 relative); GPU: float32 on
+    # TF32 tensor cores, bf16 with the keys, values, queries and probabilities in
+    # bf16 (as in stock vLLM's attention)
+    if dtype == torch.float32:
+        tol = 5e-3 if ON_GPU else 1e-5
+    else:
+        tol = 3e-2 if ON_GPU else 8e-3
+    torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_tale_decode_takes_the_kernel_when_a_latent_kernel_runs(monkeypatch):
+    """``token_adaptive.decode`` with a latent-span kernel uses this kernel (the
+    torch exact path is not called) and writes into ``out``; with a sliding
+    window it falls back to the torch path."""
+    plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
+        *SETTINGS[1], torch.float32, 16, lens=[100, 40])
+    ref = torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, 0.3)
+
+    def latent_kernel(*args, **kwargs):
+        return lat.to(DEV), lse.to(DEV)
+
+    def no_torch_path(*args, **kwargs):
+        raise AssertionError("the torch exact path ran")
+
+    args = (plan, None, v_up.to(DEV), None, 0.3, q.to(DEV), None, None, cache.to(DEV),
+            table.to(DEV), seq_lens.to(DEV), 100)
+    with monkeypatch.context() as m:
+        m.setattr(tale, "exact_attention", no_torch_path)
+        out = torch.empty(ref.shape, device=DEV)
+        got = tale.decode(*args, sink=sink, recent=recent, exact=slot,
+                          latent_decode=latent_kernel, out=out)
+    assert got is out
+    torch.testing.assert_close(got.cpu(), ref, rtol=5e-3 if ON_GPU else 1e-5,
+                               atol=5e-3 if ON_GPU else 1e-5)
+    assert decode_exact.blocker(plan, slot, q.to(DEV), cache.to(DEV), 64) == "sliding window"
+
+
+def test_blocker_names_what_is_out_of_scope():
+    plan, v_up, slot, cache, *_ = case(*SETTINGS[0], torch.float32, 16, lens=[20])
+    q = torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=DEV)
+    assert "16-bit exact slots" in decode_exact.blocker(plan, slot, q, cache.to(DEV), None)
+    with pytest.raises(ValueError, match="16-bit exact slots"):
+        decode_exact.exact_merge_decode(plan, v_up, 1.0, q, cache.to(DEV), slot,
+                                        torch.zeros(1, 4, dtype=torch.int32, device=DEV),
+                                        torch.ones(1, dtype=torch.int32, device=DEV), 16, 32,
+                                        torch.zeros(1, plan.out_width, device=DEV),
+                                        torch.zeros(1, 8, device=DEV))
