@@ -17,6 +17,11 @@ from a stock kernel:
   ``i <= k_len - q_len + j`` (bottom-right causal), and with a sliding window
   also ``i > k_len - q_len + j - window``.
 
+Without ``causal`` every query sees every key of its request (the latent
+history of a token-adaptive chunk, which precedes all of it); with
+``lse`` the kernel also returns each row's log-sum-exp, for a merge with another
+part of the context (:mod:`vllm_lowrank.attention.token_adaptive`).
+
 Scores are base 2 (``qk_scale = scale * log2 e``); operands enter the tensor
 cores in the key dtype (bf16/fp16, or float32 under the interpreter) with
 float32 accumulation; softmax and the accumulator are float32.
@@ -28,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import pow2
+from .decode_prep import TL_DTYPES, pow2
 from .tiles import add_combine, max_combine
 
 LOG2E = 1.4426950408889634
@@ -39,11 +44,11 @@ def _prefill_kernel(
     q_ptr, s_qt, s_qh,
     k_ptr, s_kt, s_kh,
     v_ptr, s_vt,
-    o_ptr, s_ot,
+    o_ptr, s_ot, lse_ptr, s_lt,
     head_table_ptr, cu_q_ptr, cu_k_ptr,
     qk_scale, window, dk, QPK,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, DT: tl.constexpr,
+    WINDOW: tl.constexpr, DT: tl.constexpr, CAUSAL: tl.constexpr, LSE: tl.constexpr,
 ):
     m_blk = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,8 +75,9 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, DV], 0.0, tl.float32)
-        hi = ctx + m_blk * BLOCK_M + BLOCK_M
-        hi = tl.minimum(hi, k_len)
+        hi = k_len
+        if CAUSAL:
+            hi = tl.minimum(ctx + m_blk * BLOCK_M + BLOCK_M, k_len)
         lo = 0
         if WINDOW:
             lo = tl.maximum(ctx + m_blk * BLOCK_M - window + 1, 0)
@@ -83,7 +89,9 @@ def _prefill_kernel(
             k = tl.load(k_ptr + key_rows[:, None] * s_kt + kvh * s_kh + dks[None, :],
                         mask=col_ok[:, None] & (dks[None, :] < dk), other=0.0)
             s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
-            visible = (cols[None, :] <= last[:, None]) & col_ok[None, :]
+            visible = col_ok[None, :] & (rows[:, None] >= 0)
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= last[:, None])
             if WINDOW:
                 visible = visible & (cols[None, :] > last[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
@@ -99,9 +107,10 @@ def _prefill_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * s_ot + o_col + dvs[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dvs[None, :] < r_v))
-
-
-_DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+        if LSE:  # natural log; -inf for a row that saw no key
+            log2_l = tl.log2(tl.where(l_i > 0, l_i, 1.0))
+            lse = tl.where(l_i > 0, (m_i + log2_l) * 0.6931471805599453, float("-inf"))
+            tl.store(lse_ptr + (q_start + rows).to(tl.int64) * s_lt + h, lse, mask=row_ok)
 
 
 def head_table(plan, device) -> torch.Tensor:
@@ -119,7 +128,8 @@ def head_table(plan, device) -> torch.Tensor:
 def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              heads: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                              max_q_len: int, scale: float, out: torch.Tensor, *,
-                             max_rank_v: int, window: int | None = None) -> torch.Tensor:
+                             max_rank_v: int, window: int | None = None, causal: bool = True,
+                             lse: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every prefill request of a step in one launch.
 
     Args:
@@ -139,6 +149,10 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
             head ``h`` writes its ``r_v`` columns at ``heads[h, 2]``.
         max_rank_v: Largest ``r_v`` of the plan.
         window: Sliding window (query at position ``p`` sees ``t > p - window``),
+            or ``None``.
+        causal: ``False``: every query sees all of its request's keys.
+        lse: ``[T, H]`` float32 for each row's log-sum-exp (natural log of
+            ``sum_t exp(scale * q . k_t)``; ``-inf`` where no key is visible),
             or ``None``.
 
     Returns:
@@ -165,11 +179,11 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         query, query.stride(0), query.stride(1),
         keys, keys.stride(0), keys.stride(1),
         values, values.stride(0),
-        out, out.stride(0),
+        out, out.stride(0), out if lse is None else lse, 0 if lse is None else lse.stride(0),
         heads, cu_q, cu_k,
         float(scale) * LOG2E, int(window or 0), dk, num_heads // nkh,
         DK=pow2(dk), DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        WINDOW=window is not None, DT=_DT[dt],
+        WINDOW=window is not None, DT=TL_DTYPES[dt], CAUSAL=causal, LSE=lse is not None,
         num_warps=4 if dv <= 64 else 8, num_stages=2,
     )
     return out

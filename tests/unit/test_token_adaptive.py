@@ -299,3 +299,64 @@ def test_int8_exact_slot_round_trips_per_head():
                        torch.cat((k, v), -1).to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="exact_bits=4"):
         ExactSlot(kvw, d, torch.bfloat16, 4)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_batched_prefill_matches_reference(bits):
+    """Every prefill chunk of a step in one batched call (the CUDA path; the
+    varlen kernel runs in the Triton interpreter without CUDA), behind a decode
+    request it must skip: a prompt inside the sinks, chunks after a long
+    history (latent span non-empty), a whole prompt, a short chunk; each
+    request's tokens equal the float64 loop's."""
+    pytest.importorskip("triton")
+    plan, k_up, rope, cache = setup_case()
+    v_up = make_v_up(plan)
+    slot = exact_slot(plan, bits)
+    exact_cache = exact_cache_for(40, slot)
+    sink, recent = 4, 8
+    chunks = [(5, 5), (30, 6), (19, 19), (27, 3)]  # (length after the step, new tokens)
+    perm, exact_perm = torch.randperm(24), torch.randperm(39) + 1
+    tables = torch.zeros(len(chunks) + 1, 8, dtype=torch.int32)  # row 0: the decode
+    exact_tables = torch.zeros(len(chunks) + 1, 8, dtype=torch.int32)
+    used, cases = 0, []
+    for r, (n, q_len) in enumerate(chunks, start=1):
+        nb = -(-n // BLOCK)
+        tables[r, :nb] = perm[used:used + nb].to(torch.int32)
+        exact_tables[r, :nb] = exact_perm[used:used + nb].to(torch.int32)
+        used += nb
+        cases.append(sequence(plan, cache, exact_cache, slot, tables[r], exact_tables[r], n,
+                              n - q_len, sink, recent))
+    qsl = torch.tensor([0, 1] + [1 + sum(q for _, q in chunks[:i + 1])
+                                 for i in range(len(chunks))], dtype=torch.int32)
+    seq_lens = torch.tensor([10] + [n for n, _ in chunks], dtype=torch.int32)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    spans = tale.prefill_spans(qsl, seq_lens, 1, sink, recent, 1, dev)
+    q = torch.randn(int(qsl[-1]), 8, 16)
+    out = torch.full((int(qsl[-1]) - 1, 8 * 16), float("nan"), device=dev)
+    rope_dev = RopeTable(rope.cos.to(dev), rope.sin.to(dev), rope.rotary_dim, rope.neox)
+    tale.prefill_batched(plan, k_up.to(dev), v_up.to(dev), rope_dev, SCALE, q[1:].to(dev),
+                         cache.to(dev), tables.to(dev), exact_cache.to(dev),
+                         exact_tables.to(dev), spans, out, exact=slot)
+    out = out.cpu()
+    tol = 1e-2 if dev.type == "cuda" else 1e-5  # TF32 tensor-core dots on a GPU
+    for r, (n, q_len) in enumerate(chunks):
+        lat, k_ex, v_ex, is_exact = cases[r]
+        start = int(qsl[r + 1]) - 1
+        ref = reference(plan, k_up, v_up, rope, q[start + 1:start + 1 + q_len], lat, k_ex, v_ex,
+                        list(range(n - q_len, n)), is_exact)
+        got = out[start:start + q_len].view(q_len, 8, 16).double()
+        assert torch.allclose(got, ref, rtol=tol, atol=tol), (r, (got - ref).abs().max())
+
+
+def test_prefill_spans_widen_the_latent_reads_to_whole_key_groups():
+    """With 4-token key groups, a latent span ``6 <= t < 17`` is read as
+    positions 4..19 and the attended rows are the span; the exact set is the
+    sinks, the ``W`` tokens before the chunk and the chunk."""
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    spans = tale.prefill_spans(qsl, torch.tensor([28]), 0, 6, 8, 4, torch.device("cpu"))
+    assert spans.lat_pos.tolist() == list(range(4, 20))
+    assert spans.lat_key_pos.tolist() == list(range(6, 17))
+    assert spans.lat_pos[spans.lat_keep].tolist() == list(range(6, 17))
+    assert spans.cu_lat.tolist() == [0, 11]
+    assert spans.ex_pos.tolist() == list(range(6)) + list(range(17, 28))
+    assert spans.cu_ex.tolist() == [0, 17] and spans.cu_q.tolist() == [0, 3]

@@ -139,6 +139,10 @@ class LatentAttentionMetadata:
             stays valid for every length).
         min_decode_seq_len: Lower bound of the same (host; 0 under capture).
         prefill: The flattened prefill requests on CUDA, else ``None``.
+        tale_spans: Token-adaptive layers' flattened prefill chunks, made by
+            the first such layer of the step and shared by the others
+            (:func:`~vllm_lowrank.attention.token_adaptive.prefill_spans`,
+            keyed by ``(sink, recent, key group)``).
     """
 
     num_actual_tokens: int
@@ -151,6 +155,7 @@ class LatentAttentionMetadata:
     max_decode_seq_len: int
     min_decode_seq_len: int
     prefill: PrefillBatch | None = None
+    tale_spans: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prefill_reqs(self) -> range:
@@ -427,7 +432,9 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
     def _forward_token_adaptive(self, layer, query, kv_cache, m, output):
         """TALE: the latent middle and the exact sinks/recent tokens, merged by
         log-sum-exp (:mod:`vllm_lowrank.attention.token_adaptive`); output
-        ``[T, num_heads * head_dim]``."""
+        ``[T, num_heads * head_dim]``. Decode requests in one call; prefill
+        chunks in one batched call on CUDA (no sliding window), else one
+        request at a time."""
         exact = layer.exact
         exact_meta, _, exact_cache, _ = get_attention_context(exact.layer_name)
         common = dict(sink=exact.sink, recent=exact.recent, exact=exact.slot,
@@ -444,6 +451,20 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                         latent_decode=kernel, min_seq_len=m.min_decode_seq_len,
                         out=output[:nd], **common)
         qsl = m.query_start_loc_cpu
+        if len(m.prefill_reqs) and query.device.type == "cuda" and self.sliding_window is None:
+            layout = layer.layout
+            group = layout.k_channel_tokens if layout is not None and layout.k_per_channel else 1
+            key = (exact.sink, exact.recent, group)
+            if key not in m.tale_spans:
+                m.tale_spans[key] = tale.prefill_spans(qsl, m.seq_lens_cpu, nd, *key,
+                                                       query.device)
+            start, stop = int(qsl[nd]), int(qsl[-1])
+            tale.prefill_batched(*weights, query[start:stop], kv_cache, m.block_table,
+                                 exact_cache, exact_meta.block_table, m.tale_spans[key],
+                                 output[start:stop],
+                                 exact=exact.slot, layout=layout,
+                                 transform=common["transform"])
+            return output
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
             out = tale.prefill(*weights, query[start:stop], kv_cache, m.block_table[r],

@@ -29,6 +29,8 @@ elements), then padding (:class:`vllm_lowrank.format.exact.ExactSlot`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_lowrank.attention import latent_attention as latent
@@ -357,3 +359,169 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
     ex, ex_lse = exact_attention(query[None], exact_cache, exact, exact_block_table_row[None],
                                  lens, q_len, sink, recent, scale, window)
     return merge(values_up(plan, v_up, lat), lat_lse, ex[0], ex_lse[0]).reshape(q_len, -1)
+
+
+@dataclasses.dataclass
+class PrefillSpans:
+    """The prefill chunks of a step, flattened for :func:`prefill_batched`
+    (device tensors; rows in request order).
+
+    Attributes:
+        cu_q: ``[N + 1]`` int32 offsets of each chunk's queries.
+        max_q_len: Longest chunk (host).
+        lat_req, lat_pos: ``[S_g]`` int64 batch row and position of every
+            latent slot read (each request's latent span ``S <= t < s - W``,
+            widened to whole per-channel key groups).
+        lat_keep: ``[S_l]`` int64 rows of those that are attended (the span
+            itself), or ``None`` when they all are.
+        lat_key_pos: ``[S_l]`` int64 their positions.
+        cu_lat: ``[N + 1]`` int32 offsets of each request's attended latent rows.
+        ex_req, ex_pos: ``[S_e]`` int64 batch row and position of every exact
+            token of each chunk (sinks, the ``W`` before the chunk, the chunk),
+            in position order: the chunk is the last ``q_len`` of its request's.
+        cu_ex: ``[N + 1]`` int32 offsets of each request's exact rows.
+    """
+
+    cu_q: torch.Tensor
+    max_q_len: int
+    lat_req: torch.Tensor
+    lat_pos: torch.Tensor
+    lat_keep: torch.Tensor | None
+    lat_key_pos: torch.Tensor
+    cu_lat: torch.Tensor
+    ex_req: torch.Tensor
+    ex_pos: torch.Tensor
+    cu_ex: torch.Tensor
+
+
+def _flatten(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                               torch.Tensor]:
+    """``(request, position, cu)`` of ``lens[i]`` consecutive positions from
+    ``starts[i]`` per request (host int64)."""
+    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=cu[1:])
+    total = int(cu[-1])
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=total)
+    return req, torch.arange(total) - cu[:-1][req] + starts[req], cu
+
+
+def prefill_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
+                  sink: int, recent: int, key_group: int, device) -> PrefillSpans:
+    """The step's prefill chunks as :class:`PrefillSpans` (host arithmetic, one
+    host-to-device copy per tensor, no sync).
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's new
+            tokens (decodes first).
+        seq_lens: ``[num_reqs]`` host context lengths after this step.
+        num_decodes: Leading one-token requests (left out).
+        sink, recent: ``S`` and ``W``.
+        key_group: Tokens per per-channel key group (1: keys per token).
+        device: Where the tensors go.
+    """
+    qsl = query_start_loc.long()
+    q_lens = qsl[num_decodes + 1:] - qsl[num_decodes:-1]
+    seq = seq_lens[num_decodes:].long()
+    first = seq - q_lens
+    rows = torch.arange(len(seq)) + num_decodes
+    # latent span [S, first - W), read in whole key groups
+    lat_hi = torch.clamp(first - recent, min=sink)
+    has = lat_hi > sink
+    g_lo = sink - sink % key_group
+    g_hi = -(-lat_hi // key_group) * key_group
+    g_req, g_pos, _ = _flatten(torch.full_like(seq, g_lo), torch.where(has, g_hi - g_lo, 0))
+    keep = (g_pos >= sink) & (g_pos < lat_hi[g_req])
+    _, _, cu_lat = _flatten(torch.zeros_like(seq), torch.where(has, lat_hi - sink, 0))
+    # exact set: sinks, then max(S, first - W) .. seq - 1
+    n_sink = torch.clamp(seq, max=sink)
+    tail = torch.clamp(first - recent, min=sink)
+    n_tail = torch.clamp(seq - tail, min=0)
+    e_req, e_idx, cu_ex = _flatten(torch.zeros_like(seq), n_sink + n_tail)
+    e_pos = torch.where(e_idx < n_sink[e_req], e_idx, tail[e_req] + e_idx - n_sink[e_req])
+
+    def dev(x, dtype=torch.long):
+        return x.to(dtype).to(device, non_blocking=True)
+
+    return PrefillSpans(
+        cu_q=dev(qsl[num_decodes:] - qsl[num_decodes], torch.int32),
+        max_q_len=int(q_lens.max()),
+        lat_req=dev(rows[g_req]), lat_pos=dev(g_pos),
+        lat_keep=None if bool(keep.all()) else dev(keep.nonzero()[:, 0]),
+        lat_key_pos=dev(g_pos[keep]), cu_lat=dev(cu_lat, torch.int32),
+        ex_req=dev(rows[e_req]), ex_pos=dev(e_pos), cu_ex=dev(cu_ex, torch.int32))
+
+
+_TABLES: dict = {}
+
+
+def _head_tables(plan: LayerPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The varlen kernel's head tables
+    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`): the latent part's
+    (value latents, the plan's output layout) and the exact part's (query head
+    ``h`` reads KV head ``h // qpk``'s ``head_dim`` values, writes ``h * d``)."""
+    key = (plan, str(device))
+    if key not in _TABLES:
+        from vllm_lowrank.triton_kernels.prefill import head_table
+
+        s = plan.shape
+        d, qpk = s.head_dim, s.queries_per_kv
+        exact = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
+                             dtype=torch.int32, device=device)
+        _TABLES[key] = (head_table(plan, device), exact)
+    return _TABLES[key]
+
+
+def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope,
+                    scale: float, query: torch.Tensor, kv_cache: torch.Tensor,
+                    block_table: torch.Tensor, exact_cache: torch.Tensor,
+                    exact_block_table: torch.Tensor, spans: PrefillSpans, out: torch.Tensor,
+                    *, exact: ExactSlot, layout=None, transform=None) -> torch.Tensor:
+    """Every prefill chunk of a step in two varlen kernel calls, no loop over
+    requests: the latent history (gathered, dequantized, keys rebuilt and
+    rotated once; every query of a chunk sees all of it) and the exact set
+    (causal), each with its log-sum-exp
+    (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`), then
+    :func:`values_up` and :func:`merge`. The same result as :func:`prefill` per
+    request, up to the precision of the query dtype (the kernels' operands).
+
+    Args:
+        query: ``[T, H, d]`` post-RoPE queries of the chunks, in request order.
+        block_table, exact_block_table: ``[num_reqs, max_blocks]`` of the
+            latent and the exact cache (rows indexed by the spans' requests).
+        spans: From :func:`prefill_spans`.
+        out: ``[T, H * d]``, written in place.
+
+    Returns:
+        ``out``.
+    """
+    from vllm_lowrank.triton_kernels import prefill as kernel
+
+    t, h, d = query.shape
+    lat_heads, exact_heads = _head_tables(plan, query.device)
+    lat_out = torch.zeros(t, plan.out_width, dtype=torch.float32, device=query.device)
+    lat_lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=query.device)
+    if spans.lat_key_pos.numel():
+        bs = kv_cache.shape[2]
+        rows = kv_cache[block_table[spans.lat_req, spans.lat_pos // bs].long(), 0,
+                        spans.lat_pos % bs]
+        lat = torch.cat(layout.decode(rows), dim=-1) if layout is not None else rows
+        if spans.lat_keep is not None:
+            lat = lat[spans.lat_keep]
+        keys = latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
+                                   transform).to(query.dtype)
+        kernel.latent_prefill_attention(
+            query, keys, lat[:, plan.k_width:].to(query.dtype), lat_heads, spans.cu_q,
+            spans.cu_lat, spans.max_q_len, scale, lat_out, max_rank_v=max(plan.v_ranks),
+            causal=False, lse=lat_lse)
+    eb = exact_cache.shape[2]
+    k, v = exact.decode(exact_cache[exact_block_table[spans.ex_req, spans.ex_pos // eb].long(),
+                                    0, spans.ex_pos % eb])
+    ex_out = torch.empty(t, h * d, dtype=torch.float32, device=query.device)
+    ex_lse = torch.empty(t, h, dtype=torch.float32, device=query.device)
+    kernel.latent_prefill_attention(
+        query, k.view(-1, plan.shape.num_kv_heads, d).to(query.dtype), v.to(query.dtype),
+        exact_heads, spans.cu_q, spans.cu_ex, spans.max_q_len, scale, ex_out, max_rank_v=d,
+        lse=ex_lse)
+    merged = merge(values_up(plan, v_up, lat_out), lat_lse, ex_out.view(t, h, d), ex_lse)
+    out.copy_(merged.reshape(t, -1))
+    return out
