@@ -34,7 +34,8 @@ of every preset above 3x."""
 
 
 TALE_GPU_PATH = ("token-adaptive: latent span on the Triton wide-group kernel, exact part "
-                 "in torch, CUDA graphs; slower than stock vLLM (benchmarks/README.md)")
+                 "and merge in one Triton kernel, CUDA graphs, batched prefill; slower than "
+                 "stock vLLM: J-LRD's key rebuild is compute-bound (benchmarks/README.md)")
 """The decode path of the token-adaptive presets on a CUDA device."""
 
 

@@ -263,8 +263,9 @@ def graph_safe_decode(vllm_config, device: torch.device) -> bool:
     """True when every latent attention layer of the model decodes with a
     fused GPU kernel (:func:`decode_path`: no host sync, fixed launch shapes for
     a fixed batch), so decode steps may be captured in CUDA graphs. Token-
-    adaptive layers qualify too: their exact part is a fixed-shape torch
-    computation per batch (the sink and recent positions of every request,
+    adaptive layers qualify too: their exact part is one fixed-grid Triton
+    launch per batch (:mod:`vllm_lowrank.triton_kernels.decode_exact`; with a
+    sliding window a fixed-shape torch computation,
     :func:`~vllm_lowrank.attention.token_adaptive.exact_attention`) and their
     per-channel key groups are written without a host sync in decode steps
     (:func:`~vllm_lowrank.attention.token_adaptive.write_key_groups`). Layers on
