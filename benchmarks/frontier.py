@@ -91,6 +91,11 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     # the allocator also choosing Hadamard, per-channel/per-token keys and the window
     "allocated 8x, int8 exact, knobs chosen": ("ours", {"allocate": 8.0, **TALE, "exact_bits": 8,
                                                         "choose_knobs": True}),
+    # the 8x recipe with the allocation's code widths limited to 4 bits and up
+    # (`allocate --bits 16 8 4`): rank, not 2-3-bit codes, pays for the bytes
+    "allocated 8x, sink 32 + recent 256 int8, bits >= 4": (
+        "ours", {"allocate": 8.0, **TALE, "recent_tokens": 256, "exact_bits": 8,
+                 "bits": [16, 8, 4]}),
     # the presets as a user selects them (vllm_lowrank/presets.py)
     **{f"preset {name}": ("ours", {"preset": name}) for name in ("2x", "lossless", "4x", "8x")},
     # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
@@ -132,10 +137,12 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
     from vllm_lowrank.calibration.cache import cache_root, load_or_calibrate
     from vllm_lowrank.config import LowRankConfig
 
-    serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs")}
+    serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs", "bits")}
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
         f"{k}{v}" for k, v in sorted(serving.items())) + ("-chosen" if cfg.get("choose_knobs")
                                                          else "")
+    if "bits" in cfg:
+        name += "-bits" + "".join(map(str, cfg["bits"]))
     if corpus != DEFAULT_TEXT:
         name += f"-{corpus}"
     path = os.path.join(cache_root(), "artifacts", name)
@@ -150,7 +157,8 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block,
                                  choose_knobs=cfg.get("choose_knobs", False),
-                                 documents=documents)
+                                 documents=documents,
+                                 **({"bits_options": cfg["bits"]} if "bits" in cfg else {}))
         out.save(path)
     return path
 

@@ -42,13 +42,19 @@ def main() -> None:
     p.add_argument("--step", type=int, default=32, help="prompt tokens per engine step")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                   help="also a setting given as kv_compression keys (repeatable), e.g. "
+                        "'mine={\"artifact\": \"/path/to/allocation\"}'")
     args = p.parse_args()
 
     from vllm_lowrank.cli import resolve_model
 
     model = resolve_model(args.model)
     settings = [("uncompressed", None)] + [
-        (f"`{name}`", {"mode": "lowrank", "preset": name}) for name in args.presets.split(",")]
+        (f"`{name}`", {"mode": "lowrank", "preset": name})
+        for name in args.presets.split(",") if name] + [
+        (name, {"mode": "lowrank", **json.loads(keys)})
+        for name, keys in (c.split("=", 1) for c in args.config)]
     rows = []
     print("| setting | context | passkey | hits | by depth (0.1 / 0.3 / 0.5 / 0.7 / 0.9) |")
     print("|---|---|---|---|---|")

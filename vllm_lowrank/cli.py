@@ -26,6 +26,7 @@ from vllm_lowrank.config import (
     MAX_CALIBRATION_TOKENS,
     MAX_TOKENS,
     METHODS,
+    STORAGE_BITS,
     LowRankConfig,
     LowRankConfigError,
     parse_config_text,
@@ -167,7 +168,7 @@ def _allocate(args) -> None:
         ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
         context=args.context, block_size=args.block_size, num_windows=args.windows,
         choose_knobs=not args.fixed_knobs, documents=_calibration_text(args)[0],
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, bits_options=args.bits)
     out.save(args.output)
     serving = out.manifest["ranks"]["serving"]
     print(f"wrote {args.output}: {report['bytes_per_token']:.1f} B per token "
@@ -390,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per sequence that amortise the exact tokens")
     s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
     s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
+    s.add_argument("--bits", type=int, nargs="+", default=list(STORAGE_BITS),
+                   choices=STORAGE_BITS, metavar="BITS",
+                   help=f"code widths a side may be stored at (default: all of "
+                        f"{' '.join(map(str, STORAGE_BITS))})")
     _text_flags(s)
     _device_flags(s)
     s.add_argument("--fixed-knobs", action="store_true",

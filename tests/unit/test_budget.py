@@ -280,6 +280,30 @@ def test_artifact_allocation_settings_apply_and_conflicts_are_refused():
     assert allocation_settings(LowRankConfig(mode="lowrank"), plain, "DIR")[1] is None
 
 
+@pytest.mark.parametrize("bits", [(), (16, 5), (1,)])
+def test_allocation_bits_outside_the_code_widths_are_refused_before_loading(bits):
+    """``allocate --bits`` takes a non-empty subset of the widths; anything else
+    is refused before the model loads (the model path does not exist)."""
+    from types import SimpleNamespace
+
+    from vllm_lowrank.calibration.allocate import budget_artifact
+
+    with pytest.raises(LowRankConfigError, match="must be a non-empty subset"):
+        budget_artifact("/nonexistent", SimpleNamespace(manifest={"method": "fisher"}),
+                        LowRankConfig(mode="lowrank"), ratio=8.0, bits_options=bits)
+
+
+def test_side_options_keep_to_the_given_bits():
+    """The allocation's per-side choices use only ``bits_options``."""
+    torch.manual_seed(0)
+    n, t = 16, 64
+    c = [torch.randn(t, n, dtype=torch.float64)]
+    m = [torch.eye(n, dtype=torch.float64)]
+    b = [torch.linalg.qr(torch.randn(n, n, dtype=torch.float64))[0]]
+    opts = bud.side_options(c, m, b, bud.Storage(multiple=8), side="v", bits_options=(16, 4))
+    assert {o.bits for o in opts} == {16, 4}
+
+
 @pytest.mark.parametrize("one_page", [False, True])
 def test_loss_target_gives_the_cheapest_allocation_within_it(one_page):
     from vllm_lowrank.calibration.allocate import solve

@@ -201,7 +201,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
                     block_size: int = 32, num_windows: int = 4, one_page: bool | None = None,
                     choose_knobs: bool = True,
                     documents: list[str] | None = None, device: str = "cpu",
-                    dtype: str = "float32") -> tuple[art.Artifact, dict]:
+                    dtype: str = "float32", bits_options=bud.BITS
+                    ) -> tuple[art.Artifact, dict]:
     """Allocate ranks and bits for a target and record them in a copy of ``artifact``.
 
     Args:
@@ -229,16 +230,23 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
             calibration text (:mod:`~vllm_lowrank.calibration.device`); the
             losses of every choice are measured on ``device`` too
             (:func:`layer_fronts`), the allocation is solved on the CPU.
+        bits_options: Code widths a side may be stored at (a subset of
+            :data:`~vllm_lowrank.factorization.budget.BITS`).
 
     Returns:
         ``(artifact with manifest["ranks"] fixed, report dict)``.
 
     Raises:
         LowRankConfigError: not a fisher artifact, no or several targets, a
-            target no allocation meets, or a device or dtype the run cannot use.
+            target no allocation meets, bits outside ``BITS``, or a device or
+            dtype the run cannot use.
     """
     from vllm_lowrank.calibration.calibrate import load_for_calibration
 
+    bits_options = tuple(sorted(set(bits_options), reverse=True))
+    if not bits_options or not set(bits_options) <= set(bud.BITS):
+        raise LowRankConfigError(f"bits {list(bits_options)} must be a non-empty subset of "
+                                 f"{list(bud.BITS)}")
     if artifact.manifest["method"] != "fisher":
         raise LowRankConfigError(
             f"byte-budget allocation needs an artifact calibrated with method \"fisher\" "
@@ -273,7 +281,8 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
                                   k_channel_tokens=(v.k_channel_tokens if v.k_quant == "channel"
                                                     else None),
                                   multiple=v.rank_multiple)
-            fronts = layer_fronts(artifact, latents, metrics, storage, device=model.device)
+            fronts = layer_fronts(artifact, latents, metrics, storage, bits_options,
+                                  device=model.device)
             knobs = {k: getattr(v, k) for k in SERVING_KEYS}
             try:
                 a = solve(fronts, v, kv_widths, head_dim=m["head_dim"], context=context,
@@ -294,7 +303,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     report = {
         "target": {"ratio": ratio, "bytes_per_token": bytes_per_token,
                    "ppl_increase": ppl_increase},
-        "context": context, "block_size": block_size,
+        "context": context, "block_size": block_size, "bits_options": list(bits_options),
         "bytes_per_token": alloc.total_bytes,
         "compression_ratio": original / alloc.total_bytes,
         "objective_nats": alloc.objective,
