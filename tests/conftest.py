@@ -23,6 +23,14 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 """The repository root."""
 
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+]
+"""Short prompts of the engine tests."""
+
 ISOLATED_CHILD_ENV = "VLLM_LOWRANK_ISOLATED_CHILD"
 """Set in the child process that runs an ``isolated`` test."""
 

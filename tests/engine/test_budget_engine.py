@@ -15,12 +15,10 @@ import os
 
 import pytest
 
-from conftest import clear_worker_states, greedy_with_gaps, make_llm, worker_states
+from conftest import PROMPTS, clear_worker_states, greedy_with_gaps, make_llm, worker_states
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):",
-           "Water boils at a temperature of", "The three primary colors are"]
 LAYERS, KV_WIDTH = 30, 3 * 64
 
 

@@ -13,16 +13,10 @@ import gc
 
 import pytest
 
-from conftest import greedy_with_gaps, make_llm
+from conftest import PROMPTS, greedy_with_gaps, make_llm
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-]
 CHUNK = 128  # max_num_batched_tokens: long prompts are prefilled in chunks
 
 

@@ -19,16 +19,10 @@ import gc
 
 import pytest
 
-from conftest import assert_same_until_tie, greedy_with_gaps, make_llm
+from conftest import PROMPTS, assert_same_until_tie, greedy_with_gaps, make_llm
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Water boils at a temperature of",
-    "The three primary colors are",
-]
 CHUNK = 128
 FULL_RANK_SMALL_WINDOW = {"mode": "lowrank", "rank_fraction": 1.0, "token_adaptive": True,
                           "sink_tokens": 4, "recent_tokens": 32}
