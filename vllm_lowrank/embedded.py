@@ -83,7 +83,10 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _folder_manifest(folder: str) -> dict[str, dict[str, object]]:
+def folder_manifest(folder: str) -> dict[str, dict[str, object]]:
+    """``{file name: {"size": bytes, "blake2b": hex digest}}`` of every file in
+    ``folder`` but the completion marker (not recursive), in name order: what a
+    converted model folder is checked against."""
     out = {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -102,7 +105,7 @@ def is_complete(folder: str) -> bool:
     except (OSError, ValueError, KeyError):
         return False
     try:
-        return _folder_manifest(folder) == expected
+        return folder_manifest(folder) == expected
     except OSError:
         return False
 
@@ -174,7 +177,7 @@ def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
         _convert(model, tmp, work)
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
             json.dump({"source": model.requirement, "gguf": model.gguf,
-                       "files": _folder_manifest(tmp)}, f, indent=1)
+                       "files": folder_manifest(tmp)}, f, indent=1)
         os.replace(tmp, target)
     finally:
         for d in (tmp, work):

@@ -279,7 +279,7 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5)
     artifact = art.load_artifact(auto_artifact_path(model_path, cfg))
     assert info == {"method": "fisher", "artifact": artifact.digest}
-    plans = comp._plans(cfg, comp.model_shapes(hf), artifact)
+    plans = comp.layer_plans(cfg, comp.model_shapes(hf), artifact)
     ranks = {(int(l["layer"]), l["side"]): v for n, l, v in samples
              if n == "vllm_lowrank_layer_rank"}
     expected = {}

@@ -213,7 +213,7 @@ def test_allocation_bytes_are_what_the_cache_allocates():
 def test_unrotate_is_the_rope_pullback():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from vllm_lowrank.calibration.collect import _unrotate
+    from vllm_lowrank.calibration.collect import unrotate_gradient
 
     t, d = 11, 16
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -223,14 +223,14 @@ def test_unrotate_is_the_rope_pullback():
     w = torch.randn(1, 2, t, d, dtype=torch.float64)
     y, _ = apply_rotary_pos_emb(x, x, emb.cos()[None], emb.sin()[None])
     (y * w).sum().backward()
-    assert torch.allclose(x.grad[0], _unrotate(w[0], inv, True), atol=1e-12)
+    assert torch.allclose(x.grad[0], unrotate_gradient(w[0], inv, True), atol=1e-12)
 
 
 def test_far_gradients_reduce_to_plain_gradients(model_path):
     """With no exact tokens every key and value is read from the copy: the
     gradients' second moments equal the K-FAC statistics of plain autograd
     (collect_stats); with everything exact they vanish."""
-    from vllm_lowrank.calibration.calibrate import _inv_freq, load_hf_model
+    from vllm_lowrank.calibration.calibrate import rope_inv_freq, load_hf_model
     from vllm_lowrank.calibration.collect import collect_far_gradients, collect_stats
 
     model, tok = load_hf_model(model_path)
@@ -239,15 +239,15 @@ def test_far_gradients_reduce_to_plain_gradients(model_path):
     windows = [tok.encode("The cat sat on the mat because it was warm and soft. " * 4)[:48]]
     ref = collect_stats(model, windows, gradients=True)
     far = collect_far_gradients(model, windows, sink=0, recent=0,
-                                inv_freq=lambda i: _inv_freq(model, i))
+                                inv_freq=lambda i: rope_inv_freq(model, i))
     for st, (gk, gv) in zip(ref, far):
         for want, got in ((st.gk / st.tokens, gk), (st.gv / st.tokens, gv)):
             assert torch.allclose(got, want, rtol=1e-3, atol=1e-6 * float(want.abs().max()))
     none = collect_far_gradients(model, windows, sink=0, recent=len(windows[0]),
-                                 inv_freq=lambda i: _inv_freq(model, i))
+                                 inv_freq=lambda i: rope_inv_freq(model, i))
     assert all(float(g.abs().max()) == 0 for pair in none for g in pair)
     part = collect_far_gradients(model, windows, sink=4, recent=8,
-                                 inv_freq=lambda i: _inv_freq(model, i))
+                                 inv_freq=lambda i: rope_inv_freq(model, i))
     assert 0 < float(part[1][1].trace()) < float(far[1][1].trace())
 
 
@@ -359,17 +359,18 @@ def test_knob_choices_cover_every_combination():
     """With knob choice the allocator solves for the given recent window and
     twice it (token-adaptive mode only), each with Hadamard on/off and, where
     per-channel keys are allowed, per-token keys too; without it, once."""
-    from vllm_lowrank.calibration.allocate import _exact_windows, _knob_variants, serving_config
+    from vllm_lowrank.calibration.allocate import (exact_window_variants, knob_variants,
+                                                   serving_config)
 
     cfg = serving_config({"token_adaptive": True, "recent_tokens": 128, "k_quant": "channel",
                           "exact_bits": 8})
-    windows = _exact_windows(cfg, True)
+    windows = exact_window_variants(cfg, True)
     assert [w.recent_tokens for w in windows] == [128, 256]
     assert all(w.exact_bits == 8 and w.sink_tokens == cfg.sink_tokens for w in windows)
-    assert _exact_windows(cfg, False) == [cfg]
+    assert exact_window_variants(cfg, False) == [cfg]
     plain = serving_config({})
-    assert _exact_windows(plain, True) == [plain]
-    combos = {(v.hadamard, v.k_quant) for v in _knob_variants(cfg, True)}
+    assert exact_window_variants(plain, True) == [plain]
+    combos = {(v.hadamard, v.k_quant) for v in knob_variants(cfg, True)}
     assert combos == {(True, "channel"), (False, "channel"), (True, "token"), (False, "token")}
-    assert _knob_variants(cfg, False) == [cfg]
-    assert {v.hadamard for v in _knob_variants(plain, True)} == {True, False}
+    assert knob_variants(cfg, False) == [cfg]
+    assert {v.hadamard for v in knob_variants(plain, True)} == {True, False}

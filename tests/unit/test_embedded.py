@@ -12,7 +12,7 @@ def _fake_conversion(folder):
         with open(os.path.join(folder, name), "wb") as f:
             f.write(data)
     with open(os.path.join(folder, embedded.MARKER), "w") as f:
-        json.dump({"files": embedded._folder_manifest(folder)}, f)
+        json.dump({"files": embedded.folder_manifest(folder)}, f)
 
 
 def test_complete_folder_is_trusted(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_lowrank.calibration.calibrate import layer_bases
-from vllm_lowrank.calibration.collect import LayerStats, _distance_mass
+from vllm_lowrank.calibration.collect import LayerStats, distance_mass
 from vllm_lowrank.config import LowRankConfigError
 from vllm_lowrank.factorization.bases import factors_for_rank, rope_query_metric
 
@@ -119,7 +119,7 @@ def test_post_rope_basis_from_rotated_moments():
 def test_distance_mass_sums_each_diagonal():
     p = torch.softmax(torch.randn(2, 3, 5, 5).masked_fill(
         torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), float("-inf")), -1)
-    out = _distance_mass(p)
+    out = distance_mass(p)
     for h in range(3):
         for delta in range(5):
             ref = sum(float(p[b, h, m, m - delta]) for b in range(2) for m in range(delta, 5))

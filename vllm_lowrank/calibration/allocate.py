@@ -90,11 +90,11 @@ def loss_metrics(model, windows: list[list[int]], artifact: art.Artifact, exact)
     if exact is None:
         return {i: tuple([torch.diag(b.energy.double()) for b in side] for side in bases)
                 for i, bases in artifact.bases.items()}
-    from vllm_lowrank.calibration.calibrate import _inv_freq
+    from vllm_lowrank.calibration.calibrate import rope_inv_freq
     from vllm_lowrank.calibration.collect import collect_far_gradients
 
     grads = collect_far_gradients(model, windows, sink=exact.sink,
-                                  recent=exact.recent, inv_freq=lambda i: _inv_freq(model, i))
+                                  recent=exact.recent, inv_freq=lambda i: rope_inv_freq(model, i))
     out = {}
     for i, bases in artifact.bases.items():
         sides = []
@@ -225,7 +225,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
             ``token_adaptive``, where vLLM needs one page size).
         choose_knobs: Also try Hadamard flipped, per-token keys and (token-adaptive
             mode) twice the recent window, and keep the best objective
-            (:func:`_exact_windows`, :func:`_knob_variants`).
+            (:func:`exact_window_variants`, :func:`knob_variants`).
         device, dtype: Where and in which dtype the model runs on the
             calibration text (:mod:`~vllm_lowrank.calibration.device`); the
             losses of every choice are measured on ``device`` too
@@ -274,9 +274,9 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     from vllm_lowrank.format.exact import exact_tokens
 
     results = []
-    for window in _exact_windows(cfg, choose_knobs):
+    for window in exact_window_variants(cfg, choose_knobs):
         metrics = loss_metrics(model, windows, artifact, exact_tokens(window, block_size))
-        for v in _knob_variants(window, choose_knobs):
+        for v in knob_variants(window, choose_knobs):
             storage = bud.Storage(quant_group=v.quant_group_size, hadamard=v.hadamard,
                                   k_channel_tokens=(v.k_channel_tokens if v.k_quant == "channel"
                                                     else None),
@@ -314,7 +314,7 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     return out, report
 
 
-def _exact_windows(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
+def exact_window_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
     """The exact recent windows an allocation tries: ``cfg``'s, and with
     ``choose`` (token-adaptive mode) twice as many recent tokens. Each needs
     its own TALE-aware metric (the latent-read entries differ), and the
@@ -326,7 +326,7 @@ def _exact_windows(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
     return out
 
 
-def _knob_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
+def knob_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
     """``cfg`` and, with ``choose``, Hadamard flipped and (where per-channel
     keys are allowed) per-token keys: every combination."""
     variants = [cfg]

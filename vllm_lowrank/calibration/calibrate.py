@@ -79,7 +79,7 @@ def load_for_calibration(model_path: str, device: str, dtype: str, *,
     return load_hf_model(model_path, device=dev, dtype=dt)
 
 
-def _inv_freq(model, layer: int) -> torch.Tensor | None:
+def rope_inv_freq(model, layer: int) -> torch.Tensor | None:
     """``[rot/2]`` float32 RoPE inverse frequencies of ``layer`` from the Hugging
     Face rotary module: one table (Llama, Qwen, Mistral) or one per layer type
     (Gemma-3: ``{layer_type}_inv_freq``); ``None`` without a rotary module."""
@@ -254,7 +254,7 @@ def calibrate_model(
             method, state[p + "k_proj.weight"], state[p + "v_proj.weight"],
             state[p + "o_proj.weight"], None if stats is None else stats[i],
             num_heads=num_heads, num_kv_heads=num_kv, head_dim=head_dim,
-            group_size=g, inv_freq=_inv_freq(model, i),
+            group_size=g, inv_freq=rope_inv_freq(model, i),
         )
         layers[i] = tuple([_to_cpu(b) for b in side] for side in layers[i])
     manifest = art.new_manifest(

@@ -65,7 +65,7 @@ class LayerStats:
     tokens: int = 0
 
 
-def _distance_mass(p: torch.Tensor) -> torch.Tensor:
+def distance_mass(p: torch.Tensor) -> torch.Tensor:
     """``[B, H, L, L]`` causal probabilities -> ``[H, L]`` mass per distance."""
     b, h, length, _ = p.shape
     m = torch.arange(length, device=p.device)
@@ -139,7 +139,7 @@ def collect_stats(model, windows: list[list[int]], *, queries: bool = False,
                 probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
                 if probs is None:
                     raise RuntimeError("calibration needs eager attention probabilities")
-                st.dist += _distance_mass(probs.detach())
+                st.dist += distance_mass(probs.detach())
 
             handles.append(getattr(attn, query_module).register_forward_hook(on_query))
             handles.append(attn.register_forward_hook(on_attention))
@@ -298,7 +298,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
             grads = torch.autograd.grad(loss, [t for i in sorted(leaves) for t in leaves[i]])
             for i in sorted(leaves):
                 gk, gv = grads[2 * i][0], grads[2 * i + 1][0]  # [kv, T, d]
-                gk = _unrotate(gk, inv_freq(i), neox)
+                gk = unrotate_gradient(gk, inv_freq(i), neox)
                 for buf, g in zip(sums[i], (gk, gv)):
                     flat = g.transpose(0, 1).reshape(g.shape[1], -1).double()
                     buf += flat.T @ flat
@@ -310,7 +310,7 @@ def collect_far_gradients(model, windows: list[list[int]], *, sink: int, recent:
     return [((gk / tokens).cpu(), (gv / tokens).cpu()) for gk, gv in sums]
 
 
-def _unrotate(g: torch.Tensor, inv_freq: torch.Tensor, neox: bool) -> torch.Tensor:
+def unrotate_gradient(g: torch.Tensor, inv_freq: torch.Tensor, neox: bool) -> torch.Tensor:
     """``R_t^T g_t`` for ``g [..., T, d]``: the inverse RoPE rotation of each
     position (dimensions past ``2 * len(inv_freq)`` are not rotated)."""
     from vllm_lowrank.factorization.bases import rope_tables

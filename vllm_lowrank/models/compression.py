@@ -267,7 +267,7 @@ def resolve(vllm_config, cfg: LowRankConfig, *, create_artifacts: bool = True
                        "accuracy loss; calibrate for real use.", cfg.artifact, cfg.method)
         bits = None
     per_layer = mixes_attention_kinds(hf_config) or cfg.token_adaptive
-    plans = _plans(cfg, shapes, artifact, per_layer=per_layer)
+    plans = layer_plans(cfg, shapes, artifact, per_layer=per_layer)
     return ModelCompression(cfg=cfg, plans=plans, artifact=artifact, artifact_path=path,
                             exact_tokens=exact, bits=bits, one_page=per_layer)
 
@@ -351,7 +351,7 @@ def mixes_attention_kinds(hf_config) -> bool:
     latent widths would each get a group of their own with pages padded to the
     widest layer (measured on Gemma-3-270M at ratio 0.5 with free allocation:
     1.19x the stock capacity instead of 2x). So such models get the same latent
-    width in every layer (:func:`_plans` with ``per_layer``), and the
+    width in every layer (:func:`layer_plans` with ``per_layer``), and the
     allocation only chooses the K/V and head-group split inside each layer.
     """
     return len(set(getattr(hf_config, "layer_types", None) or [])) > 1
@@ -372,11 +372,11 @@ def record_ranks(artifact: art.Artifact, plans: dict[int, LayerPlan], cfg: LowRa
 def allocate(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
              artifact: art.Artifact | None, per_layer: bool = False) -> dict[int, LayerPlan]:
     """Layer plans for ``cfg`` (public alias of the resolver's allocation step)."""
-    return _plans(cfg, shapes, artifact, per_layer)
+    return layer_plans(cfg, shapes, artifact, per_layer)
 
 
-def _plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
-           artifact: art.Artifact | None, per_layer: bool = False) -> dict[int, LayerPlan]:
+def layer_plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
+                artifact: art.Artifact | None, per_layer: bool = False) -> dict[int, LayerPlan]:
     """Plans of every layer: ``ranks`` overrides, an artifact's fixed
     allocation, or the ``rank_allocation`` of ``cfg`` over one global budget
     (``per_layer``: one budget per layer, so every layer gets the same width;
