@@ -53,8 +53,8 @@ def main() -> None:
     settings = [("uncompressed", None)] + [
         (f"`{name}`", {"mode": "lowrank", "preset": name})
         for name in args.presets.split(",") if name] + [
-        (name, {"mode": "lowrank", **json.loads(keys)})
-        for name, keys in (c.split("=", 1) for c in args.config)]
+        (c[:c.index("={")], {"mode": "lowrank", **json.loads(c[c.index("={") + 1:])})
+        for c in args.config]
     rows = []
     print("| setting | context | passkey | hits | by depth (0.1 / 0.3 / 0.5 / 0.7 / 0.9) |")
     print("|---|---|---|---|---|")
