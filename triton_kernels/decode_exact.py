@@ -109,8 +109,9 @@ def exact_merge_kernel(
             sc = tl.dot(q, tl.trans(k.to(DT)))
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
         if F32:
             acc = tl.dot(p, v.to(DT), acc * alpha[:, None], input_precision="ieee")
@@ -118,9 +119,11 @@ def exact_merge_kernel(
             acc = tl.dot(p.to(DT), v.to(DT), acc * alpha[:, None])
         m_i = m_new
 
-    # the exact set holds at least the new token: l_i > 0 on real heads
-    lse_e = m_i + tl.log2(tl.where(hm, l_i, 1.0))
-    o_e = acc / tl.where(hm, l_i, 1.0)[:, None]
+    # the exact set holds at least the new token (l_i > 0) unless the row is a
+    # CUDA graph's padding (seq_len 0): then zeros
+    seen = l_i > 0.0
+    lse_e = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    o_e = acc / tl.where(seen, l_i, 1.0)[:, None]
 
     col0 = tl.load(heads_ptr + 3 * j)
     r_v = tl.load(heads_ptr + 3 * j + 1)
@@ -136,9 +139,11 @@ def exact_merge_kernel(
     lse_l = tl.load(lse_ptr + b.to(tl.int64) * s_lse + heads, mask=hm,
                     other=float("-inf")) * 1.4426950408889634
     top = tl.maximum(lse_l, lse_e)
+    top = tl.where(top == float("-inf"), 0.0, top)
     w_l = tl.exp2(lse_l - top)
     w_e = tl.exp2(lse_e - top)
-    o = (o_l * w_l[:, None] + o_e * w_e[:, None]) / (w_l + w_e)[:, None]
+    w = w_l + w_e
+    o = (o_l * w_l[:, None] + o_e * w_e[:, None]) / tl.where(w > 0.0, w, 1.0)[:, None]
     tl.store(out_ptr + b.to(tl.int64) * s_out + heads[:, None] * D + c[None, :],
              o.to(out_ptr.dtype.element_ty), mask=hm[:, None])
 

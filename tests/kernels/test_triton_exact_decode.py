@@ -134,6 +134,25 @@ def test_tale_decode_takes_the_kernel_when_a_latent_kernel_runs(monkeypatch):
     assert decode_exact.blocker(plan, slot, q.to(DEV), cache.to(DEV), 64) == "sliding window"
 
 
+def test_padding_rows_give_zeros_and_leave_the_others_alone():
+    """A CUDA graph pads the decode batch with rows of ``seq_len`` 0 (empty
+    latent span too): they come out as zeros, not NaN, and the real rows are
+    those of a batch without them."""
+    plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
+        *SETTINGS[0], torch.float32, 16, lens=[100, 40, 1])
+    seq_lens[2] = 0
+    lat[2], lse[2] = 0.0, float("-inf")
+    args = (plan, v_up.to(DEV), 0.3)
+    got = decode_exact.exact_merge_decode(*args, q.to(DEV), cache.to(DEV), slot, table.to(DEV),
+                                          seq_lens.to(DEV), sink, recent, lat.to(DEV),
+                                          lse.to(DEV)).cpu()
+    alone = decode_exact.exact_merge_decode(*args, q[:2].to(DEV), cache.to(DEV), slot,
+                                            table[:2].to(DEV), seq_lens[:2].to(DEV), sink,
+                                            recent, lat[:2].to(DEV), lse[:2].to(DEV)).cpu()
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    torch.testing.assert_close(got[:2], alone, rtol=0, atol=0)
+
+
 def test_blocker_names_what_is_out_of_scope():
     plan, v_up, slot, cache, *_ = case(*SETTINGS[0], torch.float32, 16, lens=[20])
     q = torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=DEV)
