@@ -28,14 +28,12 @@ import triton
 
 from . import decode_packed
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
-from .decode_prep import (MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
+from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
                           interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _packed_config, _wide_config, choose_num_splits)
 from .launch import needs_wide
 from .tiles import reduce_splits_kernel
-
-LOG2E = 1.4426950408889634
 
 
 def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,

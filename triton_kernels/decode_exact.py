@@ -31,16 +31,13 @@ Host side: :func:`blocker` and :func:`exact_merge_decode`.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import TL_DTYPES, interpreting
+from .decode_prep import LOG2E, TL_DTYPES, interpreting
 from .tiles import add_combine, load_latent, max_combine
-
-LOG2E = 1.4426950408889634
 
 BLOCK = 32
 """Exact positions per tile."""
@@ -179,29 +176,23 @@ def blocker(plan, slot, query: torch.Tensor, exact_cache: torch.Tensor,
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _head_rows(plan) -> tuple[tuple[int, int, int], ...]:
-    """Per KV head ``j``: ``(first column of its query heads in o_L, r_v, first
-    row of its group in B_v)``; query heads of a group are ordered
-    ``(KV head in group, query of that head)``, ``r_v`` columns each."""
-    sh = plan.shape
-    qpk, gs = sh.queries_per_kv, plan.group_size
-    rows, col = [], 0
-    for v_off, r in zip(plan.v_offsets(), plan.v_ranks):
-        for jj in range(gs):
-            rows.append((col + jj * qpk * r, r, v_off))
-        col += plan.heads_per_group * r
-    return tuple(rows)
-
-
-_TABLES: dict = {}
+_HEAD_TABLES: dict = {}
 
 
 def _head_table(plan, device) -> torch.Tensor:
+    """``[Hkv, 3]`` int32, per KV head ``j``: first column of its query heads in
+    ``o_L``, their value rank ``r_v``, the first row of its group in ``B_v``
+    (query heads of a group are ordered ``(KV head in group, query of that
+    head)``, ``r_v`` columns each); built once per plan and device."""
     key = (plan, str(device))
-    if key not in _TABLES:
-        _TABLES[key] = torch.tensor(_head_rows(plan), dtype=torch.int32, device=device)
-    return _TABLES[key]
+    if key not in _HEAD_TABLES:
+        qpk, gs = plan.shape.queries_per_kv, plan.group_size
+        rows, col = [], 0
+        for v_off, r in zip(plan.v_offsets(), plan.v_ranks):
+            rows += [(col + jj * qpk * r, r, v_off) for jj in range(gs)]
+            col += plan.heads_per_group * r
+        _HEAD_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _HEAD_TABLES[key]
 
 
 def exact_merge_decode(plan, v_up: torch.Tensor, scale: float, query: torch.Tensor,

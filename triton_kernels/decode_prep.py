@@ -7,7 +7,7 @@
   kernels' RoPE-section layout, cached per weight tensor (:func:`cached_for`);
 - :func:`rope_is_rotation`: whether a RoPE table composes as rotations (the
   kernels' tile-offset trick), cached per table;
-- :func:`sm_count`, :func:`interpreting`, :data:`TL_DTYPES`.
+- :func:`sm_count`, :func:`interpreting`, :data:`TL_DTYPES`, :data:`LOG2E`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from collections import OrderedDict
 
 import torch
 import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""``log2 e``: the kernels' scores are base 2 (``exp2``), so the softmax scale
+is multiplied by it."""
 
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 """Triton element type of each cache / query dtype the kernels take."""

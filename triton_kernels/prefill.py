@@ -33,10 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import TL_DTYPES, pow2
+from .decode_prep import LOG2E, TL_DTYPES, pow2
 from .tiles import add_combine, max_combine
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -113,16 +111,23 @@ def _prefill_kernel(
             tl.store(lse_ptr + (q_start + rows).to(tl.int64) * s_lt + h, lse, mask=row_ok)
 
 
+_HEAD_TABLES: dict = {}
+
+
 def head_table(plan, device) -> torch.Tensor:
     """``[num_heads, 3]`` int32 per query head: first column of its group's value
     latent in ``[S, Rv]``, its rank ``r_v``, and its first output column in the
-    plan's output layout (:attr:`LayerPlan.out_width`)."""
-    hg = plan.heads_per_group
-    rows = []
-    for g, (v_off, r_v) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
-        for i in range(hg):
-            rows.append((v_off, r_v, hg * v_off + i * r_v))
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+    plan's output layout (:attr:`LayerPlan.out_width`). Built once per plan and
+    device."""
+    key = (plan, str(device))
+    if key not in _HEAD_TABLES:
+        hg = plan.heads_per_group
+        rows = []
+        for v_off, r_v in zip(plan.v_offsets(), plan.v_ranks):
+            for i in range(hg):
+                rows.append((v_off, r_v, hg * v_off + i * r_v))
+        _HEAD_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _HEAD_TABLES[key]
 
 
 def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -246,12 +246,7 @@ def prefill_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_dec
     first_key = torch.zeros_like(seq)
     if window is not None:
         first_key = (seq - q_lens - window + 1).clamp(min=0)
-    k_lens = seq - first_key
-    cu_k = torch.zeros(len(seq) + 1, dtype=torch.long)
-    torch.cumsum(k_lens, 0, out=cu_k[1:])
-    total = int(cu_k[-1])
-    key_req = torch.repeat_interleave(torch.arange(len(seq)), k_lens, output_size=total)
-    key_pos = torch.arange(total) - cu_k[:-1][key_req] + first_key[key_req]
+    key_req, key_pos, cu_k = ops.flat_ranges(first_key, seq - first_key)
     return PrefillBatch(
         cu_q=(qsl[num_decodes:] - qsl[num_decodes]).to(torch.int32).to(device, non_blocking=True),
         cu_k=cu_k.to(torch.int32).to(device, non_blocking=True),
@@ -298,7 +293,7 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     if post_rope:
         query = query[..., :keys.shape[-1]]
     return kernel.latent_prefill_attention(
-        query, keys, values, _head_table(plan, query.device), batch.cu_q, batch.cu_k,
+        query, keys, values, kernel.head_table(plan, query.device), batch.cu_q, batch.cu_k,
         batch.max_q_len, scale, out, max_rank_v=max(plan.v_ranks), window=window)
 
 
@@ -473,16 +468,3 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             output[start:stop] = out.to(output.dtype)
         return output
 
-
-_HEAD_TABLES: dict = {}
-
-
-def _head_table(plan, device) -> torch.Tensor:
-    """:func:`vllm_lowrank.triton_kernels.prefill.head_table`, built once per
-    plan and device."""
-    key = (plan, str(device))
-    if key not in _HEAD_TABLES:
-        from vllm_lowrank.triton_kernels.prefill import head_table
-
-        _HEAD_TABLES[key] = head_table(plan, device)
-    return _HEAD_TABLES[key]

@@ -147,6 +147,22 @@ def scatter_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Te
     cache[blocks, 0, offsets] = torch.where(valid[:, None], rows, cache[blocks, 0, offsets])
 
 
+def flat_ranges(starts: torch.Tensor, lens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs of consecutive positions, flattened: request ``i`` contributes
+    ``lens[i]`` positions from ``starts[i]`` (host int64 ``[N]`` each).
+
+    Returns:
+        ``(request [S], position [S], cu [N + 1])`` int64: each row's request
+        index and position, and the cumulative row counts.
+    """
+    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=cu[1:])
+    total = int(cu[-1])
+    req = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=total)
+    return req, torch.arange(total) - cu[:-1][req] + starts[req], cu
+
+
 def gather_latents(
     kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, layout=None,
     start: int = 0,

@@ -394,17 +394,6 @@ class PrefillSpans:
     cu_ex: torch.Tensor
 
 
-def _flatten(starts: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                               torch.Tensor]:
-    """``(request, position, cu)`` of ``lens[i]`` consecutive positions from
-    ``starts[i]`` per request (host int64)."""
-    cu = torch.zeros(len(lens) + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=cu[1:])
-    total = int(cu[-1])
-    req = torch.repeat_interleave(torch.arange(len(lens)), lens, output_size=total)
-    return req, torch.arange(total) - cu[:-1][req] + starts[req], cu
-
-
 def prefill_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_decodes: int,
                   sink: int, recent: int, key_group: int, device) -> PrefillSpans:
     """The step's prefill chunks as :class:`PrefillSpans` (host arithmetic, one
@@ -429,14 +418,15 @@ def prefill_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_dec
     has = lat_hi > sink
     g_lo = sink - sink % key_group
     g_hi = -(-lat_hi // key_group) * key_group
-    g_req, g_pos, _ = _flatten(torch.full_like(seq, g_lo), torch.where(has, g_hi - g_lo, 0))
+    g_req, g_pos, _ = latent.flat_ranges(torch.full_like(seq, g_lo),
+                                         torch.where(has, g_hi - g_lo, 0))
     keep = (g_pos >= sink) & (g_pos < lat_hi[g_req])
-    _, _, cu_lat = _flatten(torch.zeros_like(seq), torch.where(has, lat_hi - sink, 0))
+    _, _, cu_lat = latent.flat_ranges(torch.zeros_like(seq), torch.where(has, lat_hi - sink, 0))
     # exact set: sinks, then max(S, first - W) .. seq - 1
     n_sink = torch.clamp(seq, max=sink)
     tail = torch.clamp(first - recent, min=sink)
     n_tail = torch.clamp(seq - tail, min=0)
-    e_req, e_idx, cu_ex = _flatten(torch.zeros_like(seq), n_sink + n_tail)
+    e_req, e_idx, cu_ex = latent.flat_ranges(torch.zeros_like(seq), n_sink + n_tail)
     e_pos = torch.where(e_idx < n_sink[e_req], e_idx, tail[e_req] + e_idx - n_sink[e_req])
 
     def dev(x, dtype=torch.long):
@@ -451,24 +441,21 @@ def prefill_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_dec
         ex_req=dev(rows[e_req]), ex_pos=dev(e_pos), cu_ex=dev(cu_ex, torch.int32))
 
 
-_TABLES: dict = {}
+_EXACT_HEADS: dict = {}
 
 
-def _head_tables(plan: LayerPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The varlen kernel's head tables
-    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`): the latent part's
-    (value latents, the plan's output layout) and the exact part's (query head
-    ``h`` reads KV head ``h // qpk``'s ``head_dim`` values, writes ``h * d``)."""
+def _exact_head_table(plan: LayerPlan, device) -> torch.Tensor:
+    """The varlen kernel's head table
+    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`'s format) for the
+    exact part: query head ``h`` reads KV head ``h // qpk``'s ``head_dim`` values
+    and writes ``h * d``; built once per plan and device."""
     key = (plan, str(device))
-    if key not in _TABLES:
-        from vllm_lowrank.triton_kernels.prefill import head_table
-
+    if key not in _EXACT_HEADS:
         s = plan.shape
         d, qpk = s.head_dim, s.queries_per_kv
-        exact = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
-                             dtype=torch.int32, device=device)
-        _TABLES[key] = (head_table(plan, device), exact)
-    return _TABLES[key]
+        _EXACT_HEADS[key] = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
+                                         dtype=torch.int32, device=device)
+    return _EXACT_HEADS[key]
 
 
 def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope,
@@ -497,7 +484,6 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     from vllm_lowrank.triton_kernels import prefill as kernel
 
     t, h, d = query.shape
-    lat_heads, exact_heads = _head_tables(plan, query.device)
     lat_out = torch.zeros(t, plan.out_width, dtype=torch.float32, device=query.device)
     lat_lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=query.device)
     if spans.lat_key_pos.numel():
@@ -510,7 +496,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
         keys = latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
                                    transform).to(query.dtype)
         kernel.latent_prefill_attention(
-            query, keys, lat[:, plan.k_width:].to(query.dtype), lat_heads, spans.cu_q,
+            query, keys, lat[:, plan.k_width:].to(query.dtype),
+            kernel.head_table(plan, query.device), spans.cu_q,
             spans.cu_lat, spans.max_q_len, scale, lat_out, max_rank_v=max(plan.v_ranks),
             causal=False, lse=lat_lse)
     eb = exact_cache.shape[2]
@@ -520,8 +507,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     ex_lse = torch.empty(t, h, dtype=torch.float32, device=query.device)
     kernel.latent_prefill_attention(
         query, k.view(-1, plan.shape.num_kv_heads, d).to(query.dtype), v.to(query.dtype),
-        exact_heads, spans.cu_q, spans.cu_ex, spans.max_q_len, scale, ex_out, max_rank_v=d,
-        lse=ex_lse)
+        _exact_head_table(plan, query.device), spans.cu_q, spans.cu_ex, spans.max_q_len, scale,
+        ex_out, max_rank_v=d, lse=ex_lse)
     merged = merge(values_up(plan, v_up, lat_out), lat_lse, ex_out.view(t, h, d), ex_lse)
     out.copy_(merged.reshape(t, -1))
     return out
