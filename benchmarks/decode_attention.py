@@ -29,11 +29,13 @@ Usage::
     python benchmarks/decode_attention.py --variants --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --span --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --groups --shapes 1x32k,16x4k,16x32k --ratios 0.5
+    python benchmarks/decode_attention.py --settings recommended   # presets, candidates
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -349,6 +351,13 @@ def main():
     ap.add_argument("--quant-sweep", action="store_true",
                     help="launch-parameter sweep of the grid kernel on packed caches "
                          "(QUANT_SWEEP_CASES)")
+    ap.add_argument("--settings", choices=["recommended"], default=None,
+                    help="one row per recommended setting (presets and candidates), "
+                         "default shapes 1x32k,16x32k,64x4k,8x128k")
+    ap.add_argument("--settings-sweep", action="store_true",
+                    help="--settings: launch variants of each setting's latent kernel")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="--settings: the settings whose label contains one of these")
     ap.add_argument("--packed-sweep", action="store_true",
                     help="the packed post-RoPE kernel against the grid kernel, with its "
                          "launch sweep (PACKED_SWEEP_CASES)")
@@ -378,6 +387,8 @@ def main():
     rope = llama3_rope(131072 + 1024, "cuda")
     rows = []
     shapes = args.shapes.split(",")
+    if args.settings and args.shapes == ",".join(SHAPES):
+        shapes = ["1x32k", "16x32k", "64x4k", "8x128k"]
     ratios = [float(r) for r in args.ratios.split(",")]
     quants = args.quant.split(",")
     qbits = {"none": None, "k8v4": (8, 4), "k4v4": (4, 4)}
@@ -392,6 +403,12 @@ def main():
         sdpa[name] = sdpa_case(bsz, length)
         torch.cuda.empty_cache()
 
+    if args.settings:
+        lines = (settings_sweep if args.settings_sweep else settings_rows)(
+            rope, shapes, sdpa, args.only)
+        print(f"\ndevice: {dev}")
+        print("\n".join(lines))
+        return
     if args.sweep:
         sweep(rope, shapes, ratios, bw, sdpa)
         return
@@ -885,6 +902,327 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
                       flush=True)
             del p, ref
             torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------
+# The recommended settings (issue 20's acceptance table)
+# ---------------------------------------------------------------------------------
+ALLOC_8X_SMOLLM2 = (
+    (32, 32, 4, 8), (16, 88, 3, 4), (32, 96, 3, 3), (8, 88, 4, 4), (16, 88, 3, 4),
+    (16, 88, 3, 4), (16, 88, 3, 4), (24, 72, 4, 4), (32, 72, 3, 4), (32, 72, 3, 4),
+    (32, 96, 3, 3), (32, 96, 3, 3), (32, 96, 3, 3), (32, 96, 3, 3), (40, 64, 4, 3),
+    (40, 64, 4, 3), (32, 80, 4, 3), (40, 64, 4, 3), (48, 48, 4, 3), (40, 64, 4, 3),
+    (40, 64, 4, 3), (48, 48, 4, 3), (40, 64, 4, 3), (32, 80, 4, 3), (40, 64, 4, 3),
+    (64, 48, 3, 3), (48, 88, 4, 2), (32, 96, 3, 3), (40, 64, 4, 3), (40, 64, 4, 3))
+"""The ``8x`` preset's allocation on SmolLM2-135M-Instruct (what it allocates on
+first start from the default ``fisher`` artifact, block size 32; manifest
+``ranks.layers`` / ``ranks.bits``): per layer ``(key rank, value rank, key bits,
+value bits)`` of its one head group of 3 KV heads x 64 channels (192 per side).
+:func:`recommended_layers` scales the ranks to 8 KV heads x 128."""
+
+RECOMMENDED = (
+    ("2x (default)", {"preset": "2x"}, None),
+    ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),
+    ("lossless (3.73x)", {"preset": "lossless"}, None),
+    ("4x (5.18x)", {"preset": "4x"}, None),
+    ("8x (8.45x allocation)", {"preset": "8x"}, ALLOC_8X_SMOLLM2),
+    ("G=1 0.75 K4c/V4 TALE (3.62x)", {"preset": "lossless", "head_group_size": 1}, None),
+    ("G=1 0.5 K4/V4 TALE", {"rank_fraction": 0.5, "head_group_size": 1, "k_bits": 4,
+                            "v_bits": 4, "token_adaptive": True, "sink_tokens": 32,
+                            "recent_tokens": 128}, None),
+)
+"""The settings of the README's results table (``preset``s as a user selects
+them) and the per-head-group candidates: ``(label, --kv-compression-config,
+per-layer allocation or None)``."""
+
+
+def recommended_layers(raw, profile):
+    """``(config, [(plan, layout, layers)])`` of one recommended setting at the
+    Llama-3-8B attention shape: every distinct layer configuration with the
+    number of layers that have it (one for uniform settings; an allocation's
+    ranks scaled from SmolLM2's 192 channels per side to 1,024 in multiples of
+    8, its bits as allocated), the slot layouts built as the plugin builds them
+    (``slot_layouts``: page padding across layers included)."""
+    from collections import Counter
+
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.models.compression import slot_layouts
+
+    cfg = LowRankConfig.from_dict(raw)
+    gs = cfg.head_group_size or KV_HEADS
+    n = KV_HEADS // gs
+    shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
+    if profile is None:
+        r = int(round(cfg.rank_fraction * gs * HEAD_DIM))
+        ranks, bits = [((r,) * n, (r,) * n)], None
+    else:
+        def scale(r):
+            return max(8, 8 * round(r * KV_HEADS * HEAD_DIM / 192 / 8))
+        ranks = [((scale(kr),) * n, (scale(vr),) * n) for kr, vr, _, _ in profile]
+        bits = [(kb, vb) for _, _, kb, vb in profile]
+    layouts = slot_layouts(cfg, ranks, bits, one_page=cfg.token_adaptive or None) \
+        or [None] * len(ranks)
+    counts = Counter(range(len(ranks)) if profile else [0])
+    seen = {}
+    for i, (k, v) in enumerate(ranks):
+        key = (k, v, None if bits is None else bits[i])
+        seen.setdefault(key, [i, 0])[1] += counts[i] if profile else 1
+    out = [(LayerPlan(shape, gs, k, v), layouts[i], c) for (k, v, _), (i, c) in seen.items()]
+    return cfg, out
+
+
+def setting_problem(cfg, plan, layout, bsz, length, device, seed=0):
+    """Random inputs of one decode-attention call of a layer with ``plan`` and
+    ``layout`` under ``cfg``: latent cache on shuffled blocks (every position
+    written, per-channel key groups complete), post-RoPE queries (post-RoPE
+    mode: queries in the key-latent basis), and in the token-adaptive mode the
+    exact cache holding each sequence's sink and recent positions (the rest of
+    its block table points at a scratch block)."""
+    from vllm_lowrank.format.exact import ExactSlot
+    from vllm_lowrank.attention import token_adaptive as tale
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    page = 32 if cfg.token_adaptive else PAGE
+    kv_width = KV_HEADS * HEAD_DIM
+    gw = plan.group_width
+
+    def up(offsets, ranks, width):
+        w = torch.zeros(width, kv_width, device=dev)
+        for gi, (off, r) in enumerate(zip(offsets, ranks)):
+            w[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(
+                r, gw, device=dev, generator=g) / math.sqrt(r)
+        return w
+
+    k_up = up(plan.k_offsets(), plan.k_ranks, plan.k_width)
+    v_up = up(plan.v_offsets(), plan.v_ranks, plan.v_width)
+    per = math.ceil(length / page)
+    num_blocks = bsz * per
+    bt = torch.randperm(num_blocks, device=dev, generator=g).int().view(bsz, per)
+    width = plan.k_width + plan.v_width
+    if layout is None:
+        cache = torch.randn(num_blocks, 1, page, width, device=dev, generator=g,
+                            dtype=torch.bfloat16)
+    else:
+        rows = num_blocks * page
+        cache = torch.empty(rows, layout.slot_bytes, dtype=torch.uint8, device=dev)
+        for s in range(0, rows, 1 << 16):
+            lat = torch.randn(min(1 << 16, rows - s), width, device=dev, generator=g)
+            cache[s:s + lat.shape[0]] = layout.encode_complete(lat[:, :plan.k_width],
+                                                              lat[:, plan.k_width:])
+        cache = cache.view(num_blocks, 1, page, layout.slot_bytes)
+    post = cfg.method == "post_rope"
+    q = torch.randn(bsz, HEADS, max(plan.k_ranks) if post else HEAD_DIM, device=dev,
+                    generator=g).to(torch.bfloat16)
+    lens = torch.full((bsz,), length, dtype=torch.int32, device=dev)
+    p = dict(k_up=k_up, v_up=v_up, cache=cache, bt=bt, lens=lens, q=q, page=page)
+    if cfg.token_adaptive:
+        slot = ExactSlot.for_layer(plan, layout, torch.bfloat16, cfg.exact_bits)
+        sink, recent = cfg.sink_tokens, cfg.recent_tokens
+        pos = torch.cat([torch.arange(min(sink, length)),
+                         torch.arange(max(0, length - recent - 1 - page), length)]).unique()
+        blocks = (pos // page).unique()
+        ex_bt = torch.zeros(bsz, per, dtype=torch.int32)
+        ex_bt[:, blocks] = 1 + torch.arange(bsz * len(blocks), dtype=torch.int32).view(bsz, -1)
+        ex_cache = torch.zeros(1 + bsz * len(blocks), 1, page, slot.slot_bytes,
+                               dtype=torch.uint8, device=dev)
+        ex_bt = ex_bt.to(dev)
+        slots = (ex_bt[:, pos // page].long() * page + (pos % page).to(dev)).flatten()
+        t = slots.shape[0]
+        staged = torch.randn(t, slot.staged_width, device=dev, generator=g) \
+            if slot.staged_width else None
+        tale.write_exact(ex_cache, slot, torch.randn(t, kv_width, device=dev, generator=g
+                                                     ).to(torch.bfloat16),
+                         torch.randn(t, kv_width, device=dev, generator=g).to(torch.bfloat16),
+                         slots, staged)
+        p.update(ex_cache=ex_cache, ex_bt=ex_bt, slot=slot)
+    return p
+
+
+def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
+    """``(fn, out)``: one layer's decode attention as the backend runs it on CUDA
+    (:func:`latent_decode_attention` on the Triton path for plain layers, the
+    token-adaptive ``decode`` with the latent-span kernel for token-adaptive
+    ones; ``torch_path``: the float32 torch path instead, the reference;
+    ``config``: a :class:`KernelConfig` for the latent kernel)."""
+    from vllm_lowrank.attention import token_adaptive as tale
+    from vllm_lowrank.attention.latent_attention import decode_attention as torch_decode
+
+    bsz, length = p["q"].shape[0], int(p["lens"][0])
+    scale = HEAD_DIM ** -0.5
+    q = p["q"].float() if torch_path else p["q"]
+    post = cfg.method == "post_rope"
+    if cfg.token_adaptive:
+        out = torch.empty(bsz, HEADS * HEAD_DIM, device=q.device,
+                          dtype=torch.float32 if torch_path else torch.bfloat16)
+        kernel = None if torch_path else functools.partial(latent_decode_attention,
+                                                           backend="triton", config=config)
+
+        def fn():
+            tale.decode(plan, p["k_up"], p["v_up"], rope, scale, q, p["cache"], p["bt"],
+                        p["ex_cache"], p["ex_bt"], p["lens"], length, sink=cfg.sink_tokens,
+                        recent=cfg.recent_tokens, exact=p["slot"], layout=layout,
+                        latent_decode=kernel, min_seq_len=length, out=out)
+        return fn, out
+    out = torch.empty(bsz, plan.out_width, device=q.device,
+                      dtype=torch.float32 if torch_path else torch.bfloat16)
+
+    def fn():
+        if torch_path:
+            out.copy_(torch_decode(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
+                                   p["lens"], length, post_rope=post, layout=layout))
+        else:
+            latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
+                                    p["lens"], length, layout=layout, out=out,
+                                    mode="post_rope" if post else "pre_rope",
+                                    backend="triton", config=config)
+    return fn, out
+
+
+def setting_kernel(cfg, plan, layout, rope, p):
+    """The latent kernel :func:`latent_decode_attention` picks for this layer."""
+    from vllm_lowrank.triton_kernels import decode as dec
+
+    mode = "post_rope" if cfg.method == "post_rope" else "pre_rope"
+    rot = HEAD_DIM if mode == "post_rope" else rope.rotary_dim
+    return dec.triton_kernel(plan, layout, mode, p["cache"], rot)
+
+
+def sequence_ratio(cfg, plan, layout, length):
+    """16-bit K+V bytes of a ``length``-token sequence over what this layer
+    stores for it (latent slots for every position, plus the exact sink and
+    recent slots in the token-adaptive mode)."""
+    from vllm_lowrank.format.exact import ExactSlot
+
+    slot = layout.slot_bytes if layout is not None else 2 * (plan.k_width + plan.v_width)
+    stored = length * slot
+    if cfg.token_adaptive:
+        ex = ExactSlot.for_layer(plan, layout, torch.bfloat16, cfg.exact_bits).slot_bytes
+        stored += min(length, cfg.sink_tokens + cfg.recent_tokens + 1) * ex
+    return length * 2 * 2 * KV_HEADS * HEAD_DIM / stored
+
+
+def settings_rows(rope, shapes, sdpa, only=None, check=(2, 4096)):
+    """One row per recommended setting and shape: the median time of one
+    layer's decode attention (layers of an allocation: the mean over its
+    layers), against SDPA over full bf16 K/V; ``rel``: the largest relative
+    error against the float32 torch path over the setting's layer
+    configurations at ``check`` (batch, context); ``only``: labels containing
+    one of these strings."""
+    lines = [f"{'setting':>30} {'kernel':>6} {'shape':>7} {'ratio':>6} {'us':>9} "
+             f"{'x sdpa':>6} {'rel':>8}"]
+    for label, raw, profile in RECOMMENDED:
+        if only and not any(o in label for o in only):
+            continue
+        cfg, layers = recommended_layers(raw, profile)
+        rel = 0.0
+        kernels = set()
+        for plan, layout, _ in layers:
+            p = setting_problem(cfg, plan, layout, *check, "cuda")
+            kernels.add(setting_kernel(cfg, plan, layout, rope, p))
+            fn, out = setting_call(cfg, plan, layout, rope, p)
+            ref_fn, ref = setting_call(cfg, plan, layout, rope, p, torch_path=True)
+            fn()
+            ref_fn()
+            rel = max(rel, ((out.float() - ref).norm() / ref.norm()).item())
+            del p
+        for name in shapes:
+            bsz, length = parse_shape(name)
+            total = ratio = 0.0
+            n_layers = sum(c for _, _, c in layers)
+            try:
+                for plan, layout, count in layers:
+                    p = setting_problem(cfg, plan, layout, bsz, length, "cuda")
+                    fn, _ = setting_call(cfg, plan, layout, rope, p)
+                    t, _ = time_graph(fn, reps=20)
+                    total += t * count / n_layers
+                    ratio += sequence_ratio(cfg, plan, layout, length) * count / n_layers
+                    del p
+                    torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 (a setting that cannot run: a row)
+                lines.append(f"{label:>30} {'/'.join(sorted(kernels)):>6} {name:>7} "
+                             f"{type(exc).__name__}: {str(exc)[:80]}")
+                print(lines[-1], flush=True)
+                torch.cuda.empty_cache()
+                continue
+            lines.append(f"{label:>30} {'/'.join(sorted(kernels)):>6} {name:>7} "
+                         f"{ratio:5.2f}x {total:9.1f} {sdpa[name][0] / total:6.2f} {rel:8.1e}")
+            print(lines[-1], flush=True)
+    return lines + compiled_resources()
+
+
+SETTINGS_SWEEP = {
+    "wide": [dict(block_n=bn, num_warps=w, num_stages=st, rank_chunk=rc)
+             for bn, w, st, rc in ((32, 4, 2, 64), (16, 4, 2, 64), (16, 8, 2, 64),
+                                   (32, 8, 2, 64), (64, 8, 2, 64), (32, 8, 1, 64),
+                                   (32, 4, 2, 32), (64, 8, 2, 32))],
+    "grid": [dict(block_n=bn, num_warps=w, num_stages=st, transposed=False)
+             for bn, w, st in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (128, 4, 2), (32, 8, 2),
+                               (64, 8, 2), (128, 8, 2))],
+}
+"""Launch variants :func:`settings_sweep` times per kernel."""
+
+
+def settings_sweep(rope, shapes, sdpa, only=None):
+    """Launch variants (:data:`SETTINGS_SWEEP`) of the latent kernel of each
+    recommended setting (one layer configuration: an allocation's most common),
+    timed as :func:`settings_rows` times the default, followed by the
+    registers and spills of every variant compiled; ``rel`` against the float32
+    torch path at 2 x 4k (a variant that a compiler miscompiles shows there)."""
+    lines = [f"{'setting':>30} {'shape':>7} {'variant':>28} {'us':>9} {'x sdpa':>6} "
+             f"{'rel':>8}"]
+    for label, raw, profile in RECOMMENDED:
+        if only and not any(o in label for o in only):
+            continue
+        cfg, layers = recommended_layers(raw, profile)
+        plan, layout, _ = max(layers, key=lambda x: x[2])
+        small = setting_problem(cfg, plan, layout, 2, 4096, "cuda")
+        ref_fn, ref = setting_call(cfg, plan, layout, rope, small, torch_path=True)
+        ref_fn()
+        for name in shapes:
+            bsz, length = parse_shape(name)
+            p = setting_problem(cfg, plan, layout, bsz, length, "cuda")
+            kernel = setting_kernel(cfg, plan, layout, rope, p)
+            for v in [None] + SETTINGS_SWEEP.get(kernel, []):
+                kc = KernelConfig(**v) if v else None
+                tag = "default" if v is None else "/".join(f"{x}" for x in v.values())
+                try:
+                    check, out = setting_call(cfg, plan, layout, rope, small, config=kc)
+                    check()
+                    rel = ((out.float() - ref).norm() / ref.norm()).item()
+                    fn, _ = setting_call(cfg, plan, layout, rope, p, config=kc)
+                    t, _ = time_graph(fn, reps=15)
+                except Exception as exc:  # noqa: BLE001 (a variant that cannot run: a row)
+                    lines.append(f"{label:>30} {name:>7} {tag:>28} {type(exc).__name__}")
+                    print(lines[-1], flush=True)
+                    continue
+                lines.append(f"{label:>30} {name:>7} {tag:>28} {t:9.1f} "
+                             f"{sdpa[name][0] / t:6.2f} {rel:8.1e}")
+                print(lines[-1], flush=True)
+            del p
+            torch.cuda.empty_cache()
+    return lines + compiled_resources()
+
+
+def compiled_resources():
+    """Registers and spills per thread of every decode kernel variant compiled in
+    this process (triton's compiled-kernel metadata; empty where the running
+    triton does not expose it)."""
+    from vllm_lowrank.triton_kernels import (decode_exact, decode_kernels, decode_packed,
+                                             decode_wide)
+
+    out = []
+    for fn in (decode_kernels.decode_grid_kernel, decode_wide.wide_decode_kernel,
+               decode_packed.packed_decode_kernel, decode_exact.exact_merge_kernel):
+        for entry in getattr(fn, "device_caches", {}).values():
+            cache = entry[0] if isinstance(entry, tuple) else entry
+            for ck in getattr(cache, "values", lambda: [])():
+                md = getattr(ck, "metadata", None)
+                out.append(f"{fn.__name__}: {getattr(ck, 'n_regs', '?')} registers, "
+                           f"{getattr(ck, 'n_spills', '?')} spills, "
+                           f"{getattr(md, 'num_warps', '?')} warps, "
+                           f"{getattr(md, 'shared', '?')} B shared")
+    return out
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ CONFIGS = {
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
     "preset-lossless": {"compression": {"preset": "lossless"}},
+    # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
+    # keys on the grid kernel
+    "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},
     # vLLM's own compressed caches (Triton kernels, no calibration; TurboQuant:
     # vLLM picks its backend per layer, its 16-bit boundary layers included)
     "int8_per_token_head": {"kv_cache_dtype": "int8_per_token_head"},

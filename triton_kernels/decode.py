@@ -7,8 +7,8 @@ up-projection and the RoPE check, chooses the launch parameters and the split
 :mod:`vllm_lowrank.cuda_ext` where the call is in its scope
 (:func:`cuda_path_blocker`), else the Triton grid or persistent kernel of
 :mod:`.decode_kernels` (the math is described there), or, for head groups whose
-key tile does not fit one program and for per-channel keys, the wide-group
-kernel of :mod:`.decode_wide`, or, for post-RoPE latents packed per token at 8/4
+key tile does not fit one program, the wide-group kernel of :mod:`.decode_wide`
+(both read per-channel keys), or, for post-RoPE latents packed per token at 8/4
 bits with uniform ranks (:func:`.decode_packed.blocker`), the packed kernel of
 :mod:`.decode_packed`; split partials are merged by
 :func:`.tiles.reduce_splits_kernel`.
@@ -44,8 +44,7 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
 
     sh = plan.shape
     half, rest = rotary_dim // 2, sh.head_dim - rotary_dim
-    chan = layout is not None and layout.k_per_channel
-    k_qg = 0 if chan else common["K_QG"]
+    k_qg = common["K_QG"]
     rc = cfg.rank_chunk or dflt["rank_chunk"]
     if k_qg and (k_qg & (k_qg - 1)):
         rc = prep.rk_max_pad  # a chunk must start on a group boundary: one chunk
@@ -55,7 +54,6 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     wide_decode_kernel[(num_splits, sh.num_kv_heads, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
-        layout.k_share_offset if chan else 0, sum(plan.k_ranks),
         G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=pow2(sh.queries_per_kv),
         HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,
         RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
@@ -63,8 +61,8 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
         K_BITS=common["K_BITS"], V_BITS=common["V_BITS"], K_QG=k_qg, V_QG=common["V_QG"],
         ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
         K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
-        LSE=common["LSE"], K_CHAN=chan, KCT=layout.k_channel_tokens if chan else 1,
-        SHARE=layout.k_share_bytes if chan else 1, num_warps=common["num_warps"],
+        LSE=common["LSE"], K_CHAN=common["K_CHAN"], KCT=common["KCT"],
+        SHARE=common["SHARE"], num_warps=common["num_warps"],
         num_stages=common["num_stages"])
 
 
@@ -198,8 +196,8 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
     """Which Triton kernel :func:`latent_decode_attention` launches for a call
     (the one decision, also used for the start-up log line):
 
-    - ``"wide"`` (:mod:`.decode_wide`): per-channel keys, or pre-RoPE groups
-      whose key up-projection tile exceeds one program
+    - ``"wide"`` (:mod:`.decode_wide`): pre-RoPE groups whose key
+      up-projection tile exceeds one program
       (:func:`.launch.needs_wide`);
     - ``"packed"`` (:mod:`.decode_packed`): in :func:`.decode_packed.blocker`'s
       scope, on the plain grid;
@@ -217,21 +215,22 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
             ``None``).
 
     Raises:
-        ValueError: a kernel forced by ``config`` (or per-channel keys, which
-            only the wide kernel reads) cannot run this call: the message says
-            why.
+        ValueError: a kernel forced by ``config`` cannot run this call, or
+            per-channel keys with ``post_rope``, a schedule or a block size that
+            their token groups do not divide: the message says why.
     """
     cfg = config or KernelConfig()
     per_channel = layout is not None and layout.k_per_channel
     if cfg.wide is not None:
         wide = cfg.wide
     else:
-        wide = per_channel or (mode == "pre_rope" and (
+        wide = mode == "pre_rope" and (
             needs_wide(plan, layout, rotary_dim) if prep is None
-            else _key_tile_too_large(prep)))
-    if per_channel and not wide:
-        raise ValueError("per-channel keys decode on the wide-group kernel only "
-                         "(KernelConfig.wide=False was given)")
+            else _key_tile_too_large(prep))
+    if per_channel and mode != "pre_rope":
+        raise ValueError("per-channel keys are read in pre_rope mode only")
+    if per_channel and schedule is not None:
+        raise ValueError("per-channel keys run on the plain grid (schedule=None)")
     if per_channel and kv_cache.shape[2] % layout.k_channel_tokens:
         raise ValueError(f"block_size {kv_cache.shape[2]} is not a multiple of the "
                          f"per-channel key group ({layout.k_channel_tokens} tokens)")
@@ -277,9 +276,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         block_table: ``[B, max_blocks]`` int32; seq_lens: ``[B]`` int32 (>= 1).
         max_seq_len: ``max(seq_lens)`` as a host int (sizes the split).
         layout: :class:`~vllm_lowrank.format.latent.SlotLayout` of a packed cache
-            (with per-channel keys: the wide-group kernel, every key group in
-            the attended span complete, ``block_size`` a multiple of
-            ``k_channel_tokens``).
+            (with per-channel keys: ``pre_rope`` mode on the plain grid, every
+            key group in the attended span complete, ``block_size`` a multiple
+            of ``k_channel_tokens``).
         num_splits: Context splits per sequence and group (``None``: heuristic;
             1: no reduce pass).
         schedule: ``None`` for the plain grid; ``"lpt"`` or a
@@ -432,7 +431,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     n_sm = sm_count(device)
     ng = plan.num_groups
     hg = plan.heads_per_group
-    if wide or packed:
+    chan = layout is not None and layout.k_per_channel
+    if wide or packed or chan:
         gpp = 1
     elif cfg.groups_per_program is not None:
         gpp = cfg.groups_per_program
@@ -481,7 +481,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         return _merge_splits(plan, prep, out, lse, po, plse, num_splits, return_lse)
     classes = list(prep.classes) + [(16, 16)] * (MAX_CLASSES - len(prep.classes))
     if quant:
-        k_qg = 0 if all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
+        k_qg = 0 if chan or all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
             else layout.k_groups[0]
         v_qg = 0 if all(q == r for q, r in zip(layout.v_groups, layout.v_ranks)) \
             else layout.v_groups[0]
@@ -527,7 +527,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
         ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
         NUM_CLS=len(prep.classes), K_BIAS=k_bias, K_NORM=k_norm, WINDOW=use_window,
-        SPAN=use_span, LSE=bool(return_lse),
+        SPAN=use_span, LSE=bool(return_lse), K_CHAN=chan,
+        KCT=layout.k_channel_tokens if chan else 1, SHARE=layout.k_share_bytes if chan else 1,
         RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
         RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
         num_warps=num_warps, num_stages=num_stages,
@@ -544,6 +545,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         po, plse, out, plan.out_width, num_heads, float(scale) * LOG2E,
         kb if k_bias else cos, kn if k_norm else cos, sh.head_dim, norm_eps,
         int(window) if use_window else 0, sink, recent,
+        layout.k_share_offset if chan else 0, sum(plan.k_ranks),
     )
     if wide:
         _launch_wide(plan, prep, args, common, dflt, cfg, layout, rotary_dim, num_splits, bsz)

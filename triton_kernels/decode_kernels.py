@@ -130,8 +130,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import (add_combine, key_bias, load_latent, load_pair, max_combine,
-                    group_row, split_tiles, transform_keys)
+from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, load_pair,
+                    max_combine, group_row, split_tiles, transform_keys)
 
 # ----------------------------------------------------------------------------------
 # Device code
@@ -241,6 +241,7 @@ def _attend_chunk(
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads,
     qk_scale, kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    share_off, rk_total,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -251,6 +252,7 @@ def _attend_chunk(
     SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
 ):
     """One work item: sequence ``b``, head groups ``g .. g+GPP-1``, split ``s``.
 
@@ -267,6 +269,12 @@ def _attend_chunk(
     head) like the softmax denominator). Pre-RoPE mode and grouped scales
     dequantize the tiles (measured on an H200: post-scaling the values in the
     pre-RoPE kernel was 5-15 % slower, at 255 registers).
+
+    Per-channel keys (``K_CHAN``, KIVI sec. 3.2; pre-RoPE, ``GPP = 1``): the
+    key tile is dequantized with its group's per-channel scale/zero pairs
+    (:func:`.tiles.load_channel_keys`: ``KCT`` positions per group, ``SHARE``
+    parameter bytes per slot from ``share_off``, ``rk_total`` key channels in
+    the layer).
 
     Visible keys: ``t < seq_len``; ``WINDOW``: also ``t >= seq_len - window``;
     ``SPAN`` (token-adaptive mode): ``max(sink, seq_len - window) <= t <
@@ -448,9 +456,17 @@ def _attend_chunk(
             sc = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
         else:
             sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        ck, ks0, kz0 = load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off,
-                                    k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
-                                    RANK_MULT, KPOST)
+        if K_CHAN:  # per-channel keys (one head group per program)
+            last = tl.minimum(p0 + BLOCK_N, end) - 1
+            ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last, k_off,
+                                   rk, (k_off * 8) // K_BITS, s_tok, share_off, rk_total, DT,
+                                   K_BITS, RK_PAD, KCT, SHARE, BLOCK_N, PAGE)
+            ks0 = 0.0
+            kz0 = 0.0
+        else:
+            ck, ks0, kz0 = load_latent(cache_ptr, row, valid, k_off, rk, kpar, k_scale_off,
+                                        k_zero_off, DT, QUANT, K_BITS, RK_PAD, K_QG, ALIGNED,
+                                        RANK_MULT, KPOST)
         ks1 = ks0
         kz1 = kz0
         ks2 = ks0
@@ -606,7 +622,7 @@ def _dispatch(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -616,6 +632,7 @@ def _dispatch(
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -629,10 +646,10 @@ def _dispatch(
             bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
             s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-            K_BIAS, K_NORM, WINDOW, SPAN, LSE)
+            K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 1:
         if cls == 1:
             _attend_chunk(
@@ -640,10 +657,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 2:
         if cls == 2:
             _attend_chunk(
@@ -651,10 +668,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 3:
         if cls == 3:
             _attend_chunk(
@@ -662,10 +679,10 @@ def _dispatch(
                 bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
                 s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
                 QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE)
+                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
 
 
 @triton.jit
@@ -675,7 +692,7 @@ def decode_grid_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -685,6 +702,7 @@ def decode_grid_kernel(
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -698,10 +716,10 @@ def decode_grid_kernel(
         w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
         k_scale_off, k_zero_off, v_scale_off, v_zero_off,
         po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-        kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+        kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
         MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
         QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-        NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+        NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
 
 
 @triton.jit
@@ -712,7 +730,7 @@ def decode_persistent_kernel(
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -722,6 +740,7 @@ def decode_persistent_kernel(
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
     RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
     RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
@@ -743,8 +762,8 @@ def decode_persistent_kernel(
             w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
             k_scale_off, k_zero_off, v_scale_off, v_zero_off,
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
+            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
             QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
-            NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+            NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)

@@ -27,7 +27,7 @@ vLLM"), so wide groups are compute-bound on a GPU in any case.
 Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
 one scale/zero pair per row and group or per power-of-two channel group
 (:func:`.tiles.load_latent`), and per-channel keys (KIVI: scale/zero per
-channel and group of positions, :func:`.tiles.load_channel_keys`; only this
+channel and group of positions, :func:`.tiles.load_channel_keys`, as the grid
 kernel reads them). Windows and the token-adaptive latent span bound
 the tiles as in :mod:`.decode`; the partial outputs and their base-2
 log-sum-exp have :mod:`.decode`'s split-K format and are merged by
@@ -131,8 +131,10 @@ def wide_decode_kernel(
     acc = tl.full([Q_PAD, RV_PAD], 0.0, tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for t in range(t_lo, t_hi):
-        pos = first + t * BLOCK_N + i
+        p0 = first + t * BLOCK_N
+        pos = p0 + i
         valid = pos < end  # rows from the end on are never loaded (null blocks)
+        last = tl.minimum(p0 + BLOCK_N, end) - 1
         blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
         row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
         k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
@@ -143,9 +145,10 @@ def wide_decode_kernel(
             k3 = k1  # no unrotated rest: a placeholder
         for rc in range(0, rk, RC):
             if K_CHAN:
-                ck = load_channel_keys(cache_ptr, row, pos, valid, k_off + (rc * K_BITS) // 8,
-                                       rk - rc, (k_off * 8) // K_BITS + rc, s_tok, share_off,
-                                       rk_total, DT, K_BITS, RC, KCT, SHARE)
+                ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
+                                       k_off + (rc * K_BITS) // 8, rk - rc,
+                                       (k_off * 8) // K_BITS + rc, s_tok, share_off, rk_total,
+                                       DT, K_BITS, RC, KCT, SHARE, BLOCK_N, PAGE)
             else:
                 if QUANT:
                     coff = k_off + (rc * K_BITS) // 8

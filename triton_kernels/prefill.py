@@ -130,6 +130,34 @@ def head_table(plan, device) -> torch.Tensor:
     return _HEAD_TABLES[key]
 
 
+PREFILL_SHARED_BYTES = 200 * 1024
+"""Shared memory the two pipeline stages of key and value tiles may take
+(``2 * BLOCK_N * (pad(dk) + pad(r_v)) * element bytes``), under the H100's
+232,448-byte limit with room for the compiler's own buffers."""
+
+
+def prefill_tiles(dk: int, dv: int, elem: int, on_gpu: bool) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)`` of :func:`latent_prefill_attention`: 64 x 64 (32 x 32
+    from ``dk`` 256) on a GPU, halved while the key and value tiles of two
+    stages exceed :data:`PREFILL_SHARED_BYTES` (``BLOCK_N``) or the float32
+    accumulator ``[BLOCK_M, dv]`` exceeds 32 K elements (``BLOCK_M``): J-LRD's
+    value rank 768 (``dv`` 1,024, the ``lossless`` preset on 8 KV heads of 128)
+    asked for 262,144 bytes at 64 x 64. 16 x 16 under the interpreter.
+
+    Args:
+        dk: Key width per head (power of two); dv: padded value width.
+        elem: Bytes per key/value element; on_gpu: compiled (not interpreted).
+    """
+    if not on_gpu:
+        return 16, 16
+    block_m = block_n = 64 if dk <= 128 else 32
+    while block_n > 16 and 2 * block_n * (pow2(dk) + dv) * elem > PREFILL_SHARED_BYTES:
+        block_n //= 2
+    while block_m > 16 and block_m * dv > 32 * 1024:
+        block_m //= 2
+    return block_m, block_n
+
+
 def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              heads: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                              max_q_len: int, scale: float, out: torch.Tensor, *,
@@ -176,9 +204,8 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
     if t == 0 or n == 0:
         return out
     dt = keys.dtype
-    block_m = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
-    block_n = 16 if query.device.type != "cuda" else (64 if dk <= 128 else 32)
     dv = pow2(max_rank_v)
+    block_m, block_n = prefill_tiles(dk, dv, keys.element_size(), query.device.type == "cuda")
     grid = (triton.cdiv(max_q_len, block_m), num_heads, n)
     _prefill_kernel[grid](
         query, query.stride(0), query.stride(1),

@@ -216,44 +216,63 @@ def split_tiles(seq_len, s, n_splits, window, sink, recent, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _share_byte(cache_ptr, gbase, o, s_tok, share_off, SHARE: tl.constexpr, mask):
-    """Byte ``o`` [PAD] of each row's token-group parameter stream: slot
-    ``o // SHARE`` of the group (``gbase`` [N]: the group's first slot), byte
-    ``share_off + o % SHARE`` of that slot; int32 [N, PAD]."""
-    ptr = cache_ptr + gbase[:, None] + (o // SHARE).to(tl.int64)[None, :] * s_tok \
-        + share_off + (o % SHARE)[None, :]
-    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+def _share_half(cache_ptr, base, o, s_tok, share_off, SHARE: tl.constexpr, mask):
+    """float16 at bytes ``o, o + 1`` [PAD] of a token group's parameter stream
+    (``base``: byte offset of the group's first slot), as float32 [PAD]: stream
+    byte ``o`` is byte ``share_off + o % SHARE`` of the group's slot ``o //
+    SHARE`` (read byte by byte: an odd ``SHARE`` splits a float16 over two
+    slots)."""
+    lo = tl.load(cache_ptr + base + (o // SHARE).to(tl.int64) * s_tok + share_off + o % SHARE,
+                 mask=mask, other=0).to(tl.int32)
+    o1 = o + 1
+    hi = tl.load(cache_ptr + base + (o1 // SHARE).to(tl.int64) * s_tok + share_off + o1 % SHARE,
+                 mask=mask, other=0).to(tl.int32)
+    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def load_channel_keys(cache_ptr, row_off, pos, valid, code_off, r, ch0, s_tok, share_off,
-                      rk_total, DT: tl.constexpr, BITS: tl.constexpr, PAD: tl.constexpr,
-                      KCT: tl.constexpr, SHARE: tl.constexpr):
+def load_channel_keys(cache_ptr, row_off, pos, valid, bt_row, s_blk, p0, last, code_off, r,
+                      ch0, s_tok, share_off, rk_total, DT: tl.constexpr, BITS: tl.constexpr,
+                      PAD: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Per-channel quantized key latents (KIVI sec. 3.2; the layout of
     :class:`vllm_lowrank.format.latent.SlotLayout` with ``k_channel_tokens``):
-    channels ``ch0 .. ch0 + PAD - 1`` of the rows at positions ``pos`` [N]
-    (``row_off`` [N] their slots' byte offsets, ``valid`` [N]), dequantized to
-    ``DT`` [N, PAD] (0 on invalid rows and channels ``>= r``).
+    channels ``ch0 .. ch0 + PAD - 1`` of a tile's rows, the consecutive positions
+    ``pos = p0 + arange(BLOCK_N)`` (``row_off`` [BLOCK_N] their slots' byte
+    offsets, ``valid`` [BLOCK_N], ``last``: the last valid position), dequantized
+    to ``DT`` [BLOCK_N, PAD] (0 on invalid rows and channels ``>= r``).
 
     Codes are per token (``code_off``: byte offset of channel ``ch0``'s code in
     the slot); scale and zero are per channel and per aligned group of ``KCT``
-    positions (inside one KV block), stored as the group's stream
-    ``[scales (rk_total) | zeros (rk_total)]`` float16 spread over its ``KCT``
-    slots, ``SHARE`` bytes each from ``share_off``: channel ``c``'s scale is
-    stream bytes ``2c, 2c + 1``, its zero ``2 (rk_total + c)``, ``+ 1`` (read
-    byte by byte: an odd ``SHARE`` splits a float16 over two slots)."""
+    positions (inside one KV block: ``KCT`` divides ``PAGE``), stored as the
+    group's stream ``[scales (rk_total) | zeros (rk_total)]`` float16 spread over
+    its ``KCT`` slots, ``SHARE`` bytes each from ``share_off``: channel ``c``'s
+    scale is stream bytes ``2c, 2c + 1``, its zero ``2 (rk_total + c)``, ``+ 1``.
+    The tile's rows fall in at most ``ceil(BLOCK_N / KCT) + 1`` groups: each
+    group's ``[PAD]`` parameters are loaded once (its first slot found through
+    the block table ``bt_row``) and selected per row, instead of a gather per
+    element."""
     codes = codes_f32(load_codes(cache_ptr + row_off, code_off, r, valid, BITS, PAD, 1), 0)
     c = tl.arange(0, PAD)
-    m = valid[:, None] & (c[None, :] < r)
-    gbase = row_off - (pos % KCT).to(tl.int64) * s_tok  # the group's first slot
+    cm = c < r
     o_s = 2 * (ch0 + c)
     o_z = 2 * (rk_total + ch0 + c)
-    sb = _share_byte(cache_ptr, gbase, o_s, s_tok, share_off, SHARE, m) | \
-        (_share_byte(cache_ptr, gbase, o_s + 1, s_tok, share_off, SHARE, m) << 8)
-    zb = _share_byte(cache_ptr, gbase, o_z, s_tok, share_off, SHARE, m) | \
-        (_share_byte(cache_ptr, gbase, o_z + 1, s_tok, share_off, SHARE, m) << 8)
-    sc = sb.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    ze = zb.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    g0 = p0 - p0 % KCT  # first position of the tile's first group
+    gi = (pos - g0) // KCT  # [BLOCK_N] group of each row, counted from g0
+    NGT: tl.constexpr = (BLOCK_N + KCT - 1) // KCT + 1
+    sc = tl.zeros([BLOCK_N, PAD], tl.float32)
+    ze = tl.zeros([BLOCK_N, PAD], tl.float32)
+    for j in tl.static_range(NGT):
+        gp = g0 + j * KCT
+        live = gp <= last
+        blk = tl.load(bt_row + gp // PAGE, mask=live, other=0).to(tl.int64)
+        base = blk * s_blk + (gp % PAGE).to(tl.int64) * s_tok
+        m = cm & (c * 0 + gp <= last)  # (a vector compare: the interpreter's masks)
+        hit = (gi == j)[:, None]
+        sc = tl.where(hit, _share_half(cache_ptr, base, o_s, s_tok, share_off, SHARE, m)[None, :],
+                      sc)
+        ze = tl.where(hit, _share_half(cache_ptr, base, o_z, s_tok, share_off, SHARE, m)[None, :],
+                      ze)
     return (codes * sc + ze).to(DT)
 
 

@@ -400,11 +400,13 @@ def test_cuda_pre_rope_decode_refuses_out_of_scope():
                                 100, backend="cuda")
 
 
-def wide_case(dev, group_size, ratio, quant, lens, seed=7):
-    """Relative error of the wide-group kernel (default launch) against the
-    float32 torch path: Llama-3-8B attention (32 q / 8 KV heads of 128), head
-    groups of ``group_size`` KV heads at rank ``ratio * group_size * 128`` per
-    side, bf16 queries, a bf16 (``quant`` None) or packed cache."""
+def wide_case(dev, group_size, ratio, quant, lens, seed=7, kct=None):
+    """Relative error of the decode kernel (default launch: the wide-group
+    kernel from 4 KV heads per group) against the float32 torch path: Llama-3-8B
+    attention (32 q / 8 KV heads of 128), head groups of ``group_size`` KV heads
+    at rank ``ratio * group_size * 128`` per side, bf16 queries, a bf16
+    (``quant`` None) or packed cache (``kct``: keys per channel over groups of
+    ``kct`` tokens, every group complete, 32-token blocks)."""
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.attention.rope import RopeTable
     from vllm_lowrank.triton_kernels.decode import latent_decode_attention, needs_wide
@@ -417,7 +419,7 @@ def wide_case(dev, group_size, ratio, quant, lens, seed=7):
     for gi, off in enumerate(plan.k_offsets()):
         k_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(
             r, gw, device=dev, generator=g) / math.sqrt(r)
-    page = 16
+    page = 32 if kct else 16
     per = [math.ceil(n / page) for n in lens]
     nblk = sum(per) + 3
     perm = torch.randperm(nblk, device=dev, generator=g)
@@ -429,8 +431,8 @@ def wide_case(dev, group_size, ratio, quant, lens, seed=7):
         cache = lat.bfloat16()
         layout, ref_rows = None, cache.float()
     else:
-        layout = SlotLayout(plan.k_ranks, plan.v_ranks, *quant)
-        cache = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, *quant, k_channel_tokens=kct)
+        cache = layout.encode_complete(lat[:, :plan.k_width], lat[:, plan.k_width:])
         ref_rows = torch.cat(layout.decode(cache), -1)
     cache = cache.view(nblk, 1, page, -1)
     inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=dev).float() / 128))
@@ -458,3 +460,14 @@ def test_wide_decode_serving_shape_bf16(group_size, ratio, quant):
     """The wide-group kernel at serving shapes, default launch parameters,
     split-K (a 4,000-token sequence beside short ones)."""
     assert wide_case("cuda", group_size, ratio, quant, [4000, 1, 777, 2500]) < 1e-2
+
+
+@pytest.mark.parametrize("group_size,ratio", [
+    (1, 0.75),  # per-head groups at the lossless preset's ratio: the grid kernel
+    (1, 0.5),
+    (8, 0.5),   # the 4x preset's J-LRD: the wide kernel
+])
+def test_channel_keys_serving_shape_bf16(group_size, ratio):
+    """Per-channel 4-bit keys (32-token groups) and 4-bit values at serving
+    shapes, default launch parameters, split-K."""
+    assert wide_case("cuda", group_size, ratio, (4, 4), [4000, 1, 777, 2500], kct=32) < 1e-2

@@ -976,14 +976,17 @@ def channel_key_cache(plan, nblk, page, g, bits, kct):
     return (slots, layout, *layout.decode(slots))
 
 
+@pytest.mark.parametrize("wide", [True, False], ids=["wide", "grid"])
 @pytest.mark.parametrize("group_size,kr,vr,bits,kct,page,span,splits", [
     (1, (8, 24, 16, 32), (16, 8, 32, 24), (4, 4), 16, 16, None, 2),  # 20-byte shares
     (4, (56,), (40,), (2, 4), 32, 32, None, 1),     # 7-byte shares: float16s split over slots
     (2, (40, 16), (24, 64), (4, 8), 16, 32, (4, 17), 3),  # latent span (TALE) with LSE
+    (1, (16, 16, 16, 16), (16, 16, 16, 16), (4, 4), 32, 32, (4, 17), 2),  # 32-token groups
 ])
-def test_wide_channel_keys(group_size, kr, vr, bits, kct, page, span, splits):
-    """Per-channel keys (KIVI) read by the wide kernel against the float64
-    reference on ``SlotLayout.decode``'s values and against the torch path."""
+def test_channel_keys(group_size, kr, vr, bits, kct, page, span, splits, wide):
+    """Per-channel keys (KIVI) read by the wide and the grid kernel against the
+    float64 reference on ``SlotLayout.decode``'s values and against the torch
+    path; the default launch takes the grid kernel where its key tile fits."""
     from vllm_lowrank.attention.latent_attention import decode_attention
 
     plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
@@ -994,20 +997,25 @@ def test_wide_channel_keys(group_size, kr, vr, bits, kct, page, span, splits):
     q = torch.randn(len(lens), 8, 32, generator=g)
     sink, recent = span or (0, 0)
     cache = slots.view(nblk, 1, page, -1)
+    assert dec.triton_kernel(plan, layout, "pre_rope", cache, 32) == "grid"
     out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
-                   sink=sink, recent=recent, return_lse=True)
+                   sink=sink, recent=recent, return_lse=True,
+                   config=dec.KernelConfig(wide=wide))
     ref, ref_lse = span_reference(plan, k_up, rope, 32 ** -0.5, q, gather(kd, bt, lens, page),
                                   gather(vd, bt, lens, page), lens, in_span(sink, recent, None))
     assert rel_err(out, ref) < TOL32
     fin = torch.isfinite(ref_lse)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin] - ref_lse[fin]).abs().max() < LSE_TOL
-    cpu = decode_attention(plan, k_up, rope, 32 ** -0.5, q, cache, bt.clamp(max=nblk - 1),
-                           lens, int(lens.max()), layout=layout, sink=sink, recent=recent)
-    assert rel_err(out, cpu.double()) < TOL32
-    with pytest.raises(ValueError, match="wide-group kernel only"):
-        run(plan, k_up, rope, q, cache, bt, lens, layout=layout,
-            config=dec.KernelConfig(wide=False))
+    torch_path = decode_attention(plan, k_up.to(DEV), rope, 32 ** -0.5, q.to(DEV), cache.to(DEV),
+                                  bt.clamp(max=nblk - 1).to(DEV), lens.to(DEV), int(lens.max()),
+                                  layout=layout, sink=sink, recent=recent)
+    assert rel_err(out, torch_path.double().cpu()) < TOL32
+    with pytest.raises(ValueError, match="pre_rope mode only"):
+        run(plan, k_up, rope, torch.randn(len(lens), 8, max(kr)), cache, bt, lens,
+            layout=layout, mode="post_rope")
+    with pytest.raises(ValueError, match="plain grid"):
+        run(plan, k_up, rope, q, cache, bt, lens, layout=layout, schedule="lpt")
 
 
 def test_wide_chosen_for_large_key_tiles(monkeypatch):
@@ -1055,7 +1063,7 @@ def test_wide_errors():
     (2, None, "pre_rope", False),      # uneven ranks, 16-bit latents
     (1, (8, 4), "pre_rope", True),     # packed, token-adaptive span with its LSE
     (1, (4, 4), "post_rope", False),
-    (2, "channel", "pre_rope", True),  # per-channel keys (wide kernel) and the span
+    (2, "channel", "pre_rope", True),  # per-channel keys and the span
 ])
 def test_self_check(monkeypatch, group_size, bits, mode, span):
     """The self-check passes the kernel as it is and refuses one whose output

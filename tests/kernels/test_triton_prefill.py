@@ -151,3 +151,34 @@ def test_kernel_against_float64_loop():
                 ref[qa + j, col:col + r_v] = p @ v[ka:ka + ctx + j + 1, v_off:v_off + r_v].double()
     err = (out_dev.double().cpu() - ref).norm() / ref.norm()
     assert err < TOL, float(err)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_wide_value_latents(causal):
+    """J-LRD's value rank 768 on 8 KV heads of 128 (the ``lossless`` preset on a
+    Llama-3-8B shape; on an H100 its first launch asked for 262,144 bytes of
+    shared memory, over the limit) against a float64 reference, with and
+    without the causal mask."""
+    g = torch.Generator().manual_seed(11)
+    plan = LayerPlan(AttentionShape(32 * 128, 32, 8, 128), 8, (768,), (768,))
+    cu_q = torch.tensor([0, 5, 37], dtype=torch.int32)
+    cu_k = torch.tensor([0, 70, 150], dtype=torch.int32)
+    q = torch.randn(37, 32, 128, generator=g)
+    k = torch.randn(150, 8, 128, generator=g)
+    v = torch.randn(150, 768, generator=g)
+    out = torch.full((37, plan.out_width), float("nan"), device=DEV, dtype=DTYPE)
+    pre.latent_prefill_attention(q.to(DEV, DTYPE), k.to(DEV, DTYPE), v.to(DEV, DTYPE),
+                                 pre.head_table(plan, DEV), cu_q.to(DEV), cu_k.to(DEV), 32,
+                                 128 ** -0.5, out, max_rank_v=768, causal=causal)
+    ref = torch.empty(37, 32, 768, dtype=torch.float64)
+    for n in range(2):
+        qa, qb, ka, kb = (int(x) for x in (cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]))
+        keys = k[ka:kb].double().repeat_interleave(4, dim=1)  # [S, 32, 128]
+        s = torch.einsum("qhd,shd->hqs", q[qa:qb].double(), keys) * 128 ** -0.5
+        if causal:
+            ctx = (kb - ka) - (qb - qa)
+            visible = torch.arange(kb - ka)[None, :] <= ctx + torch.arange(qb - qa)[:, None]
+            s = s.masked_fill(~visible, float("-inf"))
+        ref[qa:qb] = torch.einsum("hqs,sr->qhr", torch.softmax(s, -1), v[ka:kb].double())
+    err = (out.double().cpu() - ref.view(37, -1)).norm() / ref.norm()
+    assert err < TOL, float(err)

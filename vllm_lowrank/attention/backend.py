@@ -10,8 +10,7 @@ Dispatch: CPU tensors run the vectorized torch path. On CUDA, decode runs the
 path :mod:`vllm_lowrank.attention.decode_path` chose for the layer at start-up
 (the CUDA kernel where its scope allows, else Triton; same result as the torch
 path, key bias / QK-norm and sliding windows included; the torch path for
-caches the kernels do not read: per-channel keys, a raw 16-bit side in a packed
-slot), and
+caches the kernels do not read: a raw 16-bit side in a packed slot), and
 all prefill chunks of a step run as one varlen Triton call
 (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`) over
 keys rebuilt once per step; token-adaptive prefill runs per request.

@@ -10,7 +10,7 @@ Three implementations compute the same decode attention from the latent cache:
   (any grouping, uneven ranks, packed 8/4/3/2-bit per-token sides, per-channel
   keys, key bias /
   QK-norm, sliding windows, the token-adaptive span; groups whose key tile does
-  not fit one program, and per-channel keys, run its wide-group variant,
+  not fit one program run its wide-group variant,
   :mod:`vllm_lowrank.triton_kernels.decode_wide`; post-RoPE latents packed at
   8/4 bits per token with uniform ranks, the ``2x`` preset's format, run
   :mod:`vllm_lowrank.triton_kernels.decode_packed`);
