@@ -22,6 +22,8 @@ import sys
 import pytest
 import torch
 
+from vllm_lowrank.presets import expand
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -50,6 +52,10 @@ SETTINGS = {
     "token-adaptive-k4c": {"rank_fraction": 0.5, "head_group_size": 1, "token_adaptive": True,
                            "sink_tokens": 16, "recent_tokens": 64, "k_bits": 4, "v_bits": 4,
                            "k_quant": "channel", "k_channel_tokens": 16},
+    # the presets above 3x: J-LRD, per-channel keys on the wide-group kernel, value
+    # rank 768 (lossless) in the varlen prefill
+    "preset-4x": {"preset": "4x"},
+    "preset-lossless": {"preset": "lossless"},
 }
 
 _CACHE: dict = {}
@@ -129,7 +135,7 @@ def test_setting_runs_with_graphs_chunked_prefill_and_prefix_hits(model, setting
         pytest.skip("head groups of 2 do not divide SmolLM2's 3 KV heads (refused at start-up)")
     out = probe(model, SETTINGS[setting])
     _check_run(out)
-    if SETTINGS[setting].get("token_adaptive"):
+    if expand(SETTINGS[setting]).get("token_adaptive"):
         return
     stock = probe(model, None)
     ratio = out["kv_tokens"] / stock["kv_tokens"]
