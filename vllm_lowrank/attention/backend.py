@@ -48,6 +48,7 @@ from vllm_lowrank.attention import token_adaptive as tale
 from vllm_lowrank.attention.decode_path import (DecodePath, decode_path, fused_decode,
                                                 graph_safe_decode)
 from vllm_lowrank.attention.exact_cache import ExactTokensSpec
+from vllm_lowrank.config import config_from_vllm
 
 
 class LatentAttentionBackend(AttentionBackend):
@@ -177,9 +178,11 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
-        # the exact-token group's metadata serves its block table only
-        self.batch_prefill = device.type == "cuda" and not isinstance(kv_cache_spec,
-                                                                      ExactTokensSpec)
+        # the exact-token group's metadata serves its block table only; token-adaptive
+        # layers flatten their own prefill spans (LatentAttentionMetadata.tale_spans)
+        self.batch_prefill = (device.type == "cuda"
+                              and not isinstance(kv_cache_spec, ExactTokensSpec)
+                              and not config_from_vllm(vllm_config).token_adaptive)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
