@@ -1152,10 +1152,12 @@ def settings_rows(rope, shapes, sdpa, only=None, check=(2, 4096)):
 
 
 SETTINGS_SWEEP = {
-    "wide": [dict(block_n=bn, num_warps=w, num_stages=st, rank_chunk=rc)
-             for bn, w, st, rc in ((32, 4, 2, 64), (16, 4, 2, 64), (16, 8, 2, 64),
-                                   (32, 8, 2, 64), (64, 8, 2, 64), (32, 8, 1, 64),
-                                   (32, 4, 2, 32), (64, 8, 2, 32))],
+    "wide": [dict(block_n=bn, num_warps=w, num_stages=st, rank_chunk=rc, group_program=gp)
+             for bn, w, st, rc, gp in ((16, 4, 2, 64, False), (32, 4, 2, 64, True),
+                                       (16, 4, 2, 64, True), (64, 4, 2, 64, True),
+                                       (16, 8, 2, 64, True), (32, 8, 2, 64, True),
+                                       (64, 8, 2, 64, True), (32, 8, 3, 64, True),
+                                       (32, 8, 2, 32, True), (32, 4, 2, 32, True))],
     "grid": [dict(block_n=bn, num_warps=w, num_stages=st, transposed=False)
              for bn, w, st in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (128, 4, 2), (32, 8, 2),
                                (64, 8, 2), (128, 8, 2))],

@@ -31,16 +31,18 @@ from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
 from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
                           interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
-                     _packed_config, _wide_config, choose_num_splits)
+                     _packed_config, _wide_config, choose_num_splits, wide_group_program)
 from .launch import needs_wide
 from .tiles import reduce_splits_kernel
 
 
 def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
-                 cfg: KernelConfig, layout, rotary_dim: int, num_splits: int, bsz: int):
-    """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
-    for the grid kernel (same pointers, tables and split-K buffers)."""
-    from .decode_wide import wide_decode_kernel
+                 cfg: KernelConfig, group: bool, rotary_dim: int, num_splits: int, bsz: int):
+    """Launch the wide-group kernel with the arguments prepared for the grid
+    kernel (same pointers, tables and split-K buffers): one program per head
+    group (:func:`.decode_wide.wide_group_decode_kernel`) when ``group``, else
+    one per KV head (:func:`.decode_wide.wide_decode_kernel`)."""
+    from .decode_wide import wide_decode_kernel, wide_group_decode_kernel
 
     sh = plan.shape
     half, rest = rotary_dim // 2, sh.head_dim - rotary_dim
@@ -51,10 +53,16 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     rc = min(max(rc, k_qg), prep.rk_max_pad)
     (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
      weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
-    wide_decode_kernel[(num_splits, sh.num_kv_heads, bsz)](
+    if group:
+        kernel, grid = wide_group_decode_kernel, (num_splits, ng, bsz)
+        heads = dict(HG_PAD=pow2(plan.group_size * sh.queries_per_kv))
+    else:
+        kernel, grid = wide_decode_kernel, (num_splits, sh.num_kv_heads, bsz)
+        heads = dict(Q_PAD=pow2(sh.queries_per_kv))
+    kernel[grid](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
-        G=plan.group_size, QPK=sh.queries_per_kv, Q_PAD=pow2(sh.queries_per_kv),
+        G=plan.group_size, QPK=sh.queries_per_kv, **heads,
         HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,
         RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
         PAGE=common["PAGE"], DT=common["DT"], QUANT=common["QUANT"],
@@ -423,6 +431,12 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         dflt = _wide_config(plan, prep, device)
     else:
         dflt = _default_config(plan, prep, mode, device, quant)
+    group = wide and (cfg.group_program if cfg.group_program is not None else
+                      wide_group_program(bsz, plan.num_groups,
+                                         pow2(plan.group_size * sh.queries_per_kv),
+                                         max(c[1] for c in prep.classes)))
+    if group and device.type == "cuda":  # larger tiles spill (H100 sweep: 64 is 3-4x slower)
+        dflt = dict(dflt, block_n=min(dflt["block_n"], 32))
     block_n = cfg.block_n or dflt["block_n"]
     num_warps = cfg.num_warps or dflt["num_warps"]
     num_stages = cfg.num_stages or dflt["num_stages"]
@@ -453,8 +467,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             eff_len = min(max_seq_len, int(window) + block_n) if use_window else max_seq_len
             if use_span:
                 eff_len = max(1, min(eff_len, max_seq_len - sink - recent))
-            units = sh.num_kv_heads if wide else ng // gpp  # programs per split
-            num_splits = choose_num_splits(bsz, units, eff_len, block_n, n_sm, pps)
+            units = sh.num_kv_heads if wide and not group else ng // gpp
+            num_splits = choose_num_splits(bsz, units, eff_len, block_n, n_sm, pps,
+                                           256 if wide and group else 64)
     num_splits = int(num_splits)
     split = num_splits > 1
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -548,7 +563,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         layout.k_share_offset if chan else 0, sum(plan.k_ranks),
     )
     if wide:
-        _launch_wide(plan, prep, args, common, dflt, cfg, layout, rotary_dim, num_splits, bsz)
+        _launch_wide(plan, prep, args, common, dflt, cfg, group, rotary_dim, num_splits, bsz)
     elif schedule is None:
         decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:

@@ -208,3 +208,168 @@ def wide_decode_kernel(
             lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
                              float("-inf"))
             tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n, mask=hm)
+
+
+@triton.jit
+def wide_group_decode_kernel(
+    n_splits,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
+    G: tl.constexpr, QPK: tl.constexpr, HG_PAD: tl.constexpr,
+    HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
+    CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
+    SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
+    WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
+):
+    """Grid ``(n_splits, num_groups, B)``: split ``s`` of sequence ``b`` for head
+    group ``g``, its ``G`` KV heads rebuilt one after the other per tile (the rank
+    in chunks of ``RC``), the scores of all ``G * QPK`` query heads in one
+    ``[HG_PAD, BLOCK_N]`` tile (each head's query rows masked to its KV head's
+    keys), one softmax and one value product ``P @ C_v`` for the whole group:
+    the value latents are read and dequantized once per tile, not once per KV
+    head. Arguments as :func:`wide_decode_kernel`."""
+    s = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2)
+    k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
+                                         BLOCK_N, WINDOW, SPAN)
+
+    HG: tl.constexpr = G * QPK
+    h = tl.arange(0, HG_PAD)
+    hm = h < HG
+    head_kv = tl.where(hm, h // QPK, -1)  # KV head (in the group) of each query row
+    qrow = q_ptr + b.to(tl.int64) * s_qb + (g * HG + h).to(tl.int64) * s_qh
+    p = tl.arange(0, H1)
+    pvalid = p < HALF
+    src1 = tl.load(maps_ptr + 0 * CW + p, mask=pvalid, other=0)
+    src2 = tl.load(maps_ptr + 1 * CW + p, mask=pvalid, other=0)
+    pair = tl.load(maps_ptr + 6 * CW + p, mask=pvalid, other=0)
+    qm = hm[:, None] & pvalid[None, :]
+    q1 = tl.load(qrow[:, None] + src1[None, :], mask=qm, other=0.0).to(DT)  # [HG_PAD, H1]
+    q2 = tl.load(qrow[:, None] + src2[None, :], mask=qm, other=0.0).to(DT)
+    if H3 > 0:
+        e = tl.arange(0, H3)
+        evalid = e < REST
+        src3 = tl.load(maps_ptr + 2 * CW + e, mask=evalid, other=-1)
+        q3 = tl.load(qrow[:, None] + src3[None, :], mask=hm[:, None] & evalid[None, :],
+                     other=0.0).to(DT)
+    else:
+        e = p
+        evalid = pvalid
+        src3 = src1
+        q3 = q1
+    wg = w_ptr + g.to(tl.int64) * s_wg
+    rr = tl.arange(0, RC)
+    if K_BIAS or K_NORM:
+        inv_hd = 1.0 / head_dim.to(tl.float32)
+        zero_h = p * 0
+        nw1 = q1.to(tl.float32)
+        nw2 = nw1
+        nw3 = nw1
+        if K_NORM:
+            nw1 = tl.load(kn_ptr + src1, mask=pvalid, other=0.0)
+            nw2 = tl.load(kn_ptr + src2, mask=pvalid, other=0.0)
+            if H3 > 0:
+                nw3 = tl.load(kn_ptr + src3, mask=evalid, other=0.0)
+
+    i = tl.arange(0, BLOCK_N)
+    m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([HG_PAD], 0.0, tl.float32)
+    acc = tl.full([HG_PAD, RV_PAD], 0.0, tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for t in range(t_lo, t_hi):
+        p0 = first + t * BLOCK_N
+        pos = p0 + i
+        valid = pos < end  # rows from the end on are never loaded (null blocks)
+        last = tl.minimum(p0 + BLOCK_N, end) - 1
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        rm = valid[:, None] & pvalid[None, :]
+        ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
+        si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
+        sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
+        for jj in tl.static_range(G):
+            c1 = jj * HALF + p
+            c3 = jj * REST + e
+            k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
+            k2 = k1
+            if H3 > 0:
+                k3 = tl.full([BLOCK_N, H3], 0.0, tl.float32)
+            else:
+                k3 = k1  # no unrotated rest: a placeholder
+            for rc in range(0, rk, RC):
+                if K_CHAN:
+                    ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
+                                           k_off + (rc * K_BITS) // 8, rk - rc,
+                                           (k_off * 8) // K_BITS + rc, s_tok, share_off,
+                                           rk_total, DT, K_BITS, RC, KCT, SHARE, BLOCK_N, PAGE)
+                else:
+                    if QUANT:
+                        coff = k_off + (rc * K_BITS) // 8
+                        par = kpar
+                        if K_QG > 0:
+                            par = kpar + rc // K_QG
+                    else:
+                        coff = k_off + rc
+                        par = kpar
+                    ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par,
+                                           k_scale_off, k_zero_off, DT, QUANT, K_BITS, RC, K_QG,
+                                           ALIGNED, 1, False)
+                wrow = wg + (rc + rr)[:, None] * CW
+                w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
+                w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
+                k1 = tl.dot(ck, w1, k1)
+                k2 = tl.dot(ck, w2, k2)
+                if H3 > 0:
+                    w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :],
+                                 other=0.0)
+                    k3 = tl.dot(ck, w3, k3)
+            if K_BIAS or K_NORM:
+                kb1, kb2, kb3 = key_bias(kb_ptr, g * G + jj, head_dim, src1, src2, src3, zero_h,
+                                         e * 0, pvalid, 1, H3, K_BIAS)
+                k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, zero_h,
+                                            e * 0, inv_hd, norm_eps, H3, 1, K_BIAS, K_NORM)
+            kr1 = (k1 * ci - k2 * si).to(DT)
+            kr2 = (k2 * ci + k1 * si).to(DT)
+            mine = (head_kv == jj)[:, None]  # this KV head's query rows
+            sc = tl.dot(tl.where(mine, q1, tl.zeros_like(q1)), tl.trans(kr1), sc)
+            sc = tl.dot(tl.where(mine, q2, tl.zeros_like(q2)), tl.trans(kr2), sc)
+            if H3 > 0:
+                sc = tl.dot(tl.where(mine, q3, tl.zeros_like(q3)), tl.trans(k3.to(DT)), sc)
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
+        cv, _, _ = load_latent(cache_ptr, row, valid, v_off, rv, vpar, v_scale_off,
+                               v_zero_off, DT, QUANT, V_BITS, RV_PAD, V_QG, ALIGNED, 1, False)
+        acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    c = tl.arange(0, RV_PAD)
+    cols = ocol + h[:, None] * rv + c[None, :]
+    om = hm[:, None] & (c[None, :] < rv)
+    heads = g * HG + h
+    if SPLIT:
+        bs = b.to(tl.int64) * n_splits + s
+        tl.store(po_ptr + bs * out_width + cols, o, mask=om)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + bs * num_heads + heads, lse, mask=hm)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om)
+        if LSE:
+            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n, mask=hm)

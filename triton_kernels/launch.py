@@ -28,6 +28,7 @@ class KernelConfig:
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
     wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
     rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
+    group_program: bool | None = None  # wide kernel: one program per head group
     packed: bool | None = None  # post-RoPE per-token packed kernel (.decode_packed)
 
 
@@ -160,6 +161,25 @@ def _packed_config(device) -> dict:
         else (16, 4, 1, 2)
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 transposed=False, programs_per_sm=per_sm)
+
+
+WIDE_GROUP_MIN_PROGRAMS = 4
+"""Fewest ``B x num_groups`` per split for which the wide kernel runs one program
+per head group (:func:`.decode_wide.wide_group_decode_kernel`) instead of one
+per KV head. H100, Llama-3-8B shape, per-channel 4-bit keys, 4-bit values
+(``benchmarks/decode_attention.py --settings recommended --settings-sweep``):
+at 16 x 32k the group program is 1.40x (``4x`` preset, value rank 512) and 2.10x
+(the ``8x`` allocation) faster; at 1 x 32k it is 0.81x / 1.03x (one sequence
+leaves a program a few tiles per split: its prologue, the query of all the
+group's heads, no longer pays off)."""
+
+
+def wide_group_program(bsz: int, num_groups: int, hg_pad: int, rv_pad: int) -> bool:
+    """Whether the wide kernel runs one program per head group (see
+    :data:`WIDE_GROUP_MIN_PROGRAMS`): enough sequences, and a value accumulator
+    ``[hg_pad, rv_pad]`` of at most 16 K float32 (value ranks up to 512 at 32
+    query heads per group; larger ones spill)."""
+    return bsz * num_groups >= WIDE_GROUP_MIN_PROGRAMS and hg_pad * rv_pad <= 16 * 1024
 
 
 def _wide_config(plan, prep: Prepared, device) -> dict:

@@ -890,6 +890,8 @@ def test_span_errors():
 # Wide head groups (decode_wide): one program per KV head, the rank in chunks
 # ---------------------------------------------------------------------------------
 WIDE = dec.KernelConfig(wide=True)
+WIDE_GRIDS = {"per-kv-head": dec.KernelConfig(wide=True, group_program=False),
+              "per-group": dec.KernelConfig(wide=True, group_program=True)}
 
 
 def latent_cache(plan, nblk, page, g, bits, qgroup=None):
@@ -914,17 +916,19 @@ def latent_cache(plan, nblk, page, g, bits, qgroup=None):
     (4, (64,), (48,), True, 32, 2, (4, 8), 16),        # a scale pair per 16 channels
     (2, (48, 24), (24, 48), True, 32, 2, (4, 8), 24),  # groups of 24: one rank chunk
 ])
-def test_wide(group_size, kr, vr, neox, rot, splits, bits, qgroup):
-    """The wide-group kernel against the float64 reference: every grouping,
-    uneven ranks, every code width and scale grouping, several rank chunks
-    (16 channels each under the interpreter)."""
+@pytest.mark.parametrize("grid", list(WIDE_GRIDS))
+def test_wide(group_size, kr, vr, neox, rot, splits, bits, qgroup, grid):
+    """The wide-group kernel (one program per KV head, and per head group)
+    against the float64 reference: every grouping, uneven ranks, every code
+    width and scale grouping, several rank chunks (16 channels each under the
+    interpreter)."""
     plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
                                                        v_ranks=vr, seed=31)
     rope = make_rope(rot, neox=neox)
     cache, layout, kd, vd = latent_cache(plan, nblk, page, g, bits, qgroup)
     q = torch.randn(len(lens), 8, 32, generator=g)
     out = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens,
-              num_splits=splits, layout=layout, config=WIDE)
+              num_splits=splits, layout=layout, config=WIDE_GRIDS[grid])
     ref = reference(plan, k_up, rope, 32 ** -0.5, q, gather(kd, bt, lens, page),
                     gather(vd, bt, lens, page), lens)
     assert rel_err(out, ref) < TOL32
@@ -934,12 +938,13 @@ def test_wide(group_size, kr, vr, neox, rot, splits, bits, qgroup):
     (True, True, None, 16, True, 2),    # bias + QK-norm over the rotary halves and the rest
     (False, True, 20, 32, False, 3),    # QK-norm, gptj, window (NaN before it)
 ])
-def test_wide_transform_window(bias, norm, window, rot, neox, splits):
+@pytest.mark.parametrize("grid", list(WIDE_GRIDS))
+def test_wide_transform_window(bias, norm, window, rot, neox, splits, grid):
     plan, k_up, lens, bt, nblk, page, g, rope, rows, q, kl, vl = window_problem(
         2, rot, neox, 37, window)
     tf = make_transform(plan, g, bias, norm)
     out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
-              transform=tf, window=window, config=WIDE)
+              transform=tf, window=window, config=WIDE_GRIDS[grid])
     ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf, window=window)
     assert rel_err(out, ref) < TOL32
 
@@ -949,7 +954,8 @@ def test_wide_transform_window(bias, norm, window, rot, neox, splits):
     (16, 64, 90, (4, 4), 1),    # packed, window, empty spans, LSE from the kernel
 ])
 @pytest.mark.filterwarnings("error::RuntimeWarning")
-def test_wide_span(sink, recent, window, bits, splits):
+@pytest.mark.parametrize("grid", list(WIDE_GRIDS))
+def test_wide_span(sink, recent, window, bits, splits, grid):
     """Token-adaptive latent span and its log-sum-exp (NaN outside the span)."""
     plan, k_up, lens, bt, nblk, page, g, layout, cache, kl, vl = tale_problem(
         "uneven", bits, 47, sink, recent, window)
@@ -957,7 +963,7 @@ def test_wide_span(sink, recent, window, bits, splits):
     q = torch.randn(len(lens), 8, 32, generator=g)
     out, lse = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens,
                    num_splits=splits, layout=layout, window=window, sink=sink, recent=recent,
-                   return_lse=True, config=WIDE)
+                   return_lse=True, config=WIDE_GRIDS[grid])
     keep = in_span(sink, recent, window)
     ref, ref_lse = span_reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, keep)
     assert rel_err(out, ref) < TOL32
@@ -1116,8 +1122,8 @@ def test_decode_path_choice(monkeypatch, caplog):
     q = torch.zeros(1, 8, 32, device=DEV)
     cache = torch.zeros(1, 1, 16, plan.k_width + plan.v_width, device=DEV)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
-    warm = (plan, layer.k_up, rope, 1.0, q, cache, torch.zeros(1, 1, dtype=torch.int32,
-                                                               device=DEV), one, 1024)
+    warm = [(plan, layer.k_up, rope, 1.0, q, cache, torch.zeros(1, 1, dtype=torch.int32,
+                                                                device=DEV), one, 1024)]
     candidates = [("cuda", "fast"), ("triton", "general")]
     if ON_GPU:
         candidates = [("cuda-missing", "fast"), ("triton", "general")]  # a backend that raises

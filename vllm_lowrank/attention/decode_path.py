@@ -28,6 +28,7 @@ metadata builder whether decode steps may be captured in CUDA graphs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import NamedTuple
@@ -83,10 +84,12 @@ def fused_supports(layout) -> bool:
 def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
                block_size: int, max_model_len: int, kw: dict) -> float:
     """Disagreement of a fused kernel with the torch path on this layer's real
-    factors and a random cache: two sequences (one spanning three blocks past
-    the exact sink and recent tokens, one of five tokens), shuffled blocks,
-    latents ~ N(0, 1) (packed by the layer's layout), queries ~ N(0, 1) in
-    ``dtype``.
+    factors and a random cache: four sequences (two spanning three blocks past
+    the exact sink and recent tokens, two of at most five tokens), shuffled
+    blocks, latents ~ N(0, 1) (packed by the layer's layout), queries ~ N(0, 1)
+    in ``dtype``; the kernel attends the first two alone and all four (the
+    wide-group kernel runs one program per KV head for the first batch and one
+    per head group for the second: :func:`~vllm_lowrank.triton_kernels.launch.wide_group_program`).
 
     Args:
         layer: The :class:`~vllm_lowrank.attention.layer.LatentAttention`.
@@ -107,14 +110,14 @@ def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
     sink, recent = kw["sink"], kw["recent"]
     span = sink > 0 or recent > 0
     n1 = min(max_model_len, sink + recent + 2 * block_size + 3)
-    lens = [n1, min(n1, 5)]
+    lens = [n1, min(n1, 5), max(1, n1 - 2), min(n1, 3)]
     g = torch.Generator().manual_seed(0)
     per = [math.ceil(n / block_size) for n in lens]
     num_blocks = sum(per) + 1
     order = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(2, max(per), dtype=torch.int32)
-    table[0, :per[0]] = order[:per[0]]
-    table[1, :per[1]] = order[per[0]:per[0] + per[1]]
+    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
+    for r, start in enumerate(itertools.accumulate([0] + per[:-1])):
+        table[r, :per[r]] = order[start:start + per[r]]
     lat = torch.randn(num_blocks * block_size, plan.k_width + plan.v_width, generator=g)
     if layout is None:
         rows = lat.to(dtype)
@@ -123,26 +126,29 @@ def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
     cache = rows.view(num_blocks, 1, block_size, -1).to(device)
     post_rope = kw["mode"] == "post_rope"
     width = max(plan.k_ranks) if post_rope else plan.shape.head_dim
-    q = torch.randn(2, plan.shape.num_heads, width, generator=g).to(device, dtype)
+    q = torch.randn(len(lens), plan.shape.num_heads, width, generator=g).to(device, dtype)
     table, seq = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
     rope = layer.rope_table(device)
     scale = plan.shape.head_dim ** -0.5
-    got = fused_decode()(plan, layer.k_up, rope, scale, q, cache, table, seq, n1,
-                         backend=backend, return_lse=span, **kw)
     ref = ops.decode_attention(plan, layer.k_up, rope, scale, q.float(), cache, table, seq,
                                n1, post_rope=post_rope, layout=layout,
                                transform=kw["transform"], window=kw["window"],
                                min_seq_len=min(lens), sink=sink, recent=recent,
                                return_lse=span)
-    if not span:
-        got, ref = (got, None), (ref, None)
-    err = ((got[0] - ref[0].float()).norm() / ref[0].float().norm().clamp_min(1e-30)).item()
-    if span:
-        fin = torch.isfinite(ref[1])
-        if not torch.equal(fin, torch.isfinite(got[1])):
-            return math.inf
-        if fin.any():
-            err = max(err, (got[1][fin] - ref[1][fin]).abs().max().item())
+    ref = ref if span else (ref, None)
+    err = 0.0
+    for n in (2, len(lens)):
+        got = fused_decode()(plan, layer.k_up, rope, scale, q[:n], cache, table[:n], seq[:n],
+                             n1, backend=backend, return_lse=span, **kw)
+        got = got if span else (got, None)
+        want = ref[0][:n].float()
+        err = max(err, ((got[0] - want).norm() / want.norm().clamp_min(1e-30)).item())
+        if span:
+            fin = torch.isfinite(ref[1][:n])
+            if not torch.equal(fin, torch.isfinite(got[1])):
+                return math.inf
+            if fin.any():
+                err = max(err, (got[1][fin] - ref[1][:n][fin]).abs().max().item())
     return err if math.isfinite(err) else math.inf
 
 
@@ -201,25 +207,31 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     candidates = [("triton", f"{kernel}; outside the CUDA kernel's scope: {why}")]
     if why is None:
         candidates = [("cuda", "in the CUDA kernel's scope"), ("triton", kernel)]
-    warm = (plan, layer.k_up, rope, 1.0, q, cache, table, one, max_model_len)
+    # batches of 1 and 4 one-token rows: both grids of the wide-group kernel
+    warm = [(plan, layer.k_up, rope, 1.0, q.expand(n, -1, -1).contiguous(), cache,
+             table.expand(n, -1).contiguous(), one.expand(n).contiguous(), max_model_len)
+            for n in (1, 4)]
     return first_agreeing(layer, candidates, dtype, device, block_size, max_model_len, kw,
                           warm)
 
 
 def first_agreeing(layer, candidates, dtype: torch.dtype, device: torch.device,
-                   block_size: int, max_model_len: int, kw: dict, warm: tuple) -> DecodePath:
+                   block_size: int, max_model_len: int, kw: dict, warm: list) -> DecodePath:
     """The first of ``candidates`` (``[(backend, reason)]``, ``"cuda"`` or
     ``"triton"``) that runs, passes :func:`self_check` and then runs the warm-up
-    call ``fused_decode()(*warm, ...)`` (the launch a CUDA graph captures, with
-    the split of ``max_model_len``: compiled and its tables built now, before
-    any capture); else the torch path, logged as a warning with every
-    candidate's reason for refusal. Logs the choice (:func:`_logged`)."""
+    calls ``fused_decode()(*args, ...)`` for each ``args`` of ``warm`` (the
+    launches a CUDA graph captures, with the split of ``max_model_len``: compiled
+    and their tables built now, before any capture); else the torch path, logged
+    as a warning with every candidate's reason for refusal. Logs the choice
+    (:func:`_logged`)."""
     refused = []
     for name, reason in candidates:
         try:
             err = self_check(layer, name, dtype, device, block_size, max_model_len, kw)
             if err <= SELF_CHECK_TOL:
-                fused_decode()(*warm, backend=name, return_lse=layer.exact is not None, **kw)
+                for args in warm:
+                    fused_decode()(*args, backend=name, return_lse=layer.exact is not None,
+                                   **kw)
         except Exception as exc:  # noqa: BLE001 (compilation, resources: not served)
             first_line = (str(exc).splitlines() or [""])[0][:200]
             refused.append(f"{name}: {type(exc).__name__}: {first_line}")
