@@ -74,6 +74,8 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
         "ours", {**TALE, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, "exact_bits": 8}),
     "latent 0.7, K4 per channel, V4, sink 32 + recent 128 int8": (
         "ours", {**TALE, "rank_fraction": 0.7, "k_bits": 4, "v_bits": 4, "exact_bits": 8}),
+    "latent 0.5, K4 per channel, V4, sink 32 + recent 128 int8": (
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4, "exact_bits": 8}),
     "latent 0.5, K2 per channel, V4, sink 32 + recent 128": (
         "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 2, "v_bits": 4}),
     "latent 0.5, K4 per channel, V2, sink 32 + recent 128": (

@@ -24,6 +24,13 @@ or not). Pre-RoPE decode of wide groups costs ``2 r G d`` multiply-adds per
 token and group whatever the kernel (benchmarks/README.md, "GPU serving inside
 vLLM"), so wide groups are compute-bound on a GPU in any case.
 
+:func:`wide_group_decode_kernel` runs the same math with one program per head
+group instead of per KV head: the group's KV heads are rebuilt one after the
+other into one score tile of all its query heads, and the value latents are
+read and multiplied once per tile (not once per KV head), with all the group's
+query heads as the rows of one dot. It needs enough sequences to fill the GPU
+(:func:`.launch.wide_group_program` decides).
+
 Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
 one scale/zero pair per row and group or per power-of-two channel group
 (:func:`.tiles.load_latent`), and per-channel keys (KIVI: scale/zero per
