@@ -923,7 +923,7 @@ value bits)`` of its one head group of 3 KV heads x 64 channels (192 per side).
 RECOMMENDED = (
     ("2x (default)", {"preset": "2x"}, None),
     ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),
-    ("lossless (3.73x)", {"preset": "lossless"}, None),
+    ("lossless (4.04x)", {"preset": "lossless"}, None),
     ("4x (5.18x)", {"preset": "4x"}, None),
     ("8x (8.45x allocation)", {"preset": "8x"}, ALLOC_8X_SMOLLM2),
     ("G=1 0.75 K4c/V4 TALE (3.62x)", {"preset": "lossless", "head_group_size": 1}, None),
@@ -1102,6 +1102,15 @@ def sequence_ratio(cfg, plan, layout, length):
     return length * 2 * 2 * KV_HEADS * HEAD_DIM / stored
 
 
+def selected_settings(only=None):
+    """``(label, config, layers)`` (:func:`recommended_layers`) of each
+    :data:`RECOMMENDED` setting whose label contains one of ``only`` (all
+    when ``None``)."""
+    for label, raw, profile in RECOMMENDED:
+        if not only or any(o in label for o in only):
+            yield (label, *recommended_layers(raw, profile))
+
+
 def settings_rows(rope, shapes, sdpa, only=None, check=(2, 4096)):
     """One row per recommended setting and shape: the median time of one
     layer's decode attention (layers of an allocation: the mean over its
@@ -1111,10 +1120,7 @@ def settings_rows(rope, shapes, sdpa, only=None, check=(2, 4096)):
     one of these strings."""
     lines = [f"{'setting':>30} {'kernel':>6} {'shape':>7} {'ratio':>6} {'us':>9} "
              f"{'x sdpa':>6} {'rel':>8}"]
-    for label, raw, profile in RECOMMENDED:
-        if only and not any(o in label for o in only):
-            continue
-        cfg, layers = recommended_layers(raw, profile)
+    for label, cfg, layers in selected_settings(only):
         rel = 0.0
         kernels = set()
         for plan, layout, _ in layers:
@@ -1173,10 +1179,7 @@ def settings_sweep(rope, shapes, sdpa, only=None):
     torch path at 2 x 4k (a variant that a compiler miscompiles shows there)."""
     lines = [f"{'setting':>30} {'shape':>7} {'variant':>28} {'us':>9} {'x sdpa':>6} "
              f"{'rel':>8}"]
-    for label, raw, profile in RECOMMENDED:
-        if only and not any(o in label for o in only):
-            continue
-        cfg, layers = recommended_layers(raw, profile)
+    for label, cfg, layers in selected_settings(only):
         plan, layout, _ = max(layers, key=lambda x: x[2])
         small = setting_problem(cfg, plan, layout, 2, 4096, "cuda")
         ref_fn, ref = setting_call(cfg, plan, layout, rope, small, torch_path=True)

@@ -38,11 +38,10 @@ from .tiles import reduce_splits_kernel
 
 def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
                  cfg: KernelConfig, group: bool, rotary_dim: int, num_splits: int, bsz: int):
-    """Launch the wide-group kernel with the arguments prepared for the grid
-    kernel (same pointers, tables and split-K buffers): one program per head
-    group (:func:`.decode_wide.wide_group_decode_kernel`) when ``group``, else
-    one per KV head (:func:`.decode_wide.wide_decode_kernel`)."""
-    from .decode_wide import wide_decode_kernel, wide_group_decode_kernel
+    """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
+    for the grid kernel (same pointers, tables and split-K buffers): one program
+    per head group when ``group``, else one per KV head."""
+    from .decode_wide import wide_decode_kernel
 
     sh = plan.shape
     half, rest = rotary_dim // 2, sh.head_dim - rotary_dim
@@ -53,16 +52,12 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     rc = min(max(rc, k_qg), prep.rk_max_pad)
     (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
      weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
-    if group:
-        kernel, grid = wide_group_decode_kernel, (num_splits, ng, bsz)
-        heads = dict(HG_PAD=pow2(plan.group_size * sh.queries_per_kv))
-    else:
-        kernel, grid = wide_decode_kernel, (num_splits, sh.num_kv_heads, bsz)
-        heads = dict(Q_PAD=pow2(sh.queries_per_kv))
-    kernel[grid](
+    hpp = plan.group_size if group else 1  # KV heads per program
+    wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
-        G=plan.group_size, QPK=sh.queries_per_kv, **heads,
+        G=plan.group_size, HPP=hpp, QPK=sh.queries_per_kv,
+        HG_PAD=pow2(hpp * sh.queries_per_kv),
         HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,
         RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
         PAGE=common["PAGE"], DT=common["DT"], QUANT=common["QUANT"],

@@ -5,7 +5,8 @@ section ``pad(r_k) x pad(G * rotary_dim / 2)``) in one program for the whole
 context. Past :data:`.launch.TRITON_MAX_KEY_TILE` elements that no longer fits
 in shared memory: the default J-LRD grouping of Llama-3-8B (8 KV heads of 128,
 one group) at ratio 0.5 has rank 512, i.e. 512 x 512 per section. This kernel
-splits such a group across programs, one per KV head, and its rank across a
+splits such a group across programs, one per KV head (or, with enough
+sequences to fill the GPU, one per head group: ``HPP``), and its rank across a
 loop. Per sequence ``b``, KV head ``j`` (``jj``-th of head group ``g``) and
 context tile of ``BLOCK_N`` positions ``t``::
 
@@ -24,12 +25,10 @@ or not). Pre-RoPE decode of wide groups costs ``2 r G d`` multiply-adds per
 token and group whatever the kernel (benchmarks/README.md, "GPU serving inside
 vLLM"), so wide groups are compute-bound on a GPU in any case.
 
-:func:`wide_group_decode_kernel` runs the same math with one program per head
-group instead of per KV head: the group's KV heads are rebuilt one after the
-other into one score tile of all its query heads, and the value latents are
-read and multiplied once per tile (not once per KV head), with all the group's
-query heads as the rows of one dot. It needs enough sequences to fill the GPU
-(:func:`.launch.wide_group_program` decides).
+With ``HPP = G`` a program rebuilds its group's KV heads one after the other
+into one score tile of all the group's query heads and reads and multiplies
+the value latents once per tile instead of once per KV head
+(:func:`.launch.wide_group_program` decides when).
 
 Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
 one scale/zero pair per row and group or per power-of-two channel group
@@ -60,7 +59,7 @@ def wide_decode_kernel(
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
     kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-    G: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr,
+    G: tl.constexpr, HPP: tl.constexpr, QPK: tl.constexpr, HG_PAD: tl.constexpr,
     HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
     CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
@@ -70,192 +69,37 @@ def wide_decode_kernel(
     WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
 ):
-    """Grid ``(n_splits, num_kv_heads, B)``: split ``s`` of sequence ``b`` for KV
-    head ``j``. ``w_ptr``: :func:`.decode_prep.pack_key_weights` (``[num_groups, 3,
-    pad(r_k), CW]``, head ``jj``'s rotary columns at ``jj * HALF ..``, its rest at
-    ``jj * REST ..``); ``maps_ptr``/``gt_ptr``: :class:`.decode_prep.Prepared`'s maps
-    and group table. ``HALF``/``REST``: rotary half and unrotated rest of one
-    head (``H1``/``H3`` their power-of-two pads, ``H3 = 0`` without a rest);
-    ``RC``: rank chunk (a multiple of ``K_QG`` when that is > 0). ``K_CHAN``:
-    per-channel keys over groups of ``KCT`` positions, parameters in ``SHARE``
-    bytes per slot from ``share_off`` (:func:`.tiles.load_channel_keys`;
-    ``rk_total``: key channels of the layer)."""
+    """Grid ``(n_splits, num_kv_heads / HPP, B)``: split ``s`` of sequence ``b``
+    for ``HPP`` KV heads (1, or ``G``: a whole head group), rebuilt one after the
+    other per tile (the rank in chunks of ``RC``) into one ``[HG_PAD, BLOCK_N]``
+    score tile of their ``HPP * QPK`` query heads (with ``HPP > 1`` each KV
+    head's query rows masked to its keys), then one softmax and one value
+    product ``P @ C_v``. ``w_ptr``: :func:`.decode_prep.pack_key_weights`
+    (``[num_groups, 3, pad(r_k), CW]``, head ``jj``'s rotary columns at ``jj *
+    HALF ..``, its rest at ``jj * REST ..``); ``maps_ptr``/``gt_ptr``:
+    :class:`.decode_prep.Prepared`'s maps and group table. ``HALF``/``REST``:
+    rotary half and unrotated rest of one head (``H1``/``H3`` their power-of-two
+    pads, ``H3 = 0`` without a rest); ``RC``: rank chunk (a multiple of ``K_QG``
+    when that is > 0). ``K_CHAN``: per-channel keys over groups of ``KCT``
+    positions, parameters in ``SHARE`` bytes per slot from ``share_off``
+    (:func:`.tiles.load_channel_keys`; ``rk_total``: key channels of the
+    layer)."""
     s = tl.program_id(0)
-    j = tl.program_id(1)
+    kv0 = tl.program_id(1) * HPP  # first KV head of the program
     b = tl.program_id(2)
-    g = j // G
-    jj = j % G
+    g = kv0 // G
+    jj0 = kv0 % G  # its index in head group g
     k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
 
     seq_len = tl.load(seq_lens_ptr + b)
     first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
                                          BLOCK_N, WINDOW, SPAN)
 
-    # The KV head's query heads and their (permuted) rotary / rest dimensions.
-    hq = tl.arange(0, Q_PAD)
-    hm = hq < QPK
-    qrow = q_ptr + b.to(tl.int64) * s_qb + (j * QPK + hq).to(tl.int64) * s_qh
-    p = tl.arange(0, H1)
-    pvalid = p < HALF
-    src1 = tl.load(maps_ptr + 0 * CW + p, mask=pvalid, other=0)
-    src2 = tl.load(maps_ptr + 1 * CW + p, mask=pvalid, other=0)
-    pair = tl.load(maps_ptr + 6 * CW + p, mask=pvalid, other=0)
-    qm = hm[:, None] & pvalid[None, :]
-    q1 = tl.load(qrow[:, None] + src1[None, :], mask=qm, other=0.0).to(DT)  # [Q_PAD, H1]
-    q2 = tl.load(qrow[:, None] + src2[None, :], mask=qm, other=0.0).to(DT)
-    if H3 > 0:
-        e = tl.arange(0, H3)
-        evalid = e < REST
-        src3 = tl.load(maps_ptr + 2 * CW + e, mask=evalid, other=-1)
-        q3 = tl.load(qrow[:, None] + src3[None, :], mask=hm[:, None] & evalid[None, :],
-                     other=0.0).to(DT)
-    else:
-        e = p
-        evalid = pvalid
-        src3 = src1
-        q3 = q1
-    wg = w_ptr + g.to(tl.int64) * s_wg
-    rr = tl.arange(0, RC)
-    c1 = jj * HALF + p
-    c3 = jj * REST + e
-    if K_BIAS or K_NORM:
-        inv_hd = 1.0 / head_dim.to(tl.float32)
-        zero_h = p * 0
-        kb1, kb2, kb3 = key_bias(kb_ptr, j, head_dim, src1, src2, src3, zero_h, e * 0,
-                                 pvalid, 1, H3, K_BIAS)
-        nw1 = kb1
-        nw2 = kb1
-        nw3 = kb3
-        if K_NORM:
-            nw1 = tl.load(kn_ptr + src1, mask=pvalid, other=0.0)
-            nw2 = tl.load(kn_ptr + src2, mask=pvalid, other=0.0)
-            if H3 > 0:
-                nw3 = tl.load(kn_ptr + src3, mask=evalid, other=0.0)
-
-    i = tl.arange(0, BLOCK_N)
-    m_i = tl.full([Q_PAD], float("-inf"), tl.float32)
-    l_i = tl.full([Q_PAD], 0.0, tl.float32)
-    acc = tl.full([Q_PAD, RV_PAD], 0.0, tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    for t in range(t_lo, t_hi):
-        p0 = first + t * BLOCK_N
-        pos = p0 + i
-        valid = pos < end  # rows from the end on are never loaded (null blocks)
-        last = tl.minimum(p0 + BLOCK_N, end) - 1
-        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
-        k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
-        k2 = k1
-        if H3 > 0:
-            k3 = tl.full([BLOCK_N, H3], 0.0, tl.float32)
-        else:
-            k3 = k1  # no unrotated rest: a placeholder
-        for rc in range(0, rk, RC):
-            if K_CHAN:
-                ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
-                                       k_off + (rc * K_BITS) // 8, rk - rc,
-                                       (k_off * 8) // K_BITS + rc, s_tok, share_off, rk_total,
-                                       DT, K_BITS, RC, KCT, SHARE, BLOCK_N, PAGE)
-            else:
-                if QUANT:
-                    coff = k_off + (rc * K_BITS) // 8
-                    par = kpar
-                    if K_QG > 0:
-                        par = kpar + rc // K_QG
-                else:
-                    coff = k_off + rc
-                    par = kpar
-                ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par, k_scale_off,
-                                       k_zero_off, DT, QUANT, K_BITS, RC, K_QG, ALIGNED, 1,
-                                       False)
-            wrow = wg + (rc + rr)[:, None] * CW
-            w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
-            w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
-            k1 = tl.dot(ck, w1, k1)
-            k2 = tl.dot(ck, w2, k2)
-            if H3 > 0:
-                w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :], other=0.0)
-                k3 = tl.dot(ck, w3, k3)
-        if K_BIAS or K_NORM:
-            k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, zero_h,
-                                        e * 0, inv_hd, norm_eps, H3, 1, K_BIAS, K_NORM)
-        rm = valid[:, None] & pvalid[None, :]
-        ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
-        si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
-        kr1 = (k1 * ci - k2 * si).to(DT)
-        kr2 = (k2 * ci + k1 * si).to(DT)
-        sc = tl.dot(q1, tl.trans(kr1))
-        sc = tl.dot(q2, tl.trans(kr2), sc)  # [Q_PAD, BLOCK_N]
-        if H3 > 0:
-            sc = tl.dot(q3, tl.trans(k3.to(DT)), sc)
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
-        cv, _, _ = load_latent(cache_ptr, row, valid, v_off, rv, vpar, v_scale_off,
-                               v_zero_off, DT, QUANT, V_BITS, RV_PAD, V_QG, ALIGNED, 1, False)
-        acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
-        m_i = m_new
-
-    has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    c = tl.arange(0, RV_PAD)
-    cols = ocol + (jj * QPK + hq)[:, None] * rv + c[None, :]
-    om = hm[:, None] & (c[None, :] < rv)
-    heads = j * QPK + hq
-    if SPLIT:
-        bs = b.to(tl.int64) * n_splits + s
-        tl.store(po_ptr + bs * out_width + cols, o, mask=om)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(plse_ptr + bs * num_heads + heads, lse, mask=hm)
-    else:
-        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om)
-        if LSE:
-            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                             float("-inf"))
-            tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n, mask=hm)
-
-
-@triton.jit
-def wide_group_decode_kernel(
-    n_splits,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-    G: tl.constexpr, QPK: tl.constexpr, HG_PAD: tl.constexpr,
-    HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
-    CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
-    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
-    SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
-    WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
-):
-    """Grid ``(n_splits, num_groups, B)``: split ``s`` of sequence ``b`` for head
-    group ``g``, its ``G`` KV heads rebuilt one after the other per tile (the rank
-    in chunks of ``RC``), the scores of all ``G * QPK`` query heads in one
-    ``[HG_PAD, BLOCK_N]`` tile (each head's query rows masked to its KV head's
-    keys), one softmax and one value product ``P @ C_v`` for the whole group:
-    the value latents are read and dequantized once per tile, not once per KV
-    head. Arguments as :func:`wide_decode_kernel`."""
-    s = tl.program_id(0)
-    g = tl.program_id(1)
-    b = tl.program_id(2)
-    k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
-
-    seq_len = tl.load(seq_lens_ptr + b)
-    first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
-                                         BLOCK_N, WINDOW, SPAN)
-
-    HG: tl.constexpr = G * QPK
+    HG: tl.constexpr = HPP * QPK
     h = tl.arange(0, HG_PAD)
     hm = h < HG
-    head_kv = tl.where(hm, h // QPK, -1)  # KV head (in the group) of each query row
-    qrow = q_ptr + b.to(tl.int64) * s_qb + (g * HG + h).to(tl.int64) * s_qh
+    head_kv = tl.where(hm, h // QPK, -1)  # KV head (in the program) of each query row
+    qrow = q_ptr + b.to(tl.int64) * s_qb + (kv0 * QPK + h).to(tl.int64) * s_qh
     p = tl.arange(0, H1)
     pvalid = p < HALF
     src1 = tl.load(maps_ptr + 0 * CW + p, mask=pvalid, other=0)
@@ -305,7 +149,8 @@ def wide_group_decode_kernel(
         ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
         si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
         sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        for jj in tl.static_range(G):
+        for u in tl.static_range(HPP):
+            jj = jj0 + u
             c1 = jj * HALF + p
             c3 = jj * REST + e
             k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
@@ -342,17 +187,25 @@ def wide_group_decode_kernel(
                                  other=0.0)
                     k3 = tl.dot(ck, w3, k3)
             if K_BIAS or K_NORM:
-                kb1, kb2, kb3 = key_bias(kb_ptr, g * G + jj, head_dim, src1, src2, src3, zero_h,
+                kb1, kb2, kb3 = key_bias(kb_ptr, kv0 + u, head_dim, src1, src2, src3, zero_h,
                                          e * 0, pvalid, 1, H3, K_BIAS)
                 k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, zero_h,
                                             e * 0, inv_hd, norm_eps, H3, 1, K_BIAS, K_NORM)
             kr1 = (k1 * ci - k2 * si).to(DT)
             kr2 = (k2 * ci + k1 * si).to(DT)
-            mine = (head_kv == jj)[:, None]  # this KV head's query rows
-            sc = tl.dot(tl.where(mine, q1, tl.zeros_like(q1)), tl.trans(kr1), sc)
-            sc = tl.dot(tl.where(mine, q2, tl.zeros_like(q2)), tl.trans(kr2), sc)
+            if HPP == 1:
+                qa = q1
+                qb = q2
+                qc = q3
+            else:  # this KV head's query rows only
+                mine = (head_kv == u)[:, None]
+                qa = tl.where(mine, q1, tl.zeros_like(q1))
+                qb = tl.where(mine, q2, tl.zeros_like(q2))
+                qc = tl.where(mine, q3, tl.zeros_like(q3))
+            sc = tl.dot(qa, tl.trans(kr1), sc)
+            sc = tl.dot(qb, tl.trans(kr2), sc)
             if H3 > 0:
-                sc = tl.dot(tl.where(mine, q3, tl.zeros_like(q3)), tl.trans(k3.to(DT)), sc)
+                sc = tl.dot(qc, tl.trans(k3.to(DT)), sc)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         alpha = tl.exp2(m_i - m_new)
@@ -366,9 +219,9 @@ def wide_group_decode_kernel(
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     c = tl.arange(0, RV_PAD)
-    cols = ocol + h[:, None] * rv + c[None, :]
+    cols = ocol + (jj0 * QPK + h)[:, None] * rv + c[None, :]
     om = hm[:, None] & (c[None, :] < rv)
-    heads = g * HG + h
+    heads = kv0 * QPK + h
     if SPLIT:
         bs = b.to(tl.int64) * n_splits + s
         tl.store(po_ptr + bs * out_width + cols, o, mask=om)

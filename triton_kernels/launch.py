@@ -165,8 +165,8 @@ def _packed_config(device) -> dict:
 
 WIDE_GROUP_MIN_PROGRAMS = 4
 """Fewest ``B x num_groups`` per split for which the wide kernel runs one program
-per head group (:func:`.decode_wide.wide_group_decode_kernel`) instead of one
-per KV head. H100, Llama-3-8B shape, per-channel 4-bit keys, 4-bit values
+per head group (:func:`.decode_wide.wide_decode_kernel` with ``HPP = G``) instead
+of one per KV head. H100, Llama-3-8B shape, per-channel 4-bit keys, 4-bit values
 (``benchmarks/decode_attention.py --settings recommended --settings-sweep``):
 at 16 x 32k the group program is 1.40x (``4x`` preset, value rank 512) and 2.10x
 (the ``8x`` allocation) faster; at 1 x 32k it is 0.81x / 1.03x (one sequence
