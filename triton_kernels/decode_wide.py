@@ -124,9 +124,9 @@ def wide_decode_kernel(
     if K_BIAS or K_NORM:
         inv_hd = 1.0 / head_dim.to(tl.float32)
         zero_h = p * 0
-        nw1 = q1.to(tl.float32)
+        nw1 = src1 * 0.0  # bias without a norm: unused placeholders of the norm's shapes
         nw2 = nw1
-        nw3 = nw1
+        nw3 = src3 * 0.0
         if K_NORM:
             nw1 = tl.load(kn_ptr + src1, mask=pvalid, other=0.0)
             nw2 = tl.load(kn_ptr + src2, mask=pvalid, other=0.0)
