@@ -67,6 +67,8 @@ def _bootstrap():
 
 _bootstrap()
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from allocations import ALLOC_8X_SMOLLM2, scale_rank  # noqa: E402
 from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
@@ -907,19 +909,6 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
 # ---------------------------------------------------------------------------------
 # The recommended settings (issue 20's acceptance table)
 # ---------------------------------------------------------------------------------
-ALLOC_8X_SMOLLM2 = (
-    (32, 32, 4, 8), (16, 88, 3, 4), (32, 96, 3, 3), (8, 88, 4, 4), (16, 88, 3, 4),
-    (16, 88, 3, 4), (16, 88, 3, 4), (24, 72, 4, 4), (32, 72, 3, 4), (32, 72, 3, 4),
-    (32, 96, 3, 3), (32, 96, 3, 3), (32, 96, 3, 3), (32, 96, 3, 3), (40, 64, 4, 3),
-    (40, 64, 4, 3), (32, 80, 4, 3), (40, 64, 4, 3), (48, 48, 4, 3), (40, 64, 4, 3),
-    (40, 64, 4, 3), (48, 48, 4, 3), (40, 64, 4, 3), (32, 80, 4, 3), (40, 64, 4, 3),
-    (64, 48, 3, 3), (48, 88, 4, 2), (32, 96, 3, 3), (40, 64, 4, 3), (40, 64, 4, 3))
-"""The ``8x`` preset's allocation on SmolLM2-135M-Instruct (what it allocates on
-first start from the default ``fisher`` artifact, block size 32; manifest
-``ranks.layers`` / ``ranks.bits``): per layer ``(key rank, value rank, key bits,
-value bits)`` of its one head group of 3 KV heads x 64 channels (192 per side).
-:func:`recommended_layers` scales the ranks to 8 KV heads x 128."""
-
 RECOMMENDED = (
     ("2x (default)", {"preset": "2x"}, None),
     ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),
@@ -956,9 +945,9 @@ def recommended_layers(raw, profile):
         r = int(round(cfg.rank_fraction * gs * HEAD_DIM))
         ranks, bits = [((r,) * n, (r,) * n)], None
     else:
-        def scale(r):
-            return max(8, 8 * round(r * KV_HEADS * HEAD_DIM / 192 / 8))
-        ranks = [((scale(kr),) * n, (scale(vr),) * n) for kr, vr, _, _ in profile]
+        w = KV_HEADS * HEAD_DIM
+        ranks = [((scale_rank(kr, w),) * n, (scale_rank(vr, w),) * n)
+                 for kr, vr, _, _ in profile]
         bits = [(kb, vb) for _, _, kb, vb in profile]
     layouts = slot_layouts(cfg, ranks, bits, one_page=cfg.token_adaptive or None) \
         or [None] * len(ranks)

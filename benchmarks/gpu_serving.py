@@ -33,6 +33,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allocations import alloc_8x_ranks  # noqa: E402
+
 CONFIGS = {
     "stock": {},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
@@ -61,6 +64,14 @@ CONFIGS = {
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
     "preset-lossless": {"compression": {"preset": "lossless"}},
+    # the 8x preset's recipe with its SmolLM2 allocation's ranks stretched to 32
+    # layers of 1,024 channels (allocations.py), 4-bit where it allocated 3 or 2
+    # bits (a config cannot give bits per layer): about 7x at 4k
+    "alloc-8x": {"compression": {"k_bits": 4, "v_bits": 4, "token_adaptive": True,
+                                 "sink_tokens": 32, "recent_tokens": 256, "k_quant": "channel",
+                                 "k_channel_tokens": 32, "exact_bits": 8,
+                                 "ranks": alloc_8x_ranks(32, 1024)},
+                 "block_size": 32},  # what the preset sets (32-token key groups)
     # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
     # keys on the grid kernel
     "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},
@@ -117,6 +128,8 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
     )
     if kv_bytes:
         kw["kv_cache_memory_bytes"] = kv_bytes
+    if "block_size" in spec:
+        kw["block_size"] = spec["block_size"]
     if "kv_cache_dtype" in spec:
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     if "compression" in spec:
@@ -240,7 +253,9 @@ def run_one(args) -> list[dict]:
     if args.mode == "shapes":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         max_len = max(length for _, length in shapes) + args.decode_tokens + 16
+        t0 = time.perf_counter()
         llm = _engine(args, name, max_len, max(b for b, _ in shapes), None)
+        base["startup_s"] = round(time.perf_counter() - t0, 1)
         base["kv_tokens"] = _capacity(llm)
         base.update(_paths(llm))
         _timed(llm, _prompts(2, 64, 99), 4)  # warm-up: compiles, graphs
@@ -261,7 +276,9 @@ def run_one(args) -> list[dict]:
     else:
         kv_bytes = int(args.equal_memory * 2**30)
         per_seq = args.load_len + args.load_out
+        t0 = time.perf_counter()
         llm = _engine(args, name, per_seq + 16, args.max_num_seqs, kv_bytes)
+        base["startup_s"] = round(time.perf_counter() - t0, 1)
         cap = _capacity(llm)
         _timed(llm, _prompts(2, 64, 99), 4)
         t = _timed(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
@@ -299,6 +316,8 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
     p.add_argument("--json", default=None)
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="write each engine's stdout and stderr to DIR/<config>-<mode>.log")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile 8 decode steps at the last shape; kernel tables "
                         "written to DIR/<config>.txt")
@@ -330,22 +349,29 @@ def main() -> None:
             try:
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True,
                                      timeout=args.timeout)
-                out = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
+                stdout, stderr = res.stdout, res.stderr
+                out = [line for line in stdout.splitlines() if line.startswith("ROWS ")]
                 if out:
                     got = json.loads(out[-1][5:])
                 else:
-                    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+                    tail = (stderr or stdout).strip().splitlines()[-3:]
                     got = [dict(config=name, error=" / ".join(tail)[-400:])]
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:
+                stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                                  for x in (exc.stdout, exc.stderr))
                 got = [dict(config=name, error=f"timeout after {args.timeout} s")]
+            if args.log_dir:
+                os.makedirs(args.log_dir, exist_ok=True)
+                with open(os.path.join(args.log_dir, f"{name}-{mode}.log"), "w") as f:
+                    f.write(stdout + "\n--- stderr ---\n" + stderr)
             for r in got:
                 r["mode"] = mode
                 r["engine_s"] = round(time.time() - t0, 1)
             rows += got
             print(json.dumps(got), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if args.json:  # after every engine: a later timeout keeps the rows so far
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     shape_rows = [r for r in rows if r["mode"] == "shapes"]
     if shape_rows:
         stock = {(r.get("batch"), r.get("context")): r for r in shape_rows
@@ -355,8 +381,8 @@ def main() -> None:
             if ref and "decode_ms" in r:
                 r["decode_vs_stock"] = round(r["decode_ms"] / ref["decode_ms"], 2)
                 r["prefill_vs_stock"] = round(r["prefill_s"] / ref["prefill_s"], 2)
-        print(_table(shape_rows, ["config", "path", "graphs", "batch", "context", "kv_tokens",
-                                  "prefill_s",
+        print(_table(shape_rows, ["config", "path", "graphs", "startup_s", "batch", "context",
+                                  "kv_tokens", "prefill_s",
                                   "prefill_vs_stock", "decode_ms", "decode_vs_stock",
                                   "error"]))
     load_rows = [r for r in rows if r["mode"] == "load"]
@@ -366,7 +392,8 @@ def main() -> None:
             if ref and "out_tok_s" in r:
                 r["tok_s_vs_stock"] = round(r["out_tok_s"] / ref["out_tok_s"], 2)
                 r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
-        print(_table(load_rows, ["config", "kv_gib", "kv_tokens", "fit_seqs", "fit_vs_stock",
+        print(_table(load_rows, ["config", "startup_s", "kv_gib", "kv_tokens", "fit_seqs",
+                                 "fit_vs_stock",
                                  "out_tok_s", "tok_s_vs_stock", "wall_s", "error"]))
 
 

@@ -66,7 +66,8 @@ def _pack_store(x_ptr, row_ptr, ch_off, q, code_off, scale_off, zero_off,
     tl.store(row_ptr + zero_off + two, ((zb >> (two * 8)) & 0xFF).to(tl.uint8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("s_kt", "s_vt", "n_k", "n_groups", "z0_lo", "z0_hi", "z1_lo",
+                               "z1_hi"))
 def cache_write_kernel(
     k_ptr, s_kt, v_ptr, s_vt, slot_ptr, cache_ptr, s_blk, s_tok, tab_ptr,
     n_k, n_groups, z0_lo, z0_hi, z1_lo, z1_hi,
@@ -77,7 +78,9 @@ def cache_write_kernel(
     first ``n_k`` are the key side's). ``tab_ptr``: ``[n_groups, 5]`` int32 rows
     ``(channel offset in its side's row, channels, code byte offset, scale byte
     offset, zero byte offset)``. Program ``n_groups`` zeroes the byte ranges
-    ``[z0_lo, z0_hi)`` and ``[z1_lo, z1_hi)`` of the slot."""
+    ``[z0_lo, z0_hi)`` and ``[z1_lo, z1_hi)`` of the slot. The widths and
+    offsets that differ between layers are not specialized on (one compile per
+    bit width and page, not per layer)."""
     t = tl.program_id(0)
     i = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -55,17 +55,17 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     hpp = plan.group_size if group else 1  # KV heads per program
     wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
-        weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args,
+        weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args, common["SHARE"],
         G=plan.group_size, HPP=hpp, QPK=sh.queries_per_kv,
         HG_PAD=pow2(hpp * sh.queries_per_kv),
         HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,
-        RC=rc, RV_PAD=max(c[1] for c in prep.classes), BLOCK_N=common["BLOCK_N"],
+        RC=rc, RV_PAD=prep.rv_max_pad, BLOCK_N=common["BLOCK_N"],
         PAGE=common["PAGE"], DT=common["DT"], QUANT=common["QUANT"],
         K_BITS=common["K_BITS"], V_BITS=common["V_BITS"], K_QG=k_qg, V_QG=common["V_QG"],
         ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
         K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
         LSE=common["LSE"], K_CHAN=common["K_CHAN"], KCT=common["KCT"],
-        SHARE=common["SHARE"], num_warps=common["num_warps"],
+        num_warps=common["num_warps"],
         num_stages=common["num_stages"])
 
 
@@ -429,7 +429,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     group = wide and (cfg.group_program if cfg.group_program is not None else
                       wide_group_program(bsz, plan.num_groups,
                                          pow2(plan.group_size * sh.queries_per_kv),
-                                         max(c[1] for c in prep.classes)))
+                                         prep.rv_max_pad))
     if group and device.type == "cuda":  # larger tiles spill (H100 sweep: 64 is 3-4x slower)
         dflt = dict(dflt, block_n=min(dflt["block_n"], 32))
     block_n = cfg.block_n or dflt["block_n"]

@@ -459,8 +459,8 @@ def _attend_chunk(
         if K_CHAN:  # per-channel keys (one head group per program)
             last = tl.minimum(p0 + BLOCK_N, end) - 1
             ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last, k_off,
-                                   rk, (k_off * 8) // K_BITS, s_tok, share_off, rk_total, DT,
-                                   K_BITS, RK_PAD, KCT, SHARE, BLOCK_N, PAGE)
+                                   rk, (k_off * 8) // K_BITS, s_tok, share_off, rk_total, SHARE,
+                                   DT, K_BITS, RK_PAD, KCT, BLOCK_N, PAGE)
             ks0 = 0.0
             kz0 = 0.0
         else:

@@ -53,7 +53,8 @@ class Prepared:
     c1: int
     c3: int
     cw: int
-    rk_max_pad: int
+    rk_max_pad: int  # largest padded key rank (RK_PAD) of the classes
+    rv_max_pad: int  # largest padded value rank (RV_PAD): the wide kernel's value tile
     offsets: list  # host copy of the groups' K and V offsets (elements or bytes)
 
 
@@ -166,6 +167,7 @@ def prepare(plan, layout, rotary_dim: int, neox: bool, device) -> Prepared:
         group_class=gcls,
         c1=c1, c3=c3, cw=cw,
         rk_max_pad=max(c[0] for c in classes),
+        rv_max_pad=max(c[1] for c in classes),
         offsets=list(k_offs) + list(v_offs),
     )
     cache_put(PREP_CACHE, key, prep)

@@ -51,14 +51,24 @@ from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, max_c
                     group_row, split_tiles, transform_keys)
 
 
-@triton.jit
+PER_LAYER_ARGS = ("k_scale_off", "k_zero_off", "v_scale_off", "v_zero_off", "share_off",
+                  "rk_total", "share")
+"""Runtime arguments that differ between the layers of one model when ranks
+differ per layer (a byte-budget allocation): not specialized on (Triton would
+otherwise compile one variant per divisibility pattern, dozens of minutes-long
+compiles at start-up for the ``8x`` preset's 32 layers). The slot and block
+strides keep their alignment hints (a few values per model: the code loads'
+vector width depends on them)."""
+
+
+@triton.jit(do_not_specialize=PER_LAYER_ARGS)
 def wide_decode_kernel(
     n_splits,
     q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
     w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
+    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total, share,
     G: tl.constexpr, HPP: tl.constexpr, QPK: tl.constexpr, HG_PAD: tl.constexpr,
     HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
     CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
@@ -67,7 +77,7 @@ def wide_decode_kernel(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
     WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr,
 ):
     """Grid ``(n_splits, num_kv_heads / HPP, B)``: split ``s`` of sequence ``b``
     for ``HPP`` KV heads (1, or ``G``: a whole head group), rebuilt one after the
@@ -81,7 +91,7 @@ def wide_decode_kernel(
     rotary half and unrotated rest of one head (``H1``/``H3`` their power-of-two
     pads, ``H3 = 0`` without a rest); ``RC``: rank chunk (a multiple of ``K_QG``
     when that is > 0). ``K_CHAN``: per-channel keys over groups of ``KCT``
-    positions, parameters in ``SHARE`` bytes per slot from ``share_off``
+    positions, parameters in ``share`` bytes per slot from ``share_off``
     (:func:`.tiles.load_channel_keys`; ``rk_total``: key channels of the
     layer)."""
     s = tl.program_id(0)
@@ -164,7 +174,8 @@ def wide_decode_kernel(
                     ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
                                            k_off + (rc * K_BITS) // 8, rk - rc,
                                            (k_off * 8) // K_BITS + rc, s_tok, share_off,
-                                           rk_total, DT, K_BITS, RC, KCT, SHARE, BLOCK_N, PAGE)
+                                           rk_total, share, DT, K_BITS, RC, KCT, BLOCK_N,
+                                           PAGE)
                 else:
                     if QUANT:
                         coff = k_off + (rc * K_BITS) // 8

@@ -124,7 +124,7 @@ def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dic
                     transposed=False, programs_per_sm=2, groups_per_program=1)
     stages = 2 if quant else 3
     pair_ok = 2 * hg <= 16 and _gpp_ok(plan, prep, 2)
-    if pair_ok and prep.rk_max_pad <= 64 and max(c[1] for c in prep.classes) <= 64:
+    if pair_ok and prep.rk_max_pad <= 64 and prep.rv_max_pad <= 64:
         # Two head groups share one score tile (8 real query heads of 16).
         if mode == "pre_rope":
             return dict(block_n=64, num_warps=4, num_stages=stages, transposed=False,
@@ -189,7 +189,7 @@ def _wide_config(plan, prep: Prepared, device) -> dict:
     group size, one chunk of the padded rank). On an H100 at G = 8, rank 512
     the launch sweep put ``BLOCK_N`` 32, 4 warps, chunk 64 first (1.2-1.3x the
     ``BLOCK_N`` 64 launch; benchmarks/README.md, "GPU serving inside vLLM")."""
-    rv_pad = max(c[1] for c in prep.classes)
+    rv_pad = prep.rv_max_pad
     if device.type != "cuda":  # interpreter: small tiles, several rank chunks
         return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
                     programs_per_sm=1, rank_chunk=16)

@@ -216,24 +216,24 @@ def split_tiles(seq_len, s, n_splits, window, sink, recent, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _share_half(cache_ptr, base, o, s_tok, share_off, SHARE: tl.constexpr, mask):
+def _share_half(cache_ptr, base, o, s_tok, share_off, share, mask):
     """float16 at bytes ``o, o + 1`` [PAD] of a token group's parameter stream
     (``base``: byte offset of the group's first slot), as float32 [PAD]: stream
-    byte ``o`` is byte ``share_off + o % SHARE`` of the group's slot ``o //
-    SHARE`` (read byte by byte: an odd ``SHARE`` splits a float16 over two
-    slots)."""
-    lo = tl.load(cache_ptr + base + (o // SHARE).to(tl.int64) * s_tok + share_off + o % SHARE,
+    byte ``o`` is byte ``share_off + o % share`` of the group's slot ``o //
+    share`` (read byte by byte: an odd ``share`` splits a float16 over two
+    slots). ``share`` may be a runtime value or a constexpr."""
+    lo = tl.load(cache_ptr + base + (o // share).to(tl.int64) * s_tok + share_off + o % share,
                  mask=mask, other=0).to(tl.int32)
     o1 = o + 1
-    hi = tl.load(cache_ptr + base + (o1 // SHARE).to(tl.int64) * s_tok + share_off + o1 % SHARE,
+    hi = tl.load(cache_ptr + base + (o1 // share).to(tl.int64) * s_tok + share_off + o1 % share,
                  mask=mask, other=0).to(tl.int32)
     return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def load_channel_keys(cache_ptr, row_off, pos, valid, bt_row, s_blk, p0, last, code_off, r,
-                      ch0, s_tok, share_off, rk_total, DT: tl.constexpr, BITS: tl.constexpr,
-                      PAD: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
+                      ch0, s_tok, share_off, rk_total, share, DT: tl.constexpr,
+                      BITS: tl.constexpr, PAD: tl.constexpr, KCT: tl.constexpr,
                       BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Per-channel quantized key latents (KIVI sec. 3.2; the layout of
     :class:`vllm_lowrank.format.latent.SlotLayout` with ``k_channel_tokens``):
@@ -246,7 +246,8 @@ def load_channel_keys(cache_ptr, row_off, pos, valid, bt_row, s_blk, p0, last, c
     the slot); scale and zero are per channel and per aligned group of ``KCT``
     positions (inside one KV block: ``KCT`` divides ``PAGE``), stored as the
     group's stream ``[scales (rk_total) | zeros (rk_total)]`` float16 spread over
-    its ``KCT`` slots, ``SHARE`` bytes each from ``share_off``: channel ``c``'s
+    its ``KCT`` slots, ``share`` bytes each from ``share_off`` (runtime or
+    constexpr): channel ``c``'s
     scale is stream bytes ``2c, 2c + 1``, its zero ``2 (rk_total + c)``, ``+ 1``.
     The tile's rows fall in at most ``ceil(BLOCK_N / KCT) + 1`` groups: each
     group's ``[PAD]`` parameters are loaded once (its first slot found through
@@ -269,9 +270,9 @@ def load_channel_keys(cache_ptr, row_off, pos, valid, bt_row, s_blk, p0, last, c
         base = blk * s_blk + (gp % PAGE).to(tl.int64) * s_tok
         m = cm & (c * 0 + gp <= last)  # (a vector compare: the interpreter's masks)
         hit = (gi == j)[:, None]
-        sc = tl.where(hit, _share_half(cache_ptr, base, o_s, s_tok, share_off, SHARE, m)[None, :],
+        sc = tl.where(hit, _share_half(cache_ptr, base, o_s, s_tok, share_off, share, m)[None, :],
                       sc)
-        ze = tl.where(hit, _share_half(cache_ptr, base, o_z, s_tok, share_off, SHARE, m)[None, :],
+        ze = tl.where(hit, _share_half(cache_ptr, base, o_z, s_tok, share_off, share, m)[None, :],
                       ze)
     return (codes * sc + ze).to(DT)
 

@@ -471,3 +471,26 @@ def test_channel_keys_serving_shape_bf16(group_size, ratio):
     """Per-channel 4-bit keys (32-token groups) and 4-bit values at serving
     shapes, default launch parameters, split-K."""
     assert wide_case("cuda", group_size, ratio, (4, 4), [4000, 1, 777, 2500], kct=32) < 1e-2
+
+
+def _compiled_variants(fn) -> int:
+    """Compiled specializations of a Triton kernel over all devices
+    (``JITFunction.device_caches``: ``(kernel_cache, ...)`` per device)."""
+    return sum(len(caches[0]) for caches in fn.device_caches.values())
+
+
+def test_wide_kernel_compiles_once_for_layers_of_different_ranks():
+    """Layers that differ only in their ranks (a byte-budget allocation: the
+    ``8x`` preset) reuse one compiled wide kernel: the per-layer offsets and
+    per-channel parameter bytes are runtime arguments, not specializations
+    (``decode_wide.PER_LAYER_ARGS``). Ranks 512 and 384 at 4 bits with
+    per-channel keys share the value tile (``RV_PAD`` 512), the slot strides'
+    divisibility and alignment; they differ in the parameter bytes per slot
+    (64 and 48), which compiled a second variant before."""
+    from vllm_lowrank.triton_kernels.decode_wide import wide_decode_kernel
+
+    lens = [4000, 1, 777, 2500]
+    assert wide_case("cuda", 8, 0.5, (4, 4), lens, kct=32) < 1e-2
+    before = _compiled_variants(wide_decode_kernel)
+    assert wide_case("cuda", 8, 384 / 1024, (4, 4), lens, kct=32) < 1e-2
+    assert _compiled_variants(wide_decode_kernel) == before
