@@ -26,10 +26,13 @@ request holds and vLLM reserves (sink + recent + chunk tokens), which keeps
 the capacity gain under vLLM's default 8,192-token step budget. 128 rather than
 256: 31-33 % more KV capacity for the ``lossless`` and ``4x`` presets and 1.5-1.8x
 the concurrent sequences in the CPU load test (more preemptions, wall time within
-its run-to-run spread); on a GPU, where token-adaptive prefill runs one request
-and chunk at a time, 1.67x the prefill time of 16 x 4k prompts (benchmarks/README.md,
-"The presets under load"). A request alone in the scheduler still prefills in
-whole-budget chunks."""
+its run-to-run spread); on a GPU, 1.67x the prefill time of 16 x 4k prompts when
+prefill ran one request at a time (benchmarks/README.md, "The presets under load").
+Prefill is now batched across requests, but every chunk still rebuilds its
+request's latent history, so prefill work grows as context^2 / chunk: 6.7x stock's
+prefill time at 8 x 32k for the ``8x`` allocation on an H100 (benchmarks/README.md,
+"the ``8x`` allocation inside vLLM"). A request alone in the scheduler still
+prefills in whole-budget chunks."""
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
