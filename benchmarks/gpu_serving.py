@@ -36,6 +36,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allocations import alloc_8x_ranks  # noqa: E402
 
+from vllm_lowrank.presets import PRESETS  # noqa: E402
+
 CONFIGS = {
     "stock": {},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
@@ -64,14 +66,12 @@ CONFIGS = {
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
     "preset-lossless": {"compression": {"preset": "lossless"}},
-    # the 8x preset's recipe with its SmolLM2 allocation's ranks stretched to 32
-    # layers of 1,024 channels (allocations.py), 4-bit where it allocated 3 or 2
-    # bits (a config cannot give bits per layer): about 7x at 4k
-    "alloc-8x": {"compression": {"k_bits": 4, "v_bits": 4, "token_adaptive": True,
-                                 "sink_tokens": 32, "recent_tokens": 256, "k_quant": "channel",
-                                 "k_channel_tokens": 32, "exact_bits": 8,
-                                 "ranks": alloc_8x_ranks(32, 1024)},
-                 "block_size": 32},  # what the preset sets (32-token key groups)
+    # the 8x preset's settings (without its allocation, which needs calibration
+    # text) with its SmolLM2 allocation's ranks stretched to 32 layers of 1,024
+    # channels (allocations.py), 4-bit where it allocated 3 or 2 bits (a config
+    # cannot give bits per layer); the preset's block size
+    "alloc-8x": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024)},
+                 "block_size": PRESETS["8x"].block_size},
     # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
     # keys on the grid kernel
     "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},
