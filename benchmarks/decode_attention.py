@@ -1147,12 +1147,13 @@ def settings_rows(rope, shapes, sdpa, only=None, check=(2, 4096)):
 
 
 SETTINGS_SWEEP = {
-    "wide": [dict(block_n=bn, num_warps=w, num_stages=st, rank_chunk=rc, group_program=gp)
-             for bn, w, st, rc, gp in ((16, 4, 2, 64, False), (32, 4, 2, 64, True),
-                                       (16, 4, 2, 64, True), (64, 4, 2, 64, True),
-                                       (16, 8, 2, 64, True), (32, 8, 2, 64, True),
-                                       (64, 8, 2, 64, True), (32, 8, 3, 64, True),
-                                       (32, 8, 2, 32, True), (32, 4, 2, 32, True))],
+    "wide": [dict(block_n=bn, num_warps=w, num_stages=st, rank_chunk=rc, heads_per_program=hpp,
+                  chunk_outer=co)
+             for bn, w, st, rc, hpp, co in (
+                 (16, 4, 2, 64, 1, False), (32, 4, 2, 64, 8, False), (32, 4, 2, 64, 4, True),
+                 (32, 8, 2, 64, 4, True), (16, 4, 2, 64, 4, True), (16, 8, 2, 64, 4, True),
+                 (32, 4, 2, 32, 4, True), (32, 4, 1, 64, 4, True), (32, 4, 3, 64, 4, True),
+                 (32, 8, 2, 64, 8, True))],
     "grid": [dict(block_n=bn, num_warps=w, num_stages=st, transposed=False)
              for bn, w, st in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (128, 4, 2), (32, 8, 2),
                                (64, 8, 2), (128, 8, 2))],

@@ -190,9 +190,12 @@ def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
     return prefill_s, 1000 * statistics.median(steps[1:-1] or steps)
 
 
-def _profile(llm, prompts, path: str, steps: int = 8) -> None:
-    """Write the GPU kernels of ``steps`` decode steps (after the prefill of
-    ``prompts``) to ``path``, by self device time (CUDA graph replays
+def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
+             prefill_steps: int = 4) -> None:
+    """Write the GPU kernels of ``prefill_steps`` engine steps of the prefill of
+    ``prompts`` (after ``prefill_skip`` steps, so that a chunked prefill has
+    history; none when the prefill is over by then) and of ``steps`` decode
+    steps to ``path``: two tables by self device time (CUDA graph replays
     included: CUPTI records the kernels a graph launches)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -203,13 +206,28 @@ def _profile(llm, prompts, path: str, steps: int = 8) -> None:
     for p in prompts:
         engine.add_request(f"r{next(_REQ)}", p, sp)
     started: set = set()
-    while len(started) < len(prompts):
+
+    def prefill_step():
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids:
                 started.add(out.request_id)
+
+    for _ in range(prefill_skip):
+        if len(started) < len(prompts):
+            prefill_step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as pre:
+        for _ in range(prefill_steps):
+            if len(started) < len(prompts):
+                prefill_step()
+        torch.cuda.synchronize()
+    pre_s = time.perf_counter() - t0
+    while len(started) < len(prompts):
+        prefill_step()
     engine.step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as dec:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -217,10 +235,13 @@ def _profile(llm, prompts, path: str, steps: int = 8) -> None:
         engine.step()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        f.write(f"{len(prompts)} requests x {len(prompts[0]['prompt_token_ids'])} tokens, "
-                f"{steps} decode steps\n")
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
-                                          max_name_column_width=90))
+        head = f"{len(prompts)} requests x {len(prompts[0]['prompt_token_ids'])} tokens"
+        for what, prof in ((f"{head}, prefill steps {prefill_skip} .. "
+                            f"{prefill_skip + prefill_steps - 1} ({pre_s:.3f} s)", pre),
+                           (f"{head}, {steps} decode steps", dec)):
+            f.write(what + "\n")
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
+                                              max_name_column_width=90) + "\n")
 
 
 def _paths(llm) -> dict:
@@ -319,7 +340,7 @@ def main() -> None:
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write each engine's stdout and stderr to DIR/<config>-<mode>.log")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also profile 8 decode steps at the last shape; kernel tables "
+                   help="also profile 4 prefill and 8 decode steps at the last shape; kernel tables "
                         "written to DIR/<config>.txt")
     p.add_argument("--no-prebuild", action="store_true",
                    help="do not build the CUDA extension first (no config takes the cuda path)")

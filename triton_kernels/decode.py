@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 
 import torch
 import triton
@@ -31,16 +33,19 @@ from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
 from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
                           interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
-                     _packed_config, _wide_config, choose_num_splits, wide_group_program)
+                     _packed_config, _wide_config, choose_num_splits, wide_heads_per_program)
 from .launch import needs_wide
 from .tiles import reduce_splits_kernel
 
 
 def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
-                 cfg: KernelConfig, group: bool, rotary_dim: int, num_splits: int, bsz: int):
+                 cfg: KernelConfig, hpp: int, rotary_dim: int, num_splits: int, bsz: int):
     """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments prepared
-    for the grid kernel (same pointers, tables and split-K buffers): one program
-    per head group when ``group``, else one per KV head."""
+    for the grid kernel (same pointers, tables and split-K buffers): ``hpp`` KV
+    heads per program (:func:`.launch.wide_heads_per_program`), the rank-chunk
+    loop outside the KV-head loop when ``hpp > 1`` (each latent chunk
+    dequantized once per tile; ``KernelConfig.chunk_outer=False`` or QK-norm:
+    inside)."""
     from .decode_wide import wide_decode_kernel
 
     sh = plan.shape
@@ -52,7 +57,7 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     rc = min(max(rc, k_qg), prep.rk_max_pad)
     (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
      weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
-    hpp = plan.group_size if group else 1  # KV heads per program
+    chunk_outer = (cfg.chunk_outer is not False) and hpp > 1 and not common["K_NORM"]
     wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args, common["SHARE"],
@@ -65,7 +70,7 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
         ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
         K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
         LSE=common["LSE"], K_CHAN=common["K_CHAN"], KCT=common["KCT"],
-        num_warps=common["num_warps"],
+        CHUNK_OUTER=chunk_outer, num_warps=common["num_warps"],
         num_stages=common["num_stages"])
 
 
@@ -186,7 +191,7 @@ def _placeholder(device, dtype) -> torch.Tensor:
 
 TRITON_KERNELS = {
     "grid": "Triton kernel",
-    "wide": "wide-group Triton kernel (one program per KV head)",
+    "wide": "wide-group Triton kernel (the rank in chunks, 1 to 4 KV heads per program)",
     "packed": "packed post-RoPE Triton kernel (codes in the dots)",
 }
 """The Triton decode kernels, by the name :func:`triton_kernel` returns, with
@@ -426,11 +431,12 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         dflt = _wide_config(plan, prep, device)
     else:
         dflt = _default_config(plan, prep, mode, device, quant)
-    group = wide and (cfg.group_program if cfg.group_program is not None else
-                      wide_group_program(bsz, plan.num_groups,
-                                         pow2(plan.group_size * sh.queries_per_kv),
-                                         prep.rv_max_pad))
-    if group and device.type == "cuda":  # larger tiles spill (H100 sweep: 64 is 3-4x slower)
+    hpp = 1
+    if wide:
+        hpp = (math.gcd(cfg.heads_per_program, plan.group_size) if cfg.heads_per_program else
+               wide_heads_per_program(bsz, plan.num_groups, plan.group_size, sh.queries_per_kv,
+                                      prep.rv_max_pad))
+    if hpp > 1 and device.type == "cuda":  # larger tiles spill (H100 sweep: 64 is 3-4x slower)
         dflt = dict(dflt, block_n=min(dflt["block_n"], 32))
     block_n = cfg.block_n or dflt["block_n"]
     num_warps = cfg.num_warps or dflt["num_warps"]
@@ -462,9 +468,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             eff_len = min(max_seq_len, int(window) + block_n) if use_window else max_seq_len
             if use_span:
                 eff_len = max(1, min(eff_len, max_seq_len - sink - recent))
-            units = sh.num_kv_heads if wide and not group else ng // gpp
+            units = sh.num_kv_heads // hpp if wide else ng // gpp
             num_splits = choose_num_splits(bsz, units, eff_len, block_n, n_sm, pps,
-                                           256 if wide and group else 64)
+                                           256 if hpp > 1 else 64)
     num_splits = int(num_splits)
     split = num_splits > 1
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -558,7 +564,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         layout.k_share_offset if chan else 0, sum(plan.k_ranks),
     )
     if wide:
-        _launch_wide(plan, prep, args, common, dflt, cfg, group, rotary_dim, num_splits, bsz)
+        _launch_wide(plan, prep, args, common, dflt, cfg, hpp, rotary_dim, num_splits, bsz)
     elif schedule is None:
         decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:

@@ -6,7 +6,7 @@ context. Past :data:`.launch.TRITON_MAX_KEY_TILE` elements that no longer fits
 in shared memory: the default J-LRD grouping of Llama-3-8B (8 KV heads of 128,
 one group) at ratio 0.5 has rank 512, i.e. 512 x 512 per section. This kernel
 splits such a group across programs, one per KV head (or, with enough
-sequences to fill the GPU, one per head group: ``HPP``), and its rank across a
+sequences to fill the GPU, several: ``HPP``), and its rank across a
 loop. Per sequence ``b``, KV head ``j`` (``jj``-th of head group ``g``) and
 context tile of ``BLOCK_N`` positions ``t``::
 
@@ -25,10 +25,12 @@ or not). Pre-RoPE decode of wide groups costs ``2 r G d`` multiply-adds per
 token and group whatever the kernel (benchmarks/README.md, "GPU serving inside
 vLLM"), so wide groups are compute-bound on a GPU in any case.
 
-With ``HPP = G`` a program rebuilds its group's KV heads one after the other
-into one score tile of all the group's query heads and reads and multiplies
-the value latents once per tile instead of once per KV head
-(:func:`.launch.wide_group_program` decides when).
+With ``HPP > 1`` KV heads per program (up to the whole group) a program
+rebuilds its KV heads one after the other into one score tile of their query
+heads and reads and multiplies the value latents once per tile instead of once
+per KV head (:func:`.launch.wide_heads_per_program` decides how many); with
+``CHUNK_OUTER`` each rank chunk of the key latents is dequantized once per tile
+and multiplied by each of the ``HPP`` heads' weight chunks in turn.
 
 Caches: float (bf16/fp16/fp32) rows, or packed per-token 8/4/3/2-bit sides with
 one scale/zero pair per row and group or per power-of-two channel group
@@ -61,6 +63,60 @@ strides keep their alignment hints (a few values per model: the code loads'
 vector width depends on them)."""
 
 
+@triton.jit
+def _key_chunk(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last, k_off, kpar, rk, rc,
+               k_scale_off, k_zero_off, s_tok, share_off, rk_total, share, DT: tl.constexpr,
+               QUANT: tl.constexpr, K_BITS: tl.constexpr, RC: tl.constexpr,
+               K_QG: tl.constexpr, ALIGNED: tl.constexpr, K_CHAN: tl.constexpr,
+               KCT: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Key latent channels ``rc .. rc + RC - 1`` of a tile's rows, dequantized to
+    ``DT`` ``[BLOCK_N, RC]`` (0 past the rank ``rk``): per-channel keys
+    (:func:`.tiles.load_channel_keys`), packed per-token codes or float rows
+    (:func:`.tiles.load_latent`)."""
+    if K_CHAN:
+        ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
+                               k_off + (rc * K_BITS) // 8, rk - rc, (k_off * 8) // K_BITS + rc,
+                               s_tok, share_off, rk_total, share, DT, K_BITS, RC, KCT, BLOCK_N,
+                               PAGE)
+    else:
+        if QUANT:
+            coff = k_off + (rc * K_BITS) // 8
+            par = kpar
+            if K_QG > 0:
+                par = kpar + rc // K_QG
+        else:
+            coff = k_off + rc
+            par = kpar
+        ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par, k_scale_off,
+                               k_zero_off, DT, QUANT, K_BITS, RC, K_QG, ALIGNED, 1, False)
+    return ck
+
+
+@triton.jit
+def _score_head(sc, k1, k2, k3, ci, si, q1, q2, q3, head_kv, u, DT: tl.constexpr,
+                HPP: tl.constexpr, H3: tl.constexpr):
+    """``sc + q K^T`` for the program's ``u``-th KV head: its (partial) key
+    sections ``k1``/``k2`` [BLOCK_N, H1] float32 (the two members of each RoPE
+    pair) rotated by ``ci``/``si`` (Su et al. 2021, eq. 34), ``k3`` the unrotated rest;
+    with ``HPP > 1`` only that head's query rows of ``q*`` score."""
+    kr1 = (k1 * ci - k2 * si).to(DT)
+    kr2 = (k2 * ci + k1 * si).to(DT)
+    if HPP == 1:
+        qa = q1
+        qb = q2
+        qc = q3
+    else:  # this KV head's query rows only
+        mine = (head_kv == u)[:, None]
+        qa = tl.where(mine, q1, tl.zeros_like(q1))
+        qb = tl.where(mine, q2, tl.zeros_like(q2))
+        qc = tl.where(mine, q3, tl.zeros_like(q3))
+    sc = tl.dot(qa, tl.trans(kr1), sc)
+    sc = tl.dot(qb, tl.trans(kr2), sc)
+    if H3 > 0:
+        sc = tl.dot(qc, tl.trans(k3.to(DT)), sc)
+    return sc
+
+
 @triton.jit(do_not_specialize=PER_LAYER_ARGS)
 def wide_decode_kernel(
     n_splits,
@@ -77,10 +133,10 @@ def wide_decode_kernel(
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
     SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
     WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr, KCT: tl.constexpr,
+    K_CHAN: tl.constexpr, KCT: tl.constexpr, CHUNK_OUTER: tl.constexpr,
 ):
     """Grid ``(n_splits, num_kv_heads / HPP, B)``: split ``s`` of sequence ``b``
-    for ``HPP`` KV heads (1, or ``G``: a whole head group), rebuilt one after the
+    for ``HPP`` KV heads (a divisor of ``G``) of one head group, rebuilt one after the
     other per tile (the rank in chunks of ``RC``) into one ``[HG_PAD, BLOCK_N]``
     score tile of their ``HPP * QPK`` query heads (with ``HPP > 1`` each KV
     head's query rows masked to its keys), then one softmax and one value
@@ -159,64 +215,75 @@ def wide_decode_kernel(
         ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
         si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
         sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        for u in tl.static_range(HPP):
-            jj = jj0 + u
-            c1 = jj * HALF + p
-            c3 = jj * REST + e
-            k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
-            k2 = k1
-            if H3 > 0:
-                k3 = tl.full([BLOCK_N, H3], 0.0, tl.float32)
-            else:
-                k3 = k1  # no unrotated rest: a placeholder
+        if CHUNK_OUTER:
+            # each latent chunk loaded (dequantized) once per tile for the program's
+            # HPP KV heads; RoPE and the scores are linear in the key, so each
+            # chunk's partial keys are rotated and scored on their own (the bias
+            # too, once per tile; QK-norm needs whole keys: not here)
             for rc in range(0, rk, RC):
-                if K_CHAN:
-                    ck = load_channel_keys(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last,
-                                           k_off + (rc * K_BITS) // 8, rk - rc,
-                                           (k_off * 8) // K_BITS + rc, s_tok, share_off,
-                                           rk_total, share, DT, K_BITS, RC, KCT, BLOCK_N,
-                                           PAGE)
-                else:
-                    if QUANT:
-                        coff = k_off + (rc * K_BITS) // 8
-                        par = kpar
-                        if K_QG > 0:
-                            par = kpar + rc // K_QG
-                    else:
-                        coff = k_off + rc
-                        par = kpar
-                    ck, _, _ = load_latent(cache_ptr, row, valid, coff, rk - rc, par,
-                                           k_scale_off, k_zero_off, DT, QUANT, K_BITS, RC, K_QG,
-                                           ALIGNED, 1, False)
+                ck = _key_chunk(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last, k_off,
+                                kpar, rk, rc, k_scale_off, k_zero_off, s_tok, share_off,
+                                rk_total, share, DT, QUANT, K_BITS, RC, K_QG, ALIGNED,
+                                K_CHAN, KCT, BLOCK_N, PAGE)
                 wrow = wg + (rc + rr)[:, None] * CW
-                w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
-                w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
-                k1 = tl.dot(ck, w1, k1)
-                k2 = tl.dot(ck, w2, k2)
+                for u in tl.static_range(HPP):
+                    jj = jj0 + u
+                    c1 = jj * HALF + p
+                    w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
+                    w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
+                    k1 = tl.dot(ck, w1)
+                    k2 = tl.dot(ck, w2)
+                    if H3 > 0:
+                        c3 = jj * REST + e
+                        w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :],
+                                     other=0.0)
+                        k3 = tl.dot(ck, w3)
+                    else:
+                        k3 = k1
+                    sc = _score_head(sc, k1, k2, k3, ci, si, q1, q2, q3, head_kv, u, DT, HPP,
+                                     H3)
+            if K_BIAS:  # the bias as one more (constant) key part, rotated by position
+                for u in tl.static_range(HPP):
+                    kb1, kb2, kb3 = key_bias(kb_ptr, kv0 + u, head_dim, src1, src2, src3,
+                                             zero_h, e * 0, pvalid, 1, H3, K_BIAS)
+                    z1 = tl.zeros([BLOCK_N, H1], tl.float32)
+                    k3 = z1
+                    if H3 > 0:
+                        k3 = tl.zeros([BLOCK_N, H3], tl.float32) + kb3[None, :]
+                    sc = _score_head(sc, z1 + kb1[None, :], z1 + kb2[None, :], k3, ci, si,
+                                     q1, q2, q3, head_kv, u, DT, HPP, H3)
+        else:
+            for u in tl.static_range(HPP):
+                jj = jj0 + u
+                c1 = jj * HALF + p
+                c3 = jj * REST + e
+                k1 = tl.full([BLOCK_N, H1], 0.0, tl.float32)
+                k2 = k1
                 if H3 > 0:
-                    w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :],
-                                 other=0.0)
-                    k3 = tl.dot(ck, w3, k3)
-            if K_BIAS or K_NORM:
-                kb1, kb2, kb3 = key_bias(kb_ptr, kv0 + u, head_dim, src1, src2, src3, zero_h,
-                                         e * 0, pvalid, 1, H3, K_BIAS)
-                k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3, zero_h,
-                                            e * 0, inv_hd, norm_eps, H3, 1, K_BIAS, K_NORM)
-            kr1 = (k1 * ci - k2 * si).to(DT)
-            kr2 = (k2 * ci + k1 * si).to(DT)
-            if HPP == 1:
-                qa = q1
-                qb = q2
-                qc = q3
-            else:  # this KV head's query rows only
-                mine = (head_kv == u)[:, None]
-                qa = tl.where(mine, q1, tl.zeros_like(q1))
-                qb = tl.where(mine, q2, tl.zeros_like(q2))
-                qc = tl.where(mine, q3, tl.zeros_like(q3))
-            sc = tl.dot(qa, tl.trans(kr1), sc)
-            sc = tl.dot(qb, tl.trans(kr2), sc)
-            if H3 > 0:
-                sc = tl.dot(qc, tl.trans(k3.to(DT)), sc)
+                    k3 = tl.full([BLOCK_N, H3], 0.0, tl.float32)
+                else:
+                    k3 = k1  # no unrotated rest: a placeholder
+                for rc in range(0, rk, RC):
+                    ck = _key_chunk(cache_ptr, row, pos, valid, bt_row, s_blk, p0, last, k_off,
+                                    kpar, rk, rc, k_scale_off, k_zero_off, s_tok, share_off,
+                                    rk_total, share, DT, QUANT, K_BITS, RC, K_QG, ALIGNED,
+                                    K_CHAN, KCT, BLOCK_N, PAGE)
+                    wrow = wg + (rc + rr)[:, None] * CW
+                    w1 = tl.load(wrow + c1[None, :], mask=pvalid[None, :], other=0.0)
+                    w2 = tl.load(wrow + s_wsec + c1[None, :], mask=pvalid[None, :], other=0.0)
+                    k1 = tl.dot(ck, w1, k1)
+                    k2 = tl.dot(ck, w2, k2)
+                    if H3 > 0:
+                        w3 = tl.load(wrow + 2 * s_wsec + c3[None, :], mask=evalid[None, :],
+                                     other=0.0)
+                        k3 = tl.dot(ck, w3, k3)
+                if K_BIAS or K_NORM:
+                    kb1, kb2, kb3 = key_bias(kb_ptr, kv0 + u, head_dim, src1, src2, src3,
+                                             zero_h, e * 0, pvalid, 1, H3, K_BIAS)
+                    k1, k2, k3 = transform_keys(k1, k2, k3, kb1, kb2, kb3, nw1, nw2, nw3,
+                                                zero_h, e * 0, inv_hd, norm_eps, H3, 1, K_BIAS,
+                                                K_NORM)
+                sc = _score_head(sc, k1, k2, k3, ci, si, q1, q2, q3, head_kv, u, DT, HPP, H3)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         alpha = tl.exp2(m_i - m_new)

@@ -28,7 +28,8 @@ class KernelConfig:
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
     wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
     rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
-    group_program: bool | None = None  # wide kernel: one program per head group
+    heads_per_program: int | None = None  # wide kernel: KV heads per program (gcd with G)
+    chunk_outer: bool | None = None  # wide kernel: rank-chunk loop outside the KV-head loop
     packed: bool | None = None  # post-RoPE per-token packed kernel (.decode_packed)
 
 
@@ -164,22 +165,40 @@ def _packed_config(device) -> dict:
 
 
 WIDE_GROUP_MIN_PROGRAMS = 4
-"""Fewest ``B x num_groups`` per split for which the wide kernel runs one program
-per head group (:func:`.decode_wide.wide_decode_kernel` with ``HPP = G``) instead
-of one per KV head. H100, Llama-3-8B shape, per-channel 4-bit keys, 4-bit values
-(``benchmarks/decode_attention.py --settings recommended --settings-sweep``):
-at 16 x 32k the group program is 1.40x (``4x`` preset, value rank 512) and 2.10x
-(the ``8x`` allocation) faster; at 1 x 32k it is 0.81x / 1.03x (one sequence
-leaves a program a few tiles per split: its prologue, the query of all the
-group's heads, no longer pays off)."""
+"""Fewest ``B x num_groups`` per split for which the wide kernel runs several KV
+heads per program (:func:`wide_heads_per_program`) instead of one. H100,
+Llama-3-8B shape, per-channel 4-bit keys, 4-bit values (``benchmarks/
+decode_attention.py --settings recommended --settings-sweep``): at 16 x 32k one
+program per head group was 1.40x (``4x`` preset, value rank 512) and 2.10x (the
+``8x`` allocation) faster than one per KV head; at 1 x 32k 0.81x / 1.03x (one
+sequence leaves a program a few tiles per split: its prologue, the query of all
+its heads, no longer pays off)."""
+
+WIDE_MAX_QUERY_ROWS = 16
+"""Query rows of one wide-kernel program with several KV heads: one 16-row MMA
+tile. H100 sweep (same command, 2026-11-26), J-LRD on 8 KV heads of 4 query
+heads, rank chunk loop outside the KV-head loop: 4 KV heads per program (16
+rows) took the ``4x`` layer from 12,156 to 7,636 us at 16 x 32k and from 6,022
+to 3,839 us at 64 x 4k, the ``8x`` allocation's from 6,976 to 5,343 / 3,695 to
+2,654 us; the whole group (32 rows) 10,877 / 5,428 and 7,866 / 3,878; 2 KV heads
+(8 rows) 11,005 / 5,506 and 8,524 / 4,132."""
 
 
-def wide_group_program(bsz: int, num_groups: int, hg_pad: int, rv_pad: int) -> bool:
-    """Whether the wide kernel runs one program per head group (see
-    :data:`WIDE_GROUP_MIN_PROGRAMS`): enough sequences, and a value accumulator
-    ``[hg_pad, rv_pad]`` of at most 16 K float32 (value ranks up to 512 at 32
-    query heads per group; larger ones spill)."""
-    return bsz * num_groups >= WIDE_GROUP_MIN_PROGRAMS and hg_pad * rv_pad <= 16 * 1024
+def wide_heads_per_program(bsz: int, num_groups: int, group_size: int, queries_per_kv: int,
+                           rv_pad: int) -> int:
+    """KV heads per program of the wide kernel (``HPP`` of
+    :func:`.decode_wide.wide_decode_kernel`): 1 with fewer than
+    :data:`WIDE_GROUP_MIN_PROGRAMS` sequences x head groups, else the largest
+    divisor of the group size whose query heads fit :data:`WIDE_MAX_QUERY_ROWS`
+    rows, when the value accumulator ``[pow2(rows), rv_pad]`` stays within 16 K
+    float32 (larger ones spill)."""
+    if bsz * num_groups < WIDE_GROUP_MIN_PROGRAMS:
+        return 1
+    hpp = max([d for d in range(1, group_size + 1)
+               if group_size % d == 0 and d * queries_per_kv <= WIDE_MAX_QUERY_ROWS],
+              default=1)
+    rows = 1 << max(hpp * queries_per_kv - 1, 0).bit_length()
+    return hpp if rows * rv_pad <= 16 * 1024 else 1
 
 
 def _wide_config(plan, prep: Prepared, device) -> dict:

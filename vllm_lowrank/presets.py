@@ -34,7 +34,7 @@ of every preset above 3x."""
 
 
 TALE_GPU_PATH = ("token-adaptive: latent span on the Triton wide-group kernel, exact part "
-                 "and merge in one Triton kernel, CUDA graphs, batched prefill; 2-8.6x "
+                 "and merge in one Triton kernel, CUDA graphs, batched prefill; 2-6x "
                  "stock vLLM's decode step (H100, Llama-3-8B shape, 1 x 4k / 16 x 4k): "
                  "J-LRD's key rebuild is compute-bound (benchmarks/README.md)")
 """The decode path of the token-adaptive presets on a CUDA device."""

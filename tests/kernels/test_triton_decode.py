@@ -890,8 +890,29 @@ def test_span_errors():
 # Wide head groups (decode_wide): one program per KV head, the rank in chunks
 # ---------------------------------------------------------------------------------
 WIDE = dec.KernelConfig(wide=True)
-WIDE_GRIDS = {"per-kv-head": dec.KernelConfig(wide=True, group_program=False),
-              "per-group": dec.KernelConfig(wide=True, group_program=True)}
+WIDE_GRIDS = {"per-kv-head": dec.KernelConfig(wide=True, heads_per_program=1),
+              "per-group": dec.KernelConfig(wide=True, heads_per_program=8, chunk_outer=False),
+              "per-group, chunks outer": dec.KernelConfig(wide=True, heads_per_program=8),
+              "two heads, chunks outer": dec.KernelConfig(wide=True, heads_per_program=2)}
+
+
+@pytest.mark.parametrize("bsz,groups,g,qpk,rv_pad,hpp", [
+    (1, 1, 8, 4, 512, 1),     # one sequence: one KV head per program
+    (16, 1, 8, 4, 512, 4),    # 4 KV heads x 4 query heads: one 16-row tile
+    (16, 1, 8, 4, 1024, 4),   # value accumulator [16, 1024]: 16 K float32
+    (16, 1, 8, 4, 2048, 1),   # larger: it would spill
+    (16, 1, 8, 8, 512, 2),
+    (16, 2, 2, 3, 256, 2),    # 6 query rows, padded to 8
+    (16, 8, 1, 4, 128, 1),    # per-head groups
+    (16, 1, 4, 32, 128, 1),   # more query heads than one tile
+])
+def test_wide_heads_per_program(bsz, groups, g, qpk, rv_pad, hpp):
+    """The wide kernel's KV heads per program: a divisor of the group size
+    whose query heads fill at most one 16-row tile, with enough sequences and
+    a value accumulator of at most 16 K float32."""
+    from vllm_lowrank.triton_kernels.launch import wide_heads_per_program
+
+    assert wide_heads_per_program(bsz, groups, g, qpk, rv_pad) == hpp
 
 
 def latent_cache(plan, nblk, page, g, bits, qgroup=None):
@@ -937,6 +958,7 @@ def test_wide(group_size, kr, vr, neox, rot, splits, bits, qgroup, grid):
 @pytest.mark.parametrize("bias,norm,window,rot,neox,splits", [
     (True, True, None, 16, True, 2),    # bias + QK-norm over the rotary halves and the rest
     (False, True, 20, 32, False, 3),    # QK-norm, gptj, window (NaN before it)
+    (True, False, None, 16, True, 2),   # bias alone (added with the first rank chunk)
 ])
 @pytest.mark.parametrize("grid", list(WIDE_GRIDS))
 def test_wide_transform_window(bias, norm, window, rot, neox, splits, grid):

@@ -126,8 +126,10 @@ class PagedSequence:
     def slots(self, table, block, pos):
         return table[pos // block].long() * block + pos % block
 
-    def step(self, count, padding=0):
-        """Write the next ``count`` tokens (plus ``padding`` slots of -1)."""
+    def step(self, count, padding=0, host_ends=False):
+        """Write the next ``count`` tokens (plus ``padding`` slots of -1);
+        ``host_ends``: the completed key groups given as the step's group-end
+        tokens computed from host metadata (the backend's long-step path)."""
         pos = torch.arange(self.n, self.n + count)
         pad = torch.full((padding,), -1, dtype=torch.long)
         lat_slots = torch.cat((self.slots(self.table, LATENT_BLOCK, pos), pad))
@@ -139,8 +141,12 @@ class PagedSequence:
         # the backend's order (LatentAttentionImpl.do_kv_cache_update)
         ops.write_latents(self.cache, lat[:, :rk], lat[:, rk:], lat_slots, self.layout)
         tale.write_exact(self.exact, self.slot, k_ex, v_ex, ex_slots, staged=lat[:, :rk])
+        ends = None
+        if host_ends:
+            ends = tale.key_group_ends(torch.tensor([0, count]), torch.tensor([self.n + count]),
+                                       self.layout.k_channel_tokens, "cpu")
         tale.write_key_groups(self.cache, self.exact, self.slot, lat_slots, ex_slots,
-                              self.layout)
+                              self.layout, ends)
         self.n += count
 
     def reference_latents(self, n):
@@ -155,19 +161,21 @@ class PagedSequence:
         return torch.cat([k] + v, dim=-1)
 
 
-@pytest.mark.parametrize("graph_safe", [True, False])
+@pytest.mark.parametrize("path", ["graph-safe", "host sync", "host ends"])
 @pytest.mark.parametrize("pad", [0, 6])
-def test_groups_are_quantized_once_complete_and_read_back(pad, graph_safe, monkeypatch):
-    """Both write paths: without a host sync (every step here is short) and
-    with one (the prefill path, forced by a zero token limit)."""
-    if not graph_safe:
+def test_groups_are_quantized_once_complete_and_read_back(pad, path, monkeypatch):
+    """The three write paths: without a host sync (every step here is short),
+    and the long-step (prefill) path, forced by a zero token limit, with the
+    completed groups found by a host sync or given as the step's group-end
+    tokens (:func:`token_adaptive.key_group_ends`)."""
+    if path != "graph-safe":
         monkeypatch.setattr(tale, "GRAPH_SAFE_TOKENS", 0)
     plan, layout = make_layer(pad)
     seq = PagedSequence(plan, layout, 96)
     rk = plan.k_width
     for count, padding in [(5, 2), (1, 0), (1, 0), (13, 3), (7, 0), (1, 1), (20, 0), (1, 0),
                            (30, 0), (3, 0)]:
-        seq.step(count, padding)
+        seq.step(count, padding, host_ends=path == "host ends")
         n, complete = seq.n, seq.n // G * G
         if complete:
             got = ops.gather_latents(seq.cache, seq.table[None], complete, layout)[0].double()
@@ -226,3 +234,20 @@ def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad,
     ref = reference(plan, k_up, v_up, rope, q, lat, as_stored(seq.k_ex, exact_bits, d),
                     as_stored(seq.v_ex, exact_bits, d), [n - 1], is_exact)
     assert torch.allclose(out.view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 8, 32])
+def test_key_group_ends_match_a_loop_over_the_steps_tokens(group):
+    """The step's group-end tokens from host metadata (decodes, a chunked
+    prefill and a prefill from 0) against a loop over every token's position."""
+    qsl = torch.tensor([0, 1, 4, 40, 105], dtype=torch.int32)
+    seq_lens = torch.tensor([33, 10, 64, 65])
+    ends = tale.key_group_ends(qsl, seq_lens, group, "cpu")
+    ref, i = [], 0
+    for r in range(len(seq_lens)):
+        q = int(qsl[r + 1] - qsl[r])
+        for p in range(int(seq_lens[r]) - q, int(seq_lens[r])):
+            if p % group == group - 1:
+                ref.append(i)
+            i += 1
+    assert ends.tolist() == ref and ends.dtype == torch.int64

@@ -143,6 +143,9 @@ class LatentAttentionMetadata:
             the first such layer of the step and shared by the others
             (:func:`~vllm_lowrank.attention.token_adaptive.prefill_spans`,
             keyed by ``(sink, recent, key group)``).
+        key_group_ends: The step's tokens that end a per-channel key group,
+            per group size (:func:`~vllm_lowrank.attention.token_adaptive.key_group_ends`;
+            made by the first layer of a long step that needs them).
     """
 
     num_actual_tokens: int
@@ -156,6 +159,7 @@ class LatentAttentionMetadata:
     min_decode_seq_len: int
     prefill: PrefillBatch | None = None
     tale_spans: dict = dataclasses.field(default_factory=dict)
+    key_group_ends: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prefill_reqs(self) -> range:
@@ -353,8 +357,17 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         tale.write_exact(exact_cache, exact.slot, key[:, rk:], value[:, rv:], exact_slots,
                          staged=key[:, :rk] if per_channel else None)
         if per_channel:  # key groups completed by this step's tokens
+            ends = None
+            m = get_attention_context(layer.layer_name)[0]
+            if isinstance(m, LatentAttentionMetadata) and \
+                    m.num_actual_tokens > tale.GRAPH_SAFE_TOKENS:
+                g = layer.layout.k_channel_tokens
+                if g not in m.key_group_ends:
+                    m.key_group_ends[g] = tale.key_group_ends(
+                        m.query_start_loc_cpu, m.seq_lens_cpu, g, kv_cache.device)
+                ends = m.key_group_ends[g]
             tale.write_key_groups(kv_cache, exact_cache, exact.slot, slot_mapping, exact_slots,
-                                  layer.layout)
+                                  layer.layout, ends)
 
     def forward(
         self,

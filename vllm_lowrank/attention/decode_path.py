@@ -88,8 +88,9 @@ def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
     the exact sink and recent tokens, two of at most five tokens), shuffled
     blocks, latents ~ N(0, 1) (packed by the layer's layout), queries ~ N(0, 1)
     in ``dtype``; the kernel attends the first two alone and all four (the
-    wide-group kernel runs one program per KV head for the first batch and one
-    per head group for the second: :func:`~vllm_lowrank.triton_kernels.launch.wide_group_program`).
+    wide-group kernel runs one KV head per program for the first batch and
+    several for the second:
+    :func:`~vllm_lowrank.triton_kernels.launch.wide_heads_per_program`).
 
     Args:
         layer: The :class:`~vllm_lowrank.attention.layer.LatentAttention`.

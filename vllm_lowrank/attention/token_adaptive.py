@@ -60,8 +60,32 @@ GRAPH_SAFE_TOKENS = 1024
 take :func:`write_key_groups`'s path without a host sync."""
 
 
+def key_group_ends(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, key_group: int,
+                   device) -> torch.Tensor:
+    """Indices of a step's tokens whose position ends a per-channel key group
+    (``p % G == G - 1``), from the host copies of the step's metadata: the
+    argument ``ends`` of :func:`write_key_groups`, made once per step for every
+    layer (one host-to-device copy, no sync).
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's
+            tokens in the step.
+        seq_lens: ``[num_reqs]`` host context lengths after the step.
+        key_group: ``G`` (tokens per per-channel key group).
+        device: Where the indices go.
+
+    Returns:
+        ``[N]`` int64 token indices, ascending.
+    """
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    _, pos, _ = latent.flat_ranges(seq_lens.long() - q_lens, q_lens)
+    return (pos % key_group == key_group - 1).nonzero()[:, 0].to(device, non_blocking=True)
+
+
 def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: ExactSlot,
-                     slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout) -> None:
+                     slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout,
+                     ends: torch.Tensor | None = None) -> None:
     """Quantize per channel every key group completed in this step and write
     its codes and scales into the latent cache (KIVI's per-channel keys over
     groups of ``G = layout.k_channel_tokens`` tokens).
@@ -79,7 +103,8 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     of block 0, vLLM's null block that no request owns, with their own
     content (as :func:`~vllm_lowrank.attention.latent_attention.scatter_rows`
     does for padding). Longer steps (prefill) quantize only the completed
-    groups, found with one host sync.
+    groups: the tokens ``ends`` (:func:`key_group_ends`, computed once per
+    step on the host), or, without it, those found with one host sync.
 
     Args:
         kv_cache: Latent cache ``[num_blocks, 1, block_size, slot_bytes]`` uint8.
@@ -88,13 +113,19 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
         slot_mapping, exact_slots: ``[T]`` int64 slots of this step's tokens in
             the latent and the exact cache (negative: padding).
         layout: :class:`~vllm_lowrank.format.latent.SlotLayout` with per-channel keys.
+        ends: ``[N]`` int64 indices of the step's tokens that end a key group
+            (:func:`key_group_ends`), or ``None``.
     """
     g = layout.k_channel_tokens
     n = min(slot_mapping.shape[0], exact_slots.shape[0])
     lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
     last = (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
     back = torch.arange(g - 1, -1, -1, device=lat.device)
-    if n > GRAPH_SAFE_TOKENS:
+    if n > GRAPH_SAFE_TOKENS and ends is not None:
+        if not ends.numel():
+            return
+        lat_slots, ex_slots, keep = lat[ends][:, None] - back, ex[ends][:, None] - back, None
+    elif n > GRAPH_SAFE_TOKENS:
         if not bool(last.any()):
             return
         lat_slots, ex_slots, keep = lat[last][:, None] - back, ex[last][:, None] - back, None
