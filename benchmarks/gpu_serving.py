@@ -340,8 +340,8 @@ def main() -> None:
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="write each engine's stdout and stderr to DIR/<config>-<mode>.log")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also profile 4 prefill and 8 decode steps at the last shape; kernel tables "
-                        "written to DIR/<config>.txt")
+                   help="also profile 4 prefill and 8 decode steps at the last shape; "
+                        "kernel tables written to DIR/<config>.txt")
     p.add_argument("--no-prebuild", action="store_true",
                    help="do not build the CUDA extension first (no config takes the cuda path)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)

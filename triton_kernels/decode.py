@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 
-
 import torch
 import triton
 

@@ -13,7 +13,7 @@ import functools
 
 import triton
 
-from .decode_prep import Prepared, prepare
+from .decode_prep import Prepared, pow2, prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,15 +190,14 @@ def wide_heads_per_program(bsz: int, num_groups: int, group_size: int, queries_p
     :func:`.decode_wide.wide_decode_kernel`): 1 with fewer than
     :data:`WIDE_GROUP_MIN_PROGRAMS` sequences x head groups, else the largest
     divisor of the group size whose query heads fit :data:`WIDE_MAX_QUERY_ROWS`
-    rows, when the value accumulator ``[pow2(rows), rv_pad]`` stays within 16 K
-    float32 (larger ones spill)."""
+    rows, when the value accumulator ``[pow2(rows), rv_pad]`` (the kernel's
+    ``HG_PAD``: at least 16 rows) stays within 16 K float32 (larger ones spill)."""
     if bsz * num_groups < WIDE_GROUP_MIN_PROGRAMS:
         return 1
     hpp = max([d for d in range(1, group_size + 1)
                if group_size % d == 0 and d * queries_per_kv <= WIDE_MAX_QUERY_ROWS],
               default=1)
-    rows = 1 << max(hpp * queries_per_kv - 1, 0).bit_length()
-    return hpp if rows * rv_pad <= 16 * 1024 else 1
+    return hpp if pow2(hpp * queries_per_kv) * rv_pad <= 16 * 1024 else 1
 
 
 def _wide_config(plan, prep: Prepared, device) -> dict:

@@ -121,14 +121,12 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
     last = (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
     back = torch.arange(g - 1, -1, -1, device=lat.device)
-    if n > GRAPH_SAFE_TOKENS and ends is not None:
+    if n > GRAPH_SAFE_TOKENS:
+        if ends is None:
+            ends = last.nonzero()[:, 0]  # one host sync
         if not ends.numel():
             return
         lat_slots, ex_slots, keep = lat[ends][:, None] - back, ex[ends][:, None] - back, None
-    elif n > GRAPH_SAFE_TOKENS:
-        if not bool(last.any()):
-            return
-        lat_slots, ex_slots, keep = lat[last][:, None] - back, ex[last][:, None] - back, None
     else:
         keep = last[:, None, None]
         null = (g - 1 - back)[None, :]  # slots 0 .. G-1 of the null block
