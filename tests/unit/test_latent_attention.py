@@ -249,3 +249,37 @@ def test_key_bias_norm_and_window_chunked_prefill(window):
         ops.PREFILL_QUERY_CHUNK = old
     ref = reference(plan, k_up, rope, 0.3, q, lat, list(range(ctx, n)), bias, norm, window)
     assert torch.allclose(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_transform", [False, True])
+def test_context_keys_in_bf16_match_a_float64_loop(with_transform):
+    """The batched prefill's key rebuild (``context_keys``) in float32 and in
+    bf16 (the dtype the GPU prefill passes: the GEMM on the tensor cores, keys
+    rounded to bf16 before RoPE) against explicit float64 keys: float32 to
+    1e-5; bf16 within four bf16 roundings (of the latents, of ``k_up``, of
+    the GEMM's output and of RoPE's: 4 x 2^-9 of the key norm), the roundings
+    stock vLLM's bf16 ``k_proj`` and RoPE make too."""
+    plan, k_up, rope, _ = setup_case(neox=False, rotary_dim=16)
+    transform, bias, norm = _transform(plan) if with_transform else (None, None, None)
+    torch.manual_seed(3)
+    n = 40
+    lat = torch.randn(n, plan.k_width + plan.v_width)
+    pos = torch.arange(100, 100 + n)
+    d = plan.shape.head_dim
+    want = torch.empty(n, plan.shape.num_kv_heads, d, dtype=torch.float64)
+    for t in range(n):
+        for j in range(plan.shape.num_kv_heads):
+            g, jl = divmod(j, plan.group_size)
+            ko, rk = plan.k_offsets()[g], plan.k_ranks[g]
+            col = g * plan.group_width + jl * d
+            k = lat[t, ko:ko + rk].double() @ k_up[ko:ko + rk, col:col + d].double()
+            if bias is not None:
+                k = k + bias[j * d:(j + 1) * d].double()
+                k = k / torch.sqrt((k * k).mean() + norm[1]) * norm[0].double()
+            want[t, j] = rotate64(k, int(pos[t]), rope)
+    scale = want.norm(dim=-1, keepdim=True)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4 * 2.0 ** -9)):
+        got = ops.context_keys(plan, k_up, rope, lat, pos, False, transform, dtype=dtype)
+        assert got.dtype == dtype and got.shape == want.shape
+        err = ((got.double() - want).abs() / scale).max().item()
+        assert err < tol, (dtype, err)

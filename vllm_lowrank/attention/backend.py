@@ -269,8 +269,8 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     """Every prefill chunk of a step in one varlen call: read the chunks'
     visible contexts back from the cache (one gather through the block table,
     dequantized when packed), rebuild and rotate their keys
-    (:func:`~vllm_lowrank.attention.latent_attention.context_keys`, float32,
-    then the query dtype), attend with
+    (:func:`~vllm_lowrank.attention.latent_attention.context_keys`, in the
+    query dtype), attend with
     :func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`.
 
     Args:
@@ -293,8 +293,8 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     lat = kv_cache[blocks, 0, batch.key_pos % block_size]
     if layout is not None:
         lat = torch.cat(layout.decode(lat), dim=-1)
-    keys = ops.context_keys(plan, k_up, rope, lat, batch.key_pos, post_rope,
-                            transform).to(query.dtype)
+    keys = ops.context_keys(plan, k_up, rope, lat, batch.key_pos, post_rope, transform,
+                            dtype=query.dtype)
     values = lat[:, plan.k_width:].to(query.dtype)
     if post_rope:
         query = query[..., :keys.shape[-1]]

@@ -199,37 +199,45 @@ def gather_latents(
 def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
                 lat: torch.Tensor, positions: torch.Tensor, post_rope: bool,
                 transform: KeyTransform | None = None) -> torch.Tensor:
-    """Keys of head group ``g`` over ``lat [B, L, Rk + Rv]`` (float32):
+    """Keys of head group ``g`` over ``lat [B, L, Rk + Rv]``:
     ``[B, L, G, d]`` rebuilt (then ``transform``-ed) and rotated, or
-    ``[B, L, 1, r_k]`` post-RoPE latents."""
+    ``[B, L, 1, r_k]`` post-RoPE latents. The rebuild GEMM runs in ``lat``'s
+    dtype (``k_up`` is cast to it); a transform (bias, QK-norm) and its
+    rotation run in float32."""
     k_off, r_k = plan.k_offsets()[g], plan.k_ranks[g]
     c_k = lat[:, :, k_off:k_off + r_k]
     if post_rope:
         return c_k[:, :, None, :]
     gw, d = plan.group_width, plan.shape.head_dim
-    b_k = k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw]
+    b_k = k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw].to(lat.dtype)
     if transform is None:
         return rope.rebuild_rotated(c_k, b_k, positions, d)
-    keys = (c_k @ b_k).view(c_k.shape[0], c_k.shape[1], -1, d)
+    keys = (c_k @ b_k).float().view(c_k.shape[0], c_k.shape[1], -1, d)
     keys = transform.apply(keys, slice(g * gw, (g + 1) * gw))
     return rope.rotate_(keys.contiguous(), positions)
 
 
 def context_keys(plan: LayerPlan, k_up: torch.Tensor, rope: RopeTable, lat: torch.Tensor,
                  positions: torch.Tensor, post_rope: bool,
-                 transform: KeyTransform | None = None) -> torch.Tensor:
+                 transform: KeyTransform | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Keys of every head group over flat latent rows (the batched prefill).
 
     Args:
-        lat: ``[S, Rk + Rv]`` latents (any float dtype; computed in float32).
+        lat: ``[S, Rk + Rv]`` latents (any float dtype).
         positions: ``[S]`` int64 position of each row.
+        dtype: Of the rebuild GEMM ``lat @ k_up`` and of the result. The GPU
+            prefill passes the query dtype: a bf16 GEMM on the tensor cores
+            with float32 accumulation, the keys rounded to bf16 before RoPE
+            (as stock vLLM rotates the bf16 output of ``k_proj``); float32
+            (the default) keeps every step in float32.
 
     Returns:
-        ``[S, num_kv_heads, head_dim]`` float32 rebuilt, transformed and rotated
-        keys; post-RoPE mode: ``[S, num_groups, max r_k]`` key latents,
-        zero-padded past each group's rank.
+        ``[S, num_kv_heads, head_dim]`` rebuilt, transformed and rotated keys
+        in ``dtype``; post-RoPE mode: ``[S, num_groups, max r_k]`` key
+        latents, zero-padded past each group's rank.
     """
-    lat = lat.float()[None]
+    lat = lat.to(dtype)[None]
     if post_rope:
         width = max(plan.k_ranks)
         keys = lat.new_zeros(lat.shape[1], plan.num_groups, width)
@@ -237,7 +245,7 @@ def context_keys(plan: LayerPlan, k_up: torch.Tensor, rope: RopeTable, lat: torc
             keys[:, g, :r_k] = lat[0, :, k_off:k_off + r_k]
         return keys
     return torch.cat([_group_keys(plan, g, k_up, rope, lat, positions, False, transform)[0]
-                      for g in range(plan.num_groups)], dim=1)
+                      .to(dtype) for g in range(plan.num_groups)], dim=1)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):

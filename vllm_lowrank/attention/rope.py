@@ -87,21 +87,23 @@ class RopeTable:
         on CPU, where this GEMM is compute-bound).
 
         Args:
-            latent: ``[B, L, r]`` float32 latents at ``positions``.
-            up: ``[r, G * head_dim]`` float32 up-projection.
+            latent: ``[B, L, r]`` latents at ``positions`` (float32, or
+                bf16/fp16 for a tensor-core GEMM).
+            up: ``[r, G * head_dim]`` up-projection, ``latent``'s dtype.
             positions: ``[L]`` int64.
             head_dim: Width of one head.
 
         Returns:
-            ``[B, L, G, head_dim]`` float32 rotated keys.
+            ``[B, L, G, head_dim]`` rotated keys in ``latent``'s dtype.
         """
         g = up.shape[1] // head_dim
         b, length = latent.shape[0], latent.shape[1]
         return self.rotate_((latent @ up).view(b, length, g, head_dim), positions)
 
     def rotate_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE of ``keys [B, L, G, head_dim]`` float32 at ``positions [L]``, in
-        place (returns ``keys``)."""
+        """RoPE of ``keys [B, L, G, head_dim]`` at ``positions [L]``, in place
+        (returns ``keys``): computed against the float32 tables, each product
+        rounded to ``keys``' dtype (float32, or bf16/fp16 keys)."""
         keys_rh = self.rotate_half(keys)
         c, s = self.full_tables(keys.shape[-1], positions)
         keys.mul_(c[:, None, :])

@@ -83,6 +83,12 @@ def key_group_ends(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, key_gr
     return (pos % key_group == key_group - 1).nonzero()[:, 0].to(device, non_blocking=True)
 
 
+def _ends_group(lat: torch.Tensor, ex: torch.Tensor, g: int) -> torch.Tensor:
+    """``[T]`` bool: the tokens (latent / exact slots ``lat`` / ``ex``, negative
+    for padding) whose slot ends a group of ``g`` positions."""
+    return (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
+
+
 def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: ExactSlot,
                      slot_mapping: torch.Tensor, exact_slots: torch.Tensor, layout,
                      ends: torch.Tensor | None = None) -> None:
@@ -119,15 +125,15 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     g = layout.k_channel_tokens
     n = min(slot_mapping.shape[0], exact_slots.shape[0])
     lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
-    last = (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
     back = torch.arange(g - 1, -1, -1, device=lat.device)
     if n > GRAPH_SAFE_TOKENS:
         if ends is None:
-            ends = last.nonzero()[:, 0]  # one host sync
+            ends = _ends_group(lat, ex, g).nonzero()[:, 0]  # one host sync
         if not ends.numel():
             return
         lat_slots, ex_slots, keep = lat[ends][:, None] - back, ex[ends][:, None] - back, None
     else:
+        last = _ends_group(lat, ex, g)
         keep = last[:, None, None]
         null = (g - 1 - back)[None, :]  # slots 0 .. G-1 of the null block
         lat_slots = torch.where(last[:, None], lat[:, None] - back, null)  # [N, G]
@@ -523,7 +529,7 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
         if spans.lat_keep is not None:
             lat = lat[spans.lat_keep]
         keys = latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
-                                   transform).to(query.dtype)
+                                   transform, dtype=query.dtype)
         kernel.latent_prefill_attention(
             query, keys, lat[:, plan.k_width:].to(query.dtype),
             kernel.head_table(plan, query.device), spans.cu_q,
