@@ -83,7 +83,7 @@ def key_group_ends(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, key_gr
     return (pos % key_group == key_group - 1).nonzero()[:, 0].to(device, non_blocking=True)
 
 
-def _ends_group(lat: torch.Tensor, ex: torch.Tensor, g: int) -> torch.Tensor:
+def _group_end_mask(lat: torch.Tensor, ex: torch.Tensor, g: int) -> torch.Tensor:
     """``[T]`` bool: the tokens (latent / exact slots ``lat`` / ``ex``, negative
     for padding) whose slot ends a group of ``g`` positions."""
     return (lat >= 0) & (ex >= 0) & (lat % g == g - 1)
@@ -128,12 +128,12 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     back = torch.arange(g - 1, -1, -1, device=lat.device)
     if n > GRAPH_SAFE_TOKENS:
         if ends is None:
-            ends = _ends_group(lat, ex, g).nonzero()[:, 0]  # one host sync
+            ends = _group_end_mask(lat, ex, g).nonzero()[:, 0]  # one host sync
         if not ends.numel():
             return
         lat_slots, ex_slots, keep = lat[ends][:, None] - back, ex[ends][:, None] - back, None
     else:
-        last = _ends_group(lat, ex, g)
+        last = _group_end_mask(lat, ex, g)
         keep = last[:, None, None]
         null = (g - 1 - back)[None, :]  # slots 0 .. G-1 of the null block
         lat_slots = torch.where(last[:, None], lat[:, None] - back, null)  # [N, G]
