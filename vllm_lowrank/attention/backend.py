@@ -293,9 +293,10 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     lat = kv_cache[blocks, 0, batch.key_pos % block_size]
     if layout is not None:
         lat = torch.cat(layout.decode(lat), dim=-1)
+    lat = lat.to(query.dtype)  # once, for the keys' rebuild and the values
     keys = ops.context_keys(plan, k_up, rope, lat, batch.key_pos, post_rope, transform,
                             dtype=query.dtype)
-    values = lat[:, plan.k_width:].to(query.dtype)
+    values = lat[:, plan.k_width:]
     if post_rope:
         query = query[..., :keys.shape[-1]]
     return kernel.latent_prefill_attention(

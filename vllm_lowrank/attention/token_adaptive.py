@@ -528,10 +528,11 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
         lat = torch.cat(layout.decode(rows), dim=-1) if layout is not None else rows
         if spans.lat_keep is not None:
             lat = lat[spans.lat_keep]
+        lat = lat.to(query.dtype)  # once, for the keys' rebuild and the values
         keys = latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
                                    transform, dtype=query.dtype)
         kernel.latent_prefill_attention(
-            query, keys, lat[:, plan.k_width:].to(query.dtype),
+            query, keys, lat[:, plan.k_width:],
             kernel.head_table(plan, query.device), spans.cu_q,
             spans.cu_lat, spans.max_q_len, scale, lat_out, max_rank_v=max(plan.v_ranks),
             causal=False, lse=lat_lse)
