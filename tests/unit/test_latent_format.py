@@ -62,18 +62,24 @@ def test_slot_layout_round_trip():
                                              ((24, 40), 8), ((64,), None)])
 def test_encode_matches_per_group_quantization(k_ranks, k_group):
     """The one-pass encode of a row of head groups gives the same bytes as
-    quantizing and packing each head group on its own (uneven ranks, uneven
-    and equal quantization groups)."""
+    quantizing and packing each head group on its own, and the one-pass decode
+    the same values as dequantizing each on its own (uneven ranks, uneven and
+    equal quantization groups)."""
     layout = SlotLayout(k_ranks, (16, 16), 4, 8, k_group, None)
     k, v = torch.randn(7, sum(k_ranks)) * 2, torch.randn(7, 32)
     slots = layout.encode(k, v)
-    parts, scales, zeros, off = [], [], [], 0
+    parts, scales, zeros, values, off = [], [], [], [], 0
     for r in k_ranks:
         c, s, z = quantize(k[:, off:off + r], 4, k_group or r)
         parts.append(pack(c, 4))
         scales.append(s)
         zeros.append(z)
+        values.append(dequantize(c, s, z, k_group or r))
         off += r
+    dk, dv = layout.decode(slots)
+    assert torch.equal(dk, torch.cat(values, -1))
+    assert torch.equal(dv, torch.cat([dequantize(*quantize(v[:, :16], 8, 16), 16),
+                                      dequantize(*quantize(v[:, 16:], 8, 16), 16)], -1))
     ref_codes = torch.cat(parts, -1)
     assert torch.equal(slots[:, :layout.k_codes_bytes], ref_codes)
     ks = slots[:, layout.k_scale_offset:layout.k_zero_offset].contiguous().view(torch.float16)

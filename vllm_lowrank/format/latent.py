@@ -55,6 +55,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes ``[..., width]`` (values ``0..2^bits-1``) into
     ``[..., width * bits / 8]`` uint8."""
     packed_bytes(codes.shape[-1], bits)
+    if bits == 8:
+        return codes.to(torch.uint8)
     c = codes.to(torch.int32)
     lead = c.shape[:-1]
     # 8 codes -> `bits` bytes: build a 8*bits-bit integer per octet of codes.
@@ -72,6 +74,8 @@ def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     nbytes = packed_bytes(width, bits)
     if packed.shape[-1] != nbytes:
         raise ValueError(f"expected {nbytes} packed bytes, got {packed.shape[-1]}")
+    if bits == 8:
+        return packed.to(torch.int32)
     lead = packed.shape[:-1]
     b = packed.to(torch.int64).reshape(*lead, nbytes // bits, bits)
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
@@ -312,6 +316,15 @@ class SlotLayout:
             out.append(q)
         return tuple(out)
 
+    def _segment_index(self, sizes: tuple[int, ...], device) -> torch.Tensor:
+        """:func:`segment_index` of ``sizes`` on ``device``, made once per layout
+        (a call captured in a CUDA graph cannot copy it from the host)."""
+        key = (sizes, device)
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = segment_index(sizes, device)
+        return index
+
     def quant_group_sizes(self, side: str) -> tuple[int, ...]:
         """Channels of each per-token quantization group of ``side`` (``"k"`` or
         ``"v"``), in slot order: every head group's ``rank / group`` groups in
@@ -327,12 +340,7 @@ class SlotLayout:
         # One pass over the row (ranks are multiples of 8, so the packed groups
         # are consecutive bytes).
         sizes = self.quant_group_sizes(side)
-        index = None
-        if len(set(sizes)) > 1:
-            key = (sizes, x.device)
-            index = self._index.get(key)
-            if index is None:
-                index = self._index[key] = segment_index(sizes, x.device)
+        index = self._segment_index(sizes, x.device) if len(set(sizes)) > 1 else None
         lead = x.shape[:-1]
         c, s, z = quantize_segments(x.reshape(-1, x.shape[-1]), bits, sizes, index)
         return (pack(c, bits).reshape(*lead, -1), s.reshape(*lead, -1), z.reshape(*lead, -1))
@@ -408,14 +416,16 @@ class SlotLayout:
                     torch.float16).float()
             scale = slots[..., s_off:s_off + 2 * n_params].contiguous().view(torch.float16)
             zero = slots[..., z_off:z_off + 2 * n_params].contiguous().view(torch.float16)
-            parts, byte, p = [], codes_off, 0
-            for r, q in zip(ranks, groups):
-                nb = packed_bytes(r, bits)
-                c = unpack(slots[..., byte:byte + nb], bits, r)
-                parts.append(dequantize(c, scale[..., p:p + r // q], zero[..., p:p + r // q], q))
-                byte += nb
-                p += r // q
-            return torch.cat(parts, -1)
+            # One pass over the side (ranks are multiples of 8, so the head groups'
+            # packed codes are consecutive bytes), whatever the number of groups.
+            width = sum(ranks)
+            codes = unpack(slots[..., codes_off:codes_off + packed_bytes(width, bits)], bits,
+                           width)
+            sizes = tuple(q for r, q in zip(ranks, groups) for _ in range(r // q))
+            if len(set(sizes)) == 1:
+                return dequantize(codes, scale, zero, sizes[0])
+            index = self._segment_index(sizes, slots.device)
+            return codes.float() * scale.float()[..., index] + zero.float()[..., index]
 
         if self.k_per_channel:
             k = self._decode_key_groups(slots)
