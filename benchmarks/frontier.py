@@ -107,7 +107,7 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     # full-rank post-RoPE latents per KV head (the `2x` preset's format, no key
     # rebuild: the packed GPU kernel) with 4-bit keys: quantization only
     "post-RoPE full rank, K4/V4 per token": ("ours", {"preset": "2x", "k_bits": 4}),
-    # full rank, per-channel 4-bit keys (KIVI) and Hadamard-rotated 2-bit values
+    # full rank (pre-RoPE), per-channel 4-bit keys (KIVI) and Hadamard-rotated 2-bit values
     "full rank, K4 per channel, V2 Hadamard, sink 32 + recent 128": (
         "ours", {**KIVI, "k_bits": 4, "v_bits": 2, "hadamard": True, "sink_tokens": 32}),
     # the presets as a user selects them (vllm_lowrank/presets.py)
