@@ -122,29 +122,31 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
 }
 
 
-def corpus_artifact(model: str, corpus: str) -> str:
+def corpus_artifact(model: str, corpus: str, tokens: int | None = None) -> str:
     """A fisher artifact of ``model`` calibrated on the built-in text ``corpus``
-    (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`, the default
-    calibration tokens), made once and cached under the plugin's cache root;
-    what ``vllm-lowrank calibrate MODEL --corpus CORPUS`` writes."""
+    (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`) over ``tokens``
+    tokens (``None``: the default count), made once and cached under the
+    plugin's cache root; what ``vllm-lowrank calibrate MODEL --corpus CORPUS
+    [--tokens N]`` writes."""
     from vllm_lowrank.calibration.cache import cache_root
 
-    path = os.path.join(cache_root(), "artifacts",
-                        f"fisher-{os.path.basename(model)}-{corpus}")
+    path = os.path.join(cache_root(), "artifacts", f"fisher-{os.path.basename(model)}-{corpus}"
+                        + (f"-{tokens}t" if tokens else ""))
     if not os.path.isdir(path):
         from vllm_lowrank.cli import main as cli
 
-        cli(["calibrate", model, "--corpus", corpus, "--output", path])
+        cli(["calibrate", model, "--corpus", corpus, "--output", path]
+            + (["--tokens", str(tokens)] if tokens else []))
     return path
 
 
 def allocation_artifact(model: str, cfg: dict, context: int, block: int,
-                        corpus: str = DEFAULT_TEXT) -> str:
+                        corpus: str = DEFAULT_TEXT, tokens: int | None = None) -> str:
     """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
     (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
     model's default fisher artifact, or with ``corpus`` other than
-    the default text from :func:`corpus_artifact` and measured on that text;
-    cached under the plugin's cache root)."""
+    the default text from :func:`corpus_artifact` (over ``tokens`` calibration
+    tokens) and measured on that text; cached under the plugin's cache root)."""
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.calibration.artifact import load_artifact
@@ -158,7 +160,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
     if "bits" in cfg:
         name += "-bits" + "".join(map(str, cfg["bits"]))
     if corpus != DEFAULT_TEXT:
-        name += f"-{corpus}"
+        name += f"-{corpus}" + (f"-{tokens}t" if tokens else "")
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
@@ -166,7 +168,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
             artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
             documents = None
         else:
-            artifact = load_artifact(corpus_artifact(model, corpus))
+            artifact = load_artifact(corpus_artifact(model, corpus, tokens))
             documents = texts.calibration_documents(corpus)
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block,
@@ -178,16 +180,16 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
 
 
 def compression_of(model: str, cfg: dict | None, context: int, block: int,
-                   corpus: str = DEFAULT_TEXT) -> dict | None:
+                   corpus: str = DEFAULT_TEXT, tokens: int | None = None) -> dict | None:
     """The ``kv_compression`` settings a setting is served with (calibrated on
     ``corpus``: the default artifact for the default text)."""
     if cfg is None:
         return None
     if "allocate" in cfg:
         return {"mode": "lowrank",
-                "artifact": allocation_artifact(model, cfg, context, block, corpus)}
+                "artifact": allocation_artifact(model, cfg, context, block, corpus, tokens)}
     if corpus != DEFAULT_TEXT:
-        return {"mode": "lowrank", **cfg, "artifact": corpus_artifact(model, corpus)}
+        return {"mode": "lowrank", **cfg, "artifact": corpus_artifact(model, corpus, tokens)}
     return {"mode": "lowrank", **cfg}
 
 
@@ -440,6 +442,8 @@ def main() -> None:
                    help="calibration text of our settings (a name of "
                         "vllm_lowrank.calibration.text.CALIBRATION_TEXTS); rows are named "
                         "with it unless it is the default text")
+    p.add_argument("--calibration-tokens", type=int, default=None,
+                   help="calibration tokens of the --corpus artifact (default: calibrate's)")
     args = p.parse_args()
 
     rows = load_rows(args.rows) if args.rows else measure_rows(args)
@@ -498,8 +502,9 @@ def measure_rows(args) -> list[dict]:
 
     def key(name: str) -> str:  # results and rows: named with a non-default corpus
         ours = SETTINGS[name][0] == "ours"
-        return f"{name} [{args.corpus} calibration]" if ours and args.corpus != DEFAULT_TEXT \
-            else name
+        tokens = f", {args.calibration_tokens} tokens" if args.calibration_tokens else ""
+        return f"{name} [{args.corpus}{tokens} calibration]" \
+            if ours and args.corpus != DEFAULT_TEXT else name
 
     for name in names:
         if key(name) in results:
@@ -510,7 +515,7 @@ def measure_rows(args) -> list[dict]:
             continue  # allocates from the default artifact: the "allocated 8x" rows instead
         spec = {"model": model,
                 "compression": compression_of(model, cfg, args.context, args.block_size,
-                                              corpus),
+                                              corpus, args.calibration_tokens),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
                 "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
         results[key(name)] = run_setting(spec)
@@ -531,7 +536,8 @@ def measure_rows(args) -> list[dict]:
             serving = None
             if "allocate" in cfg:
                 path = allocation_artifact(model, cfg, args.context, args.block_size,
-                                           args.corpus if kind == "ours" else DEFAULT_TEXT)
+                                           args.corpus if kind == "ours" else DEFAULT_TEXT,
+                                           args.calibration_tokens)
                 serving = read_manifest(path)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
                                                   args.block_size, serving)
