@@ -409,19 +409,17 @@ class SlotLayout:
             lead = slots.shape[:-1]
             return (slots.new_zeros(*lead, sum(self.k_ranks), dtype=torch.float32),
                     slots.new_zeros(*lead, sum(self.v_ranks), dtype=torch.float32))
-        def side(codes_off, ranks, groups, bits, s_off, z_off, n_params):
+        def side(name, codes_off, width, bits, s_off, z_off, n_params):
             if bits == RAW_BITS:
-                nb = 2 * sum(ranks)
-                return slots[..., codes_off:codes_off + nb].contiguous().view(
+                return slots[..., codes_off:codes_off + 2 * width].contiguous().view(
                     torch.float16).float()
             scale = slots[..., s_off:s_off + 2 * n_params].contiguous().view(torch.float16)
             zero = slots[..., z_off:z_off + 2 * n_params].contiguous().view(torch.float16)
             # One pass over the side (ranks are multiples of 8, so the head groups'
             # packed codes are consecutive bytes), whatever the number of groups.
-            width = sum(ranks)
             codes = unpack(slots[..., codes_off:codes_off + packed_bytes(width, bits)], bits,
                            width)
-            sizes = tuple(q for r, q in zip(ranks, groups) for _ in range(r // q))
+            sizes = self.quant_group_sizes(name)
             if len(set(sizes)) == 1:
                 return dequantize(codes, scale, zero, sizes[0])
             index = self._segment_index(sizes, slots.device)
@@ -430,10 +428,10 @@ class SlotLayout:
         if self.k_per_channel:
             k = self._decode_key_groups(slots)
         else:
-            k = side(0, self.k_ranks, self.k_groups, self.k_bits, self.k_scale_offset,
+            k = side("k", 0, sum(self.k_ranks), self.k_bits, self.k_scale_offset,
                      self.k_zero_offset, self.k_params)
-        v = side(self.v_codes_offset, self.v_ranks, self.v_groups, self.v_bits,
-                 self.v_scale_offset, self.v_zero_offset, self.v_params)
+        v = side("v", self.v_codes_offset, sum(self.v_ranks), self.v_bits, self.v_scale_offset,
+                 self.v_zero_offset, self.v_params)
         return k, v
 
     def _decode_key_groups(self, slots: torch.Tensor) -> torch.Tensor:
