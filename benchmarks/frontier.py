@@ -445,6 +445,9 @@ def main() -> None:
     p.add_argument("--calibration-tokens", type=int, default=None,
                    help="calibration tokens of the --corpus artifact (default: calibrate's)")
     args = p.parse_args()
+    if args.calibration_tokens and args.corpus == DEFAULT_TEXT:
+        p.error(f"--calibration-tokens sets the size of a --corpus artifact; the default text "
+                f"({DEFAULT_TEXT}) serves the cached default artifact: pass --corpus mix")
 
     rows = load_rows(args.rows) if args.rows else measure_rows(args)
     if args.save_rows:
