@@ -213,6 +213,20 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     return out.reshape(codes.shape)
 
 
+def dequantize_segments(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, sizes,
+                        index: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_segments`: ``codes [..., sum(sizes)]`` with one
+    ``scale``/``zero`` ``[..., len(sizes)]`` per consecutive group of ``sizes``
+    channels -> float32 ``[..., sum(sizes)]``, in one pass (``index``: as for
+    :func:`quantize_segments`; ``None`` with uneven sizes builds it here)."""
+    sizes = tuple(sizes)
+    if len(set(sizes)) == 1:
+        return dequantize(codes, scale, zero, sizes[0])
+    if index is None:
+        index = segment_index(sizes, codes.device)
+    return codes.float() * scale.float()[..., index] + zero.float()[..., index]
+
+
 def page_padding(natural_bytes, one_page: bool) -> int | None:
     """Slot size that gives every layer of a model one page size, or ``None``.
 
@@ -316,9 +330,12 @@ class SlotLayout:
             out.append(q)
         return tuple(out)
 
-    def _segment_index(self, sizes: tuple[int, ...], device) -> torch.Tensor:
+    def _segment_index(self, sizes: tuple[int, ...], device) -> torch.Tensor | None:
         """:func:`segment_index` of ``sizes`` on ``device``, made once per layout
-        (a call captured in a CUDA graph cannot copy it from the host)."""
+        (a call captured in a CUDA graph cannot copy it from the host); ``None``
+        for equal sizes, which need none."""
+        if len(set(sizes)) == 1:
+            return None
         key = (sizes, device)
         index = self._index.get(key)
         if index is None:
@@ -340,9 +357,9 @@ class SlotLayout:
         # One pass over the row (ranks are multiples of 8, so the packed groups
         # are consecutive bytes).
         sizes = self.quant_group_sizes(side)
-        index = self._segment_index(sizes, x.device) if len(set(sizes)) > 1 else None
         lead = x.shape[:-1]
-        c, s, z = quantize_segments(x.reshape(-1, x.shape[-1]), bits, sizes, index)
+        c, s, z = quantize_segments(x.reshape(-1, x.shape[-1]), bits, sizes,
+                                    self._segment_index(sizes, x.device))
         return (pack(c, bits).reshape(*lead, -1), s.reshape(*lead, -1), z.reshape(*lead, -1))
 
     def encode(self, k_latent: torch.Tensor, v_latent: torch.Tensor) -> torch.Tensor:
@@ -420,10 +437,8 @@ class SlotLayout:
             codes = unpack(slots[..., codes_off:codes_off + packed_bytes(width, bits)], bits,
                            width)
             sizes = self.quant_group_sizes(name)
-            if len(set(sizes)) == 1:
-                return dequantize(codes, scale, zero, sizes[0])
-            index = self._segment_index(sizes, slots.device)
-            return codes.float() * scale.float()[..., index] + zero.float()[..., index]
+            return dequantize_segments(codes, scale, zero, sizes,
+                                       self._segment_index(sizes, slots.device))
 
         if self.k_per_channel:
             k = self._decode_key_groups(slots)
