@@ -54,6 +54,8 @@ RankAllocation = Literal["uniform", "energy", "fisher"]
 StorageBits = Literal[16, 8, 4, 3, 2]
 ExactBits = Literal[16, 8]
 KQuantAxis = Literal["token", "channel"]
+CalibrationText = Literal["wikipedia", "mix"]
+"""Built-in calibration texts (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`)."""
 MODES = get_args(Mode)
 METHODS = get_args(Method)
 RANK_ALLOCATIONS = get_args(RankAllocation)
@@ -129,6 +131,10 @@ class LowRankConfig:
             default text if there is none) or ``"none"`` (no calibration: weight
             SVD, logged).
         calibration_tokens: Tokens of calibration text for ``artifact="auto"``.
+        calibration_text: The built-in text ``artifact="auto"`` calibrates on
+            (and a preset's allocation measures its choices on): ``"wikipedia"``
+            or ``"mix"`` (Wikipedia, BBC News and Shakespeare in turn;
+            :data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`).
         k_bits, v_bits: Storage of the key / value latents: 16 (model dtype,
             no quantization) or 8, 4, 3, 2 (per-token asymmetric integers with
             float16 scale/zero, packed; :mod:`vllm_lowrank.format.latent`).
@@ -206,6 +212,9 @@ class LowRankConfig:
         "tokens of calibration text for `artifact: \"auto\"`",
         refused="calibration_tokens={value} is too small; use >= 512 (default 16384)",
         ge=512, le=MAX_CALIBRATION_TOKENS, strict=True)] = 16384
+    calibration_text: Annotated[CalibrationText, _key(
+        "built-in text `artifact: \"auto\"` calibrates on: `wikipedia` or `mix` (Wikipedia, BBC "
+        "News and Shakespeare in turn; no code)")] = "wikipedia"
     k_bits: Annotated[StorageBits, _key(
         "latent storage: `16` (model dtype) or `8`, `4`, `3`, `2` (packed per-token asymmetric "
         "integers with float16 scale and zero)")] = 16

@@ -432,6 +432,17 @@ def test_calibrate_job_calibrates_on_a_gpu_into_the_artifacts_pvc(rendered_jobs,
     assert policy["spec"].get("ingress", []) == [] and policy["spec"].get("egress", []) == []
 
 
+def _options(argv: list[str]) -> dict[str, str | None]:
+    """``--flag value`` pairs of a command line; a flag followed by another
+    flag (or nothing) maps to ``None``."""
+    opts, i = {}, 0
+    while i < len(argv):
+        value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+        opts[argv[i]] = value
+        i += 1 if value is None else 2
+    return opts
+
+
 @pytest.mark.parametrize("compression", ["", "8"])
 def test_calibrate_job_script_runs(rendered_jobs, tmp_path, compression):
     """The Job's script with a stub `vllm-lowrank`: the model id resolves to its
@@ -465,7 +476,7 @@ def test_calibrate_job_script_runs(rendered_jobs, tmp_path, compression):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(calls) == (2 if compression else 1), calls
+    assert len(calls) == (3 if compression else 1), calls
     assert calls[0][:2] == ["calibrate", str(snapshot)] and "--output" in calls[0]
     assert calls[0][calls[0].index("--output") + 1] == artifact
     if not compression:  # a model missing from the cache: exit 2, the Job fails at once
@@ -473,13 +484,22 @@ def test_calibrate_job_script_runs(rendered_jobs, tmp_path, compression):
                               env=dict(run_env, VLLM_MODEL="org/not-cached"),
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and len(log.read_text().splitlines()) == 1, proc.stderr
-    else:
-        allocate = calls[1]
+    else:  # the 8x preset's calibration (text and tokens), then the allocation from it
+        from vllm_lowrank.presets import PRESETS
+
+        preset = PRESETS["8x"].settings
+        mix, allocate = calls[1], calls[2]
+        assert mix[:2] == ["calibrate", str(snapshot)], mix
+        opts = _options(mix[2:])
+        assert opts["--corpus"] == preset["calibration_text"]
+        assert int(opts["--tokens"]) == preset["calibration_tokens"]
+        assert opts["--output"] == f"{artifact}-mix" and opts["--device"] == "cuda"
         assert allocate[:2] == ["allocate", str(snapshot)], allocate
-        opts = dict(zip(allocate[2::2], allocate[3::2]))
-        assert opts["--artifact"] == artifact and opts["--output"] == f"{artifact}-8x"
+        opts = _options(allocate[2:])
+        assert opts["--artifact"] == f"{artifact}-mix" and opts["--output"] == f"{artifact}-8x"
+        assert opts["--corpus"] == preset["calibration_text"]
         assert opts["--compression"] == "8" and opts["--device"] == "cuda"
-        assert opts["--dtype"] == "bfloat16"
+        assert opts["--dtype"] == "bfloat16" and "--fixed-knobs" in opts
         allocation = pytest.importorskip("vllm_lowrank.calibration.allocate")
         assert allocation.serving_config(json.loads(opts["--config"])).token_adaptive
 

@@ -21,6 +21,8 @@ from filelock import FileLock
 
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.calibration.schema import SERVING_KEYS
+from vllm_lowrank.calibration.text import (CALIBRATION_TEXTS, DEFAULT_CALIBRATION_TEXT,
+                                           calibration_documents)
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.presets import get_preset
 
@@ -36,7 +38,7 @@ def cache_root() -> str:
 
 def auto_artifact_path(model_path: str, cfg: LowRankConfig, dtype: str = "float32") -> str:
     """Where the ``artifact: "auto"`` artifact of ``model_path`` for ``cfg``
-    (its method, head grouping and calibration tokens) is cached; a run in
+    (its method, head grouping, calibration tokens and text) is cached; a run in
     another ``dtype`` than float32 is cached apart (its statistics differ)."""
     from vllm_lowrank.calibration.calibrate import CALIBRATION_VERSION
 
@@ -48,6 +50,8 @@ def auto_artifact_path(model_path: str, cfg: LowRankConfig, dtype: str = "float3
         h.update(f"{name}:{st.st_size}:{int(st.st_mtime)};".encode())
     h.update(f"{cfg.method}:{cfg.head_group_size}:{cfg.calibration_tokens}:"
              f"{CALIBRATION_VERSION}".encode())
+    if cfg.calibration_text != DEFAULT_CALIBRATION_TEXT:
+        h.update(f":{cfg.calibration_text}".encode())
     if dtype != "float32":
         h.update(f":{dtype}".encode())
     return os.path.join(cache_root(), "artifacts", f"{os.path.basename(real)}-{h.hexdigest()}")
@@ -62,7 +66,7 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *, create: bool = Tru
                       device: str = "cpu", dtype: str = "float32"
                       ) -> tuple[art.Artifact, str]:
     """The ``artifact="auto"`` artifact of ``model_path`` for ``cfg``: loaded from
-    the cache, or calibrated on the default text (on ``device`` in ``dtype``,
+    the cache, or calibrated on ``cfg.calibration_text`` (on ``device`` in ``dtype``,
     :func:`~vllm_lowrank.calibration.calibrate.calibrate_model`) and cached.
 
     Returns:
@@ -83,11 +87,13 @@ def load_or_calibrate(model_path: str, cfg: LowRankConfig, *, create: bool = Tru
         from vllm_lowrank.calibration.calibrate import calibrate_model
 
         logger.info("vllm-lowrank: no calibration artifact for %s; calibrating %s bases "
-                    "on %d tokens of the default text (cached in %s)",
-                    model_path, cfg.method, cfg.calibration_tokens, path)
+                    "on %d tokens of the %s text (cached in %s)",
+                    model_path, cfg.method, cfg.calibration_tokens, cfg.calibration_text, path)
         artifact = calibrate_model(model_path, method=cfg.method, group_size=cfg.head_group_size,
-                                   num_tokens=cfg.calibration_tokens, device=device,
-                                   dtype=dtype)
+                                   num_tokens=cfg.calibration_tokens,
+                                   documents=calibration_documents(cfg.calibration_text),
+                                   text_description=CALIBRATION_TEXTS[cfg.calibration_text],
+                                   device=device, dtype=dtype)
         artifact.save(path)
         return artifact, path
 
@@ -100,9 +106,9 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
     ``fisher`` artifact ``base`` (at ``base_path``), or allocated and cached.
 
     The allocation (:func:`vllm_lowrank.calibration.allocate.budget_artifact`,
-    fixed knobs, 4 calibration windows, a 4,096-token context and vLLM's
-    ``block_size``) takes minutes on first start (about 2 on 2 CPU cores for
-    SmolLM2-135M).
+    fixed knobs, 4 calibration windows of ``cfg.calibration_text``, a
+    4,096-token context and vLLM's ``block_size``) takes minutes on first start
+    (about 5 on 2 CPU cores for SmolLM2-135M).
 
     Returns:
         ``(artifact with its allocation, path)``.
@@ -126,7 +132,8 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
         logger.info("vllm-lowrank: preset %s: allocating ranks and bits for %gx on first "
                     "start (minutes; cached in %s)", preset.name, preset.allocate, path)
         out, report = budget_artifact(model_path, base, cfg, ratio=preset.allocate,
-                                      block_size=block_size, choose_knobs=False)
+                                      block_size=block_size, choose_knobs=False,
+                                      documents=calibration_documents(cfg.calibration_text))
         out.save(path)
         logger.info("vllm-lowrank: preset %s: %.2fx at 4,096 tokens, estimated loss "
                     "+%.4f nats", preset.name, report["compression_ratio"],
