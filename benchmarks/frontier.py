@@ -96,6 +96,9 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "allocated 8x, sink 32 + recent 256 int8": ("ours", {"allocate": 8.0, **TALE,
                                                           "recent_tokens": 256,
                                                           "exact_bits": 8}),
+    "allocated 8x, sink 32 + recent 512 int8": ("ours", {"allocate": 8.0, **TALE,
+                                                          "recent_tokens": 512,
+                                                          "exact_bits": 8}),
     # the allocator also choosing Hadamard, per-channel/per-token keys and the window
     "allocated 8x, int8 exact, knobs chosen": ("ours", {"allocate": 8.0, **TALE, "exact_bits": 8,
                                                         "choose_knobs": True}),
@@ -122,6 +125,23 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
 }
 
 
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether ``--only`` selects the setting ``name``: every setting when
+    ``only`` is ``None``; a string that is a setting's whole name selects that
+    setting alone (so a name that is a prefix of others, such as "allocated 8x,
+    sink 32 + recent 256 int8", does not select them); any other string, every
+    setting whose name contains it."""
+    if only is None:
+        return True
+    return any(o == name if o in SETTINGS else o in name for o in only)
+
+
+def corpus_tag(corpus: str, tokens: int | None) -> str:
+    """The part of a cached artifact's name that names its calibration text
+    and, when not the default count, its tokens (``mix-65536t``)."""
+    return corpus + (f"-{tokens}t" if tokens else "")
+
+
 def corpus_artifact(model: str, corpus: str, tokens: int | None = None) -> str:
     """A fisher artifact of ``model`` calibrated on the built-in text ``corpus``
     (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`) over ``tokens``
@@ -130,8 +150,8 @@ def corpus_artifact(model: str, corpus: str, tokens: int | None = None) -> str:
     [--tokens N]`` writes."""
     from vllm_lowrank.calibration.cache import cache_root
 
-    path = os.path.join(cache_root(), "artifacts", f"fisher-{os.path.basename(model)}-{corpus}"
-                        + (f"-{tokens}t" if tokens else ""))
+    path = os.path.join(cache_root(), "artifacts",
+                        f"fisher-{os.path.basename(model)}-{corpus_tag(corpus, tokens)}")
     if not os.path.isdir(path):
         from vllm_lowrank.cli import main as cli
 
@@ -160,7 +180,7 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
     if "bits" in cfg:
         name += "-bits" + "".join(map(str, cfg["bits"]))
     if corpus != DEFAULT_TEXT:
-        name += f"-{corpus}" + (f"-{tokens}t" if tokens else "")
+        name += f"-{corpus_tag(corpus, tokens)}"
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
@@ -429,7 +449,9 @@ def main() -> None:
     p.add_argument("--texts", nargs="+", default=["wikipedia", "bbc"])
     p.add_argument("--step", type=int, default=32, help="tokens per request per step")
     p.add_argument("--only", nargs="+", default=None,
-                   help="only the settings whose name contains one of these (and the baseline)")
+                   help="only the settings named by one of these (and the baseline): a "
+                        "setting's whole name selects it alone, any other string every "
+                        "setting whose name contains it")
     p.add_argument("--json", default=None, help="write (and resume from) every number")
     p.add_argument("--plot", default=None, help="write the frontier plot (PNG) here")
     p.add_argument("--peers", default=None,
@@ -496,8 +518,7 @@ def measure_rows(args) -> list[dict]:
     from vllm_lowrank.models.compression import model_shapes
 
     head_dim = model_shapes(transformers.AutoConfig.from_pretrained(model))[0].head_dim
-    names = [n for n in SETTINGS if n == "uncompressed" or args.only is None
-             or any(o in n for o in args.only)]
+    names = [n for n in SETTINGS if n == "uncompressed" or selected(n, args.only)]
     results = {}
     if args.json and os.path.exists(args.json):
         with open(args.json) as f:

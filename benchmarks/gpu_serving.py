@@ -14,7 +14,8 @@ Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile
 - ``--shapes BxL``: ``B`` distinct prompts of ``L`` tokens (no prefix
   caching) submitted at once, the engine stepped by hand: prefill time (until
   every request has its first token; chunks of ``--max-num-batched-tokens``)
-  and decode step (median engine step after that, ``--decode-tokens`` steps),
+  and decode step (median of the ``--decode-tokens`` engine steps after that
+  which decode all ``B`` requests),
   with the KV memory vLLM chooses (``--gpu-memory-utilization``);
 - ``--equal-memory GIB``: the same KV cache bytes for every engine
   (``kv_cache_memory_bytes``), ``--load-prompts`` prompts of ``--load-len``
@@ -158,34 +159,56 @@ def _timed(llm, prompts, max_tokens: int) -> float:
 _REQ = iter(range(10**9))
 
 
-def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
+def prefill_tokens_bound(batch: int, length: int, chunk: int) -> int:
+    """At most how many tokens a request decodes before the last of ``batch``
+    prompts of ``length`` tokens has its first token: one per engine step, and
+    chunked prefill ends within ``ceil(batch * length / chunk) + batch`` steps
+    (``chunk``: ``--max-num-batched-tokens``)."""
+    return -(-batch * length // chunk) + batch
+
+
+def _stepped(llm, prompts, decode_steps: int, chunk: int) -> tuple[float, float]:
     """Submit ``prompts`` at once and step the engine: ``(prefill_s,
     decode_ms)``, the time until every request has its first token, and the
-    median time of the engine steps after that (pure decode steps)."""
+    median time of the engine steps that decode every request (all started,
+    none finished).
+
+    Requests that finish their prefill early decode while the later ones
+    prefill; each asks for enough tokens
+    (:func:`prefill_tokens_bound` + ``decode_steps``) that ``decode_steps``
+    full-batch steps follow the last first token. (Before 2026-11-27 every
+    request asked for ``decode_steps`` tokens, so at long context most had
+    finished by then: "8 x 32k" steps decoded about half the batch.)"""
     import statistics
 
     import torch
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    n, length = len(prompts), len(prompts[0]["prompt_token_ids"])
+    sp = SamplingParams(temperature=0, ignore_eos=True,
+                        max_tokens=1 + decode_steps + prefill_tokens_bound(n, length, chunk))
     for p in prompts:
         engine.add_request(f"r{next(_REQ)}", p, sp)
     started: set = set()
+    finished: set = set()
     prefill_s, steps = None, []
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
+        full = prefill_s is not None and not finished  # every request decodes this step
         t = time.perf_counter()
         for out in engine.step():
             if out.outputs and out.outputs[0].token_ids:
                 started.add(out.request_id)
+            if out.finished:
+                finished.add(out.request_id)
         torch.cuda.synchronize()
         now = time.perf_counter()
         if prefill_s is None:
             if len(started) == len(prompts):
                 prefill_s = now - t0
-        else:
+        elif full:
             steps.append(now - t)
     return prefill_s, 1000 * statistics.median(steps[1:-1] or steps)
 
@@ -202,7 +225,9 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    chunk = llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    bound = prefill_tokens_bound(len(prompts), len(prompts[0]["prompt_token_ids"]), chunk)
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4 + bound, ignore_eos=True)
     for p in prompts:
         engine.add_request(f"r{next(_REQ)}", p, sp)
     started: set = set()
@@ -273,7 +298,10 @@ def run_one(args) -> list[dict]:
     base = dict(config=name, device=torch.cuda.get_device_name())
     if args.mode == "shapes":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        max_len = max(length for _, length in shapes) + args.decode_tokens + 16
+        extra = {(b, length): 1 + args.decode_tokens
+                 + prefill_tokens_bound(b, length, args.max_num_batched_tokens)
+                 for b, length in shapes}  # tokens each request generates
+        max_len = max(length + extra[b, length] for b, length in shapes) + 16
         t0 = time.perf_counter()
         llm = _engine(args, name, max_len, max(b for b, _ in shapes), None)
         base["startup_s"] = round(time.perf_counter() - t0, 1)
@@ -282,11 +310,12 @@ def run_one(args) -> list[dict]:
         _timed(llm, _prompts(2, 64, 99), 4)  # warm-up: compiles, graphs
         for salt, (b, length) in enumerate(shapes):
             row = dict(base, batch=b, context=length)
-            if b * (length + args.decode_tokens) > base["kv_tokens"]:
+            if b * (length + extra[b, length]) > base["kv_tokens"]:
                 rows.append(dict(row, error="does not fit the KV cache"))
                 continue
             try:
-                pre, step = _stepped(llm, _prompts(b, length, salt), 1 + args.decode_tokens)
+                pre, step = _stepped(llm, _prompts(b, length, salt), args.decode_tokens,
+                                     args.max_num_batched_tokens)
                 rows.append(dict(row, prefill_s=round(pre, 3), decode_ms=round(step, 2)))
             except Exception as exc:  # noqa: BLE001 (reported in the table)
                 rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
