@@ -129,6 +129,7 @@ def main() -> None:
     import decode_attention as da  # noqa: PLC0415 (after the driver: it imports the kernels)
     from vllm_lowrank.triton_kernels import decode_kernels, decode_packed, decode_wide
     from vllm_lowrank.triton_kernels.decode import KernelConfig, latent_decode_attention
+    from vllm_lowrank.triton_kernels.launch import PACKED_CONFIG
 
     kernels = {"wide": decode_wide.wide_decode_kernel, "grid": decode_kernels.decode_grid_kernel,
                "packed": decode_packed.packed_decode_kernel}
@@ -141,9 +142,11 @@ def main() -> None:
         prob = da.setting_problem(cfg, plan, layout, 2, length, "cpu")
         kind = da.setting_kernel(cfg, plan, layout, rope, prob)
         # no "default": on CPU tensors the launch defaults are the interpreter's
-        # (the sweep holds the GPU defaults); the packed kernel has no sweep
+        # (the sweep holds the GPU defaults); the packed kernel: its GPU launch
+        block_n, warps, stages, _ = PACKED_CONFIG
+        packed = {"packed": True, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         variants = [json.loads(v) for v in args.variant] if args.variant else \
-            da.SETTINGS_SWEEP.get(kind, [{"packed": True}])
+            da.SETTINGS_SWEEP.get(kind, [packed])
         for v in variants:
             fn = kernels["wide" if v.get("wide") else kind]
             before = cache_keys(fn)
