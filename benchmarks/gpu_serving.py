@@ -167,27 +167,25 @@ def prefill_tokens_bound(batch: int, length: int, chunk: int) -> int:
     return -(-batch * length // chunk) + batch
 
 
-def _stepped(llm, prompts, decode_steps: int, chunk: int) -> tuple[float, float]:
-    """Submit ``prompts`` at once and step the engine: ``(prefill_s,
-    decode_ms)``, the time until every request has its first token, and the
-    median time of the engine steps that decode every request (all started,
-    none finished).
+def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
+    """Submit ``prompts`` at once, each asking for ``max_tokens``, and step the
+    engine: ``(prefill_s, decode_ms)``, the time until every request has its
+    first token, and the median time of the engine steps that decode every
+    request (all started, none finished).
 
     Requests that finish their prefill early decode while the later ones
-    prefill; each asks for enough tokens
-    (:func:`prefill_tokens_bound` + ``decode_steps``) that ``decode_steps``
-    full-batch steps follow the last first token. (Before 2026-11-27 every
-    request asked for ``decode_steps`` tokens, so at long context most had
-    finished by then: "8 x 32k" steps decoded about half the batch.)"""
+    prefill, so ``max_tokens`` must cover those tokens too
+    (:func:`prefill_tokens_bound`) for full-batch steps to follow the last first
+    token. (Before 2026-11-27 every request asked for ``--decode-tokens``
+    tokens, so at long context most had finished by then: "8 x 32k" steps
+    decoded about half the batch.)"""
     import statistics
 
     import torch
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    n, length = len(prompts), len(prompts[0]["prompt_token_ids"])
-    sp = SamplingParams(temperature=0, ignore_eos=True,
-                        max_tokens=1 + decode_steps + prefill_tokens_bound(n, length, chunk))
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
     for p in prompts:
         engine.add_request(f"r{next(_REQ)}", p, sp)
     started: set = set()
@@ -314,8 +312,7 @@ def run_one(args) -> list[dict]:
                 rows.append(dict(row, error="does not fit the KV cache"))
                 continue
             try:
-                pre, step = _stepped(llm, _prompts(b, length, salt), args.decode_tokens,
-                                     args.max_num_batched_tokens)
+                pre, step = _stepped(llm, _prompts(b, length, salt), extra[b, length])
                 rows.append(dict(row, prefill_s=round(pre, 3), decode_ms=round(step, 2)))
             except Exception as exc:  # noqa: BLE001 (reported in the table)
                 rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
