@@ -64,11 +64,23 @@ def perplexity(llm, windows: list[list[int]]) -> dict[str, float]:
     return {"ppl": math.exp(nll / count), "nll": nll, "tokens": count}
 
 
-def _worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run inside a subprocess: build the engine, measure, return results."""
-    import time
+def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments of one :func:`run_setting` spec.
 
-    from vllm import LLM
+    Every request of a compressed setting advances at most a fixed number of
+    tokens per engine step, however many requests run: ``step_tokens`` when
+    given, else the plugin's prefill chunk
+    (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`, what a
+    token-adaptive server sets). The step's token budget is that times the
+    requests side by side, because vLLM 0.32's scheduler drops
+    ``long_prefill_token_threshold`` while a single request is eligible
+    (``Scheduler.schedule``: "nobody to starve"). Without the budget, one
+    window (``--tokens`` equal to ``--window``) was prefilled in one step, in
+    which every token sees only exact keys: a token-adaptive setting measured
+    no loss at all (``vllm-lowrank perplexity smollm2-135m --tokens 4096
+    --window 4096 --config '{"preset": "4x"}'`` gave the uncompressed 18.985).
+    """
+    from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
 
     longest = max(spec["window"], (spec.get("passkey") or {}).get("context_tokens", 0))
     kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"),
@@ -76,14 +88,24 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
                   enable_prefix_caching=False, seed=0)
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
-    if spec.get("step_tokens"):
-        # generate-style: every request advances at most step_tokens per step
-        step = spec["step_tokens"]
+    step = spec.get("step_tokens") or (PREFILL_CHUNK_TOKENS if spec.get("compression")
+                                       is not None else None)
+    if step:
         side_by_side = max(spec["num_windows"], (spec.get("passkey") or {}).get("num_cases", 1))
         kwargs.update(enable_chunked_prefill=True, long_prefill_token_threshold=step,
                       max_num_batched_tokens=max(step * side_by_side, 16))
     if spec.get("compression") is not None:
         kwargs["additional_config"] = {"kv_compression": spec["compression"]}
+    return kwargs
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run inside a subprocess: build the engine, measure, return results."""
+    import time
+
+    from vllm import LLM
+
+    kwargs = engine_kwargs(spec)
     t0 = time.time()
     llm = LLM(**kwargs)
     tok = llm.get_tokenizer()

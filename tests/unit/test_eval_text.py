@@ -91,3 +91,24 @@ def test_calibration_mix_leaves_the_evaluation_text_and_code_out(model_path):
     assert any(first[2] in d for d in plays[len(plays) // 2:])
     code = texts.python_code()
     assert not any(doc[:200] in joined for doc in (code[0], code[len(code) // 2], code[-1]))
+
+
+def test_compressed_windows_advance_in_prefill_chunks_however_many_run():
+    """A compressed setting's windows advance at most the plugin's prefill
+    chunk per engine step, with a step budget of one chunk per window side by
+    side: vLLM 0.32 drops the per-request threshold while one request is
+    eligible, so a single window would otherwise be prefilled in one step (every
+    token seeing exact keys only). ``step_tokens`` sets the chunk; the
+    uncompressed baseline keeps vLLM's defaults."""
+    from vllm_lowrank.evaluation import engine_kwargs
+    from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+
+    spec = {"model": "m", "window": 4096, "num_windows": 1, "compression": {"preset": "4x"}}
+    one = engine_kwargs(spec)
+    assert one["long_prefill_token_threshold"] == PREFILL_CHUNK_TOKENS
+    assert one["max_num_batched_tokens"] == PREFILL_CHUNK_TOKENS
+    assert one["enable_chunked_prefill"] is True
+    three = engine_kwargs({**spec, "num_windows": 3, "step_tokens": 32})
+    assert (three["long_prefill_token_threshold"], three["max_num_batched_tokens"]) == (32, 96)
+    base = engine_kwargs({**spec, "compression": None})
+    assert "long_prefill_token_threshold" not in base and "max_num_batched_tokens" not in base
