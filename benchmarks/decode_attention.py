@@ -69,6 +69,7 @@ _bootstrap()
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from allocations import ALLOC_8X_SMOLLM2, scale_rank  # noqa: E402
+from vllm_lowrank.presets import PRESETS  # noqa: E402
 from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
@@ -915,6 +916,9 @@ RECOMMENDED = (
     ("lossless (4.04x)", {"preset": "lossless"}, None),
     ("4x (5.18x)", {"preset": "4x"}, None),
     ("8x (8.45x allocation)", {"preset": "8x"}, ALLOC_8X_SMOLLM2),
+    # the same storage with key bases that commute with RoPE: queries absorbed
+    ("8x rope_equivariant", {**PRESETS["8x"].settings, "method": "rope_equivariant"},
+     ALLOC_8X_SMOLLM2),
     ("G=1 0.75 K4c/V4 TALE (3.62x)", {"preset": "lossless", "head_group_size": 1}, None),
     ("G=1 0.5 K4/V4 TALE", {"rank_fraction": 0.5, "head_group_size": 1, "k_bits": 4,
                             "v_bits": 4, "token_adaptive": True, "sink_tokens": 32,
@@ -983,7 +987,18 @@ def setting_problem(cfg, plan, layout, bsz, length, device, seed=0):
                 r, gw, device=dev, generator=g) / math.sqrt(r)
         return w
 
-    k_up = up(plan.k_offsets(), plan.k_ranks, plan.k_width)
+    def equivariant_up():  # rope_equivariant structure: a weight-only basis of a random W
+        from vllm_lowrank.factorization.bases import rope_equivariant_basis
+
+        w = torch.zeros(plan.k_width, kv_width, device=dev)
+        for gi, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+            wk = torch.randn(256, gw, device=dev, generator=g)
+            w[off:off + r, gi * gw:(gi + 1) * gw] = rope_equivariant_basis(
+                wk, None, None, head_dim=HEAD_DIM).b[:r] / math.sqrt(r)
+        return w
+
+    k_up = equivariant_up() if cfg.method == "rope_equivariant" else \
+        up(plan.k_offsets(), plan.k_ranks, plan.k_width)
     v_up = up(plan.v_offsets(), plan.v_ranks, plan.v_width)
     per = math.ceil(length / page)
     num_blocks = bsz * per
@@ -1041,6 +1056,8 @@ def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
     scale = HEAD_DIM ** -0.5
     q = p["q"].float() if torch_path else p["q"]
     post = cfg.method == "post_rope"
+    mode = "post_rope" if post else "latent_rope" if cfg.method == "rope_equivariant" \
+        else "pre_rope"
     if cfg.token_adaptive:
         out = torch.empty(bsz, HEADS * HEAD_DIM, device=q.device,
                           dtype=torch.float32 if torch_path else torch.bfloat16)
@@ -1051,7 +1068,7 @@ def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
             tale.decode(plan, p["k_up"], p["v_up"], rope, scale, q, p["cache"], p["bt"],
                         p["ex_cache"], p["ex_bt"], p["lens"], length, sink=cfg.sink_tokens,
                         recent=cfg.recent_tokens, exact=p["slot"], layout=layout,
-                        latent_decode=kernel, min_seq_len=length, out=out)
+                        latent_decode=kernel, mode=mode, min_seq_len=length, out=out)
         return fn, out
     out = torch.empty(bsz, plan.out_width, device=q.device,
                       dtype=torch.float32 if torch_path else torch.bfloat16)
@@ -1063,8 +1080,7 @@ def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
         else:
             latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
                                     p["lens"], length, layout=layout, out=out,
-                                    mode="post_rope" if post else "pre_rope",
-                                    backend="triton", config=config)
+                                    mode=mode, backend="triton", config=config)
     return fn, out
 
 
@@ -1072,7 +1088,8 @@ def setting_kernel(cfg, plan, layout, rope, p):
     """The latent kernel :func:`latent_decode_attention` picks for this layer."""
     from vllm_lowrank.triton_kernels import decode as dec
 
-    mode = "post_rope" if cfg.method == "post_rope" else "pre_rope"
+    mode = "post_rope" if cfg.method == "post_rope" else "latent_rope" \
+        if cfg.method == "rope_equivariant" else "pre_rope"
     rot = HEAD_DIM if mode == "post_rope" else rope.rotary_dim
     return dec.triton_kernel(plan, layout, mode, p["cache"], rot)
 
@@ -1154,6 +1171,12 @@ SETTINGS_SWEEP = {
                  (32, 8, 2, 64, 4, True), (16, 4, 2, 64, 4, True), (16, 8, 2, 64, 4, True),
                  (32, 4, 2, 32, 4, True), (32, 4, 1, 64, 4, True), (32, 4, 3, 64, 4, True),
                  (32, 8, 2, 64, 8, True))],
+    # per-channel keys fix the tile at one token group (32): warps, stages, chunks
+    "latent_rope": [dict(num_warps=w, num_stages=st, rank_chunk=rc, value_chunk=vc)
+                    for w, st, rc, vc in (
+                        (4, 2, 64, 128), (4, 2, 64, 256), (8, 2, 64, 512), (4, 1, 64, 512),
+                        (4, 3, 64, 512), (4, 2, 32, 512), (4, 2, 128, 512), (4, 2, 256, 512),
+                        (8, 2, 128, 512), (2, 2, 64, 512))],
     "grid": [dict(block_n=bn, num_warps=w, num_stages=st, transposed=False)
              for bn, w, st in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (128, 4, 2), (32, 8, 2),
                                (64, 8, 2), (128, 8, 2))],

@@ -107,6 +107,13 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "allocated 8x, sink 32 + recent 256 int8, bits >= 4": (
         "ours", {"allocate": 8.0, **TALE, "recent_tokens": 256, "exact_bits": 8,
                  "bits": [16, 8, 4]}),
+    # the 8x recipe and the 4x preset with key bases that commute with RoPE: the GPU
+    # decodes them with the queries absorbed, no key rebuild (decode_latent_rope)
+    "allocated 8x, sink 32 + recent 256 int8, rope_equivariant": (
+        "ours", {"allocate": 8.0, **TALE, "recent_tokens": 256, "exact_bits": 8,
+                 "method": "rope_equivariant"}),
+    "4x settings, rope_equivariant": ("ours", {"preset": "4x",
+                                               "method": "rope_equivariant"}),
     # full-rank post-RoPE latents per KV head (the `2x` preset's format, no key
     # rebuild: the packed GPU kernel) with 4-bit keys: quantization only
     "post-RoPE full rank, K4/V4 per token": ("ours", {"preset": "2x", "k_bits": 4}),
@@ -142,20 +149,21 @@ def corpus_tag(corpus: str, tokens: int | None) -> str:
     return corpus + (f"-{tokens}t" if tokens else "")
 
 
-def corpus_artifact(model: str, corpus: str, tokens: int | None = None) -> str:
-    """A fisher artifact of ``model`` calibrated on the built-in text ``corpus``
+def corpus_artifact(model: str, corpus: str, tokens: int | None = None,
+                    method: str = "fisher") -> str:
+    """A ``method`` artifact of ``model`` calibrated on the built-in text ``corpus``
     (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`) over ``tokens``
     tokens (``None``: the default count), made once and cached under the
     plugin's cache root; what ``vllm-lowrank calibrate MODEL --corpus CORPUS
-    [--tokens N]`` writes."""
+    [--tokens N] [--method METHOD]`` writes."""
     from vllm_lowrank.calibration.cache import cache_root
 
     path = os.path.join(cache_root(), "artifacts",
-                        f"fisher-{os.path.basename(model)}-{corpus_tag(corpus, tokens)}")
+                        f"{method}-{os.path.basename(model)}-{corpus_tag(corpus, tokens)}")
     if not os.path.isdir(path):
         from vllm_lowrank.cli import main as cli
 
-        cli(["calibrate", model, "--corpus", corpus, "--output", path]
+        cli(["calibrate", model, "--corpus", corpus, "--output", path, "--method", method]
             + (["--tokens", str(tokens)] if tokens else []))
     return path
 
@@ -164,31 +172,36 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
                         corpus: str = DEFAULT_TEXT, tokens: int | None = None) -> str:
     """The byte-budget artifact of a setting ``{"allocate": ratio, **serving}``
     (:func:`vllm_lowrank.calibration.allocate.budget_artifact` from the
-    model's default fisher artifact, or with ``corpus`` other than
-    the default text from :func:`corpus_artifact` (over ``tokens`` calibration
-    tokens) and measured on that text; cached under the plugin's cache root)."""
+    model's default artifact of the setting's ``method`` (``fisher`` unless
+    given), or with ``corpus`` other than the default text from
+    :func:`corpus_artifact` (over ``tokens`` calibration tokens) and measured on
+    that text; cached under the plugin's cache root)."""
     from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.calibration.artifact import load_artifact
     from vllm_lowrank.calibration.cache import cache_root, load_or_calibrate
     from vllm_lowrank.config import LowRankConfig
 
-    serving = {k: v for k, v in cfg.items() if k not in ("allocate", "choose_knobs", "bits")}
+    method = cfg.get("method", "fisher")
+    serving = {k: v for k, v in cfg.items()
+               if k not in ("allocate", "choose_knobs", "bits", "method")}
     name = f"alloc-{os.path.basename(model)}-{cfg['allocate']}x-{context}-{block}-" + "-".join(
         f"{k}{v}" for k, v in sorted(serving.items())) + ("-chosen" if cfg.get("choose_knobs")
                                                          else "")
     if "bits" in cfg:
         name += "-bits" + "".join(map(str, cfg["bits"]))
+    if method != "fisher":
+        name += f"-{method}"
     if corpus != DEFAULT_TEXT:
         name += f"-{corpus_tag(corpus, tokens)}"
     path = os.path.join(cache_root(), "artifacts", name)
     if not os.path.isdir(path):
         settings = serving_config(serving)
         if corpus == DEFAULT_TEXT:
-            artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank"))
+            artifact, _ = load_or_calibrate(model, LowRankConfig(mode="lowrank", method=method))
             documents = None
         else:
-            artifact = load_artifact(corpus_artifact(model, corpus, tokens))
+            artifact = load_artifact(corpus_artifact(model, corpus, tokens, method))
             documents = texts.calibration_documents(corpus)
         out, _ = budget_artifact(model, artifact, settings, ratio=cfg["allocate"],
                                  context=context, block_size=block,
@@ -209,7 +222,8 @@ def compression_of(model: str, cfg: dict | None, context: int, block: int,
         return {"mode": "lowrank",
                 "artifact": allocation_artifact(model, cfg, context, block, corpus, tokens)}
     if corpus != DEFAULT_TEXT:
-        return {"mode": "lowrank", **cfg, "artifact": corpus_artifact(model, corpus, tokens)}
+        return {"mode": "lowrank", **cfg,
+                "artifact": corpus_artifact(model, corpus, tokens, cfg.get("method", "fisher"))}
     return {"mode": "lowrank", **cfg}
 
 

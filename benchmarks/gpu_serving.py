@@ -73,6 +73,11 @@ CONFIGS = {
     # cannot give bits per layer); the preset's block size
     "alloc-8x": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024)},
                  "block_size": PRESETS["8x"].block_size},
+    # the same with key bases that commute with RoPE (weight-only `rope_equivariant`
+    # bases): decoded with the queries absorbed, no key rebuild (decode_latent_rope)
+    "alloc-8x-re": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024),
+                                    "method": "rope_equivariant"},
+                    "block_size": PRESETS["8x"].block_size},
     # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
     # keys on the grid kernel
     "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},

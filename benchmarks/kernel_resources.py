@@ -127,12 +127,14 @@ def main() -> None:
     driver.set_active(CompileOnlyDriver())
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import decode_attention as da  # noqa: PLC0415 (after the driver: it imports the kernels)
-    from vllm_lowrank.triton_kernels import decode_kernels, decode_packed, decode_wide
+    from vllm_lowrank.triton_kernels import (decode_kernels, decode_latent_rope, decode_packed,
+                                             decode_wide)
     from vllm_lowrank.triton_kernels.decode import KernelConfig, latent_decode_attention
     from vllm_lowrank.triton_kernels.launch import PACKED_CONFIG
 
     kernels = {"wide": decode_wide.wide_decode_kernel, "grid": decode_kernels.decode_grid_kernel,
-               "packed": decode_packed.packed_decode_kernel}
+               "packed": decode_packed.packed_decode_kernel,
+               "latent_rope": decode_latent_rope.latent_rope_decode_kernel}
     rope = da.llama3_rope(1024, "cpu")
     print(f"triton {triton.__version__}, target sm_90; per variant: MMA instructions in the "
           "PTX | ptxas registers and spills")
@@ -155,7 +157,8 @@ def main() -> None:
                     plan, prob["k_up"], rope, da.HEAD_DIM ** -0.5, prob["q"], prob["cache"],
                     prob["bt"], prob["lens"], length, layout=layout, backend="triton",
                     config=KernelConfig(**v) if v else None,
-                    mode="post_rope" if cfg.method == "post_rope" else "pre_rope",
+                    mode={"post_rope": "post_rope", "rope_equivariant": "latent_rope"}.get(
+                        cfg.method, "pre_rope"),
                     sink=cfg.sink_tokens if cfg.token_adaptive else 0,
                     recent=cfg.recent_tokens if cfg.token_adaptive else 0)
             except Exception as exc:  # noqa: BLE001 (the stand-in driver cannot launch)

@@ -10,7 +10,8 @@ up-projection and the RoPE check, chooses the launch parameters and the split
 key tile does not fit one program, the wide-group kernel of :mod:`.decode_wide`
 (both read per-channel keys), or, for post-RoPE latents packed per token at 8/4
 bits with uniform ranks (:func:`.decode_packed.blocker`), the packed kernel of
-:mod:`.decode_packed`; split partials are merged by
+:mod:`.decode_packed`, or, in ``latent_rope`` mode (key bases that commute with
+RoPE), the kernel of :mod:`.decode_latent_rope`; split partials are merged by
 :func:`.tiles.reduce_splits_kernel`.
 
 Example::
@@ -27,12 +28,13 @@ import math
 import torch
 import triton
 
-from . import decode_packed
+from . import decode_latent_rope, decode_packed
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
 from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
                           interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
-                     _packed_config, _wide_config, choose_num_splits, wide_heads_per_program)
+                     _latent_rope_config, _packed_config, _wide_config, choose_num_splits,
+                     wide_heads_per_program)
 from .launch import needs_wide
 from .tiles import reduce_splits_kernel
 
@@ -95,7 +97,7 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
     sh = plan.shape
     checks = (
         (query.device.type == "cuda" and not interpreting(), "not on a CUDA device"),
-        (mode == "pre_rope", "post_rope mode"),
+        (mode == "pre_rope", f"{mode} mode"),
         (config is None and schedule is None, "explicit Triton launch config or schedule"),
         (layout is None, "quantized cache"),
         (transform is None, "key transform"),
@@ -192,6 +194,7 @@ TRITON_KERNELS = {
     "grid": "Triton kernel",
     "wide": "wide-group Triton kernel (the rank in chunks, 1 to 4 KV heads per program)",
     "packed": "packed post-RoPE Triton kernel (codes in the dots)",
+    "latent_rope": "RoPE-equivariant latent Triton kernel (queries absorbed, no key rebuild)",
 }
 """The Triton decode kernels, by the name :func:`triton_kernel` returns, with
 the label the start-up log line gives them."""
@@ -199,7 +202,8 @@ the label the start-up log line gives them."""
 
 def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
                   config: KernelConfig | None = None, schedule=None,
-                  prep: Prepared | None = None) -> str:
+                  prep: Prepared | None = None, window: int | None = None,
+                  sink: int = 0) -> str:
     """Which Triton kernel :func:`latent_decode_attention` launches for a call
     (the one decision, also used for the start-up log line):
 
@@ -208,6 +212,7 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
       (:func:`.launch.needs_wide`);
     - ``"packed"`` (:mod:`.decode_packed`): in :func:`.decode_packed.blocker`'s
       scope, on the plain grid;
+    - ``"latent_rope"`` (:mod:`.decode_latent_rope`): ``latent_rope`` mode, always;
     - ``"grid"`` (:mod:`.decode_kernels`): everything else.
 
     Args:
@@ -220,6 +225,9 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
         schedule: ``None`` or the longest-first schedule (grid kernel only).
         prep: The call's :class:`.decode_prep.Prepared` (computed on the CPU when
             ``None``).
+        window, sink: The call's sliding window (``None``: none) and sink
+            tokens (the ``latent_rope`` kernel's scope,
+            :func:`.decode_latent_rope.blocker`).
 
     Raises:
         ValueError: a kernel forced by ``config`` cannot run this call, or
@@ -228,6 +236,16 @@ def triton_kernel(plan, layout, mode: str, kv_cache, rotary_dim: int,
     """
     cfg = config or KernelConfig()
     per_channel = layout is not None and layout.k_per_channel
+    if mode == "latent_rope":
+        why = decode_latent_rope.blocker(plan, layout, window=window, sink=sink)
+        if why is None and schedule is not None:
+            why = "it runs on the plain grid (schedule=None)"
+        if why is None and per_channel and kv_cache.shape[2] % layout.k_channel_tokens:
+            why = (f"block_size {kv_cache.shape[2]} is not a multiple of the per-channel "
+                   f"key group ({layout.k_channel_tokens} tokens)")
+        if why is not None:
+            raise ValueError(f"the RoPE-equivariant latent kernel cannot run this call: {why}")
+        return "latent_rope"
     if cfg.wide is not None:
         wide = cfg.wide
     else:
@@ -291,7 +309,11 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         schedule: ``None`` for the plain grid; ``"lpt"`` or a
             :class:`~vllm_lowrank.triton_kernels.schedule.DecodeSchedule` for the
             longest-first persistent grid.
-        mode: ``"pre_rope"`` (rebuild keys, RoPE) or ``"post_rope"``.
+        mode: ``"pre_rope"`` (rebuild keys, RoPE), ``"post_rope"``, or
+            ``"latent_rope"``: the same attention as ``pre_rope`` for a
+            ``k_up`` that commutes with RoPE (``rope_equivariant`` bases), the
+            queries absorbed into the key latent
+            (:mod:`.decode_latent_rope`; ``query`` as in ``pre_rope``).
         config: Launch parameter overrides (benchmarks).
         out: Optional ``[B, out_width]`` float32 output buffer.
         transform: :class:`~vllm_lowrank.attention.latent_attention.KeyTransform`
@@ -334,8 +356,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         :func:`vllm_lowrank.attention.latent_attention.decode_attention` with the
         same arguments.
     """
-    if mode not in ("pre_rope", "post_rope"):
-        raise ValueError(f"mode must be 'pre_rope' or 'post_rope', got {mode!r}")
+    if mode not in ("pre_rope", "post_rope", "latent_rope"):
+        raise ValueError(f"mode must be 'pre_rope', 'post_rope' or 'latent_rope', got {mode!r}")
     if backend not in ("auto", "triton", "cuda"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
     if backend != "triton":
@@ -381,7 +403,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
 
     if transform is not None and mode != "pre_rope":
         raise ValueError("transform= (key bias / QK-norm) applies to rebuilt keys: "
-                         "pre_rope mode only (post-RoPE latents are cached transformed)")
+                         "pre_rope mode only (post-RoPE latents are cached transformed; "
+                         "a key bias or norm breaks the latent rotation of latent_rope)")
     if window is not None and int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     use_window = window is not None and int(window) < max_seq_len
@@ -405,10 +428,15 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
                              f"head_dim = {sh.head_dim}")
     norm_eps = float(transform.norm_eps) if k_norm else 0.0
 
-    rotary_dim = rope.rotary_dim if mode == "pre_rope" else sh.head_dim
-    neox = rope.neox if mode == "pre_rope" else True
+    rotary_dim = rope.rotary_dim if mode != "post_rope" else sh.head_dim
+    neox = rope.neox if mode != "post_rope" else True
     prep = prepare(plan, layout, rotary_dim, neox, device)
-    if mode == "pre_rope":
+    if mode == "latent_rope":
+        absorb, weights = decode_latent_rope.absorption(plan, k_up, rope)
+        query = decode_latent_rope.absorbed_queries(plan, absorb, query)
+        cos, sin = rope.cos, rope.sin
+        rope_direct, s_rope, max_pos = False, cos.stride(0), cos.shape[0]
+    elif mode == "pre_rope":
         weights = key_weights(plan, k_up, prep, dt_torch, rotary_dim, neox)
         cos, sin = rope.cos, rope.sin
         if cos.device != device:
@@ -422,10 +450,14 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         if query.shape[-1] < max(plan.k_ranks):
             raise ValueError("post_rope queries need >= max(k_ranks) columns")
 
-    kernel = triton_kernel(plan, layout, mode, kv_cache, rotary_dim, cfg, schedule, prep)
+    kernel = triton_kernel(plan, layout, mode, kv_cache, rotary_dim, cfg, schedule, prep,
+                           window if use_window else None, sink)
     wide, packed = kernel == "wide", kernel == "packed"
+    latent_rope = kernel == "latent_rope"
     if packed:
         dflt = _packed_config(device)
+    elif latent_rope:
+        dflt = _latent_rope_config(prep, plan.heads_per_group, device)
     elif wide:
         dflt = _wide_config(plan, prep, device)
     else:
@@ -446,7 +478,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     ng = plan.num_groups
     hg = plan.heads_per_group
     chan = layout is not None and layout.k_per_channel
-    if wide or packed or chan:
+    if wide or packed or chan or latent_rope:
         gpp = 1
     elif cfg.groups_per_program is not None:
         gpp = cfg.groups_per_program
@@ -564,6 +596,12 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     )
     if wide:
         _launch_wide(plan, prep, args, common, dflt, cfg, hpp, rotary_dim, num_splits, bsz)
+    elif latent_rope:
+        rc = min(max(cfg.rank_chunk or dflt["rank_chunk"], k_qg), prep.rk_max_pad)
+        vc = min(cfg.value_chunk or dflt["value_chunk"], prep.rv_max_pad)
+        if v_qg and (vc % v_qg or v_qg & (v_qg - 1)):
+            vc = prep.rv_max_pad  # a chunk must start on a scale group: one chunk
+        decode_latent_rope.launch(plan, args, common, rc, vc, num_splits, bsz)
     elif schedule is None:
         decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:

@@ -28,6 +28,7 @@ class KernelConfig:
     groups_per_program: int | None = None  # head groups sharing one score tile (1, 2, 4)
     wide: bool | None = None  # one program per KV head, rank in chunks (.decode_wide)
     rank_chunk: int | None = None  # wide kernel: key latent channels per chunk
+    value_chunk: int | None = None  # latent_rope kernel: value channels per program
     heads_per_program: int | None = None  # wide kernel: KV heads per program (gcd with G)
     chunk_outer: bool | None = None  # wide kernel: rank-chunk loop outside the KV-head loop
     packed: bool | None = None  # post-RoPE per-token packed kernel (.decode_packed)
@@ -162,6 +163,22 @@ def _packed_config(device) -> dict:
         else (16, 4, 1, 2)
     return dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                 transposed=False, programs_per_sm=per_sm)
+
+
+def _latent_rope_config(prep: Prepared, hg: int, device) -> dict:
+    """Launch parameters of the RoPE-equivariant latent kernel
+    (:mod:`.decode_latent_rope`): one program per head group and split with
+    all value channels (an H200 sweep of the kernel's first version put one
+    value program ahead of 2-8: each scores the whole key latent), 8 warps (the
+    ``32 x 512`` float32 value accumulator spills at 4: ``kernel_resources.py``),
+    key chunks of 64 channels, 32-token tiles (per-channel keys: one token
+    group); 16-token tiles and 16-channel chunks under the interpreter (several
+    value programs)."""
+    if device.type != "cuda":
+        return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
+                    programs_per_sm=1, rank_chunk=16, value_chunk=16)
+    return dict(block_n=32, num_warps=8, num_stages=2, transposed=False,
+                programs_per_sm=2, rank_chunk=64, value_chunk=prep.rv_max_pad)
 
 
 WIDE_GROUP_MIN_PROGRAMS = 4

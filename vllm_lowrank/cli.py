@@ -23,6 +23,7 @@ import json
 import sys
 
 from vllm_lowrank.config import (
+    LOSS_METHODS,
     MAX_CALIBRATION_TOKENS,
     MAX_TOKENS,
     METHODS,
@@ -117,7 +118,7 @@ def _calibration_text(args) -> tuple[list[str] | None, str | None]:
 def _calibrate(args) -> None:
     check_calibration_tokens(args.tokens, bool(args.text))
     if args.rank_allocation is None:
-        args.rank_allocation = "fisher" if args.method == "fisher" else "energy"
+        args.rank_allocation = "fisher" if args.method in LOSS_METHODS else "energy"
     from vllm_lowrank.calibration.calibrate import calibrate_model
 
     documents, description = _calibration_text(args)

@@ -49,7 +49,7 @@ ADDITIONAL_CONFIG_KEY = "kv_compression"
 """Key of this plugin's settings inside ``VllmConfig.additional_config``."""
 
 Mode = Literal["none", "lowrank"]
-Method = Literal["svd", "whitened", "eigen", "kq", "post_rope", "fisher"]
+Method = Literal["svd", "whitened", "eigen", "kq", "post_rope", "fisher", "rope_equivariant"]
 RankAllocation = Literal["uniform", "energy", "fisher"]
 StorageBits = Literal[16, 8, 4, 3, 2]
 ExactBits = Literal[16, 8]
@@ -63,6 +63,9 @@ STORAGE_BITS = get_args(StorageBits)
 EXACT_BITS = get_args(ExactBits)
 """Storage of the token-adaptive mode's exact keys and values (16: model dtype)."""
 K_QUANT_AXES = get_args(KQuantAxis)
+LOSS_METHODS = ("fisher", "rope_equivariant")
+"""Methods whose basis energies are estimated loss increases (the Fisher
+metric): the ones ``rank_allocation: "fisher"`` and byte-budget allocation take."""
 RANK_MULTIPLE = 8
 """Ranks are rounded to multiples of 8: the tensor-core tile of the GPU kernels
 (``tl.dot`` needs K >= 16 on bf16, 8 keeps small heads usable) and whole bytes
@@ -119,13 +122,15 @@ class LowRankConfig:
         method: Basis of the factorization: ``"svd"`` (weights only), ``"whitened"``
             (activation-aware SVD), ``"eigen"`` (PCA of keys with queries),
             ``"kq"`` (attention-output-aware), ``"post_rope"`` (ZACK: scores in
-            the latent space, no key rebuild; ``head_group_size`` 1) or ``"fisher"``
-            (loss-aware, K-FAC Fisher metric; the default). See
+            the latent space, no key rebuild; ``head_group_size`` 1), ``"fisher"``
+            (loss-aware, K-FAC Fisher metric; the default) or
+            ``"rope_equivariant"`` (``fisher`` with a key basis that commutes
+            with RoPE: complex-linear per frequency across the group's heads). See
             :mod:`vllm_lowrank.factorization.bases`.
         rank_allocation: ``"uniform"`` (same rank everywhere), ``"energy"``
             (one global budget spread by each basis' normalised energy) or
             ``"fisher"`` (one global budget spread by estimated loss increase;
-            needs ``method="fisher"``).
+            needs a method of :data:`LOSS_METHODS`).
         artifact: Path of a calibration artifact directory, ``"auto"`` (use the
             cached artifact for this model and settings, calibrating once on the
             default text if there is none) or ``"none"`` (no calibration: weight
@@ -197,7 +202,9 @@ class LowRankConfig:
     method: Annotated[Method, _key(
         "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` (PCA of keys "
         "with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the latent space, "
-        "no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC)")] = "fisher"
+        "no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC), "
+        "`rope_equivariant` (`fisher` with keys complex-linear per RoPE frequency across "
+        "heads)")] = "fisher"
     rank_allocation: Annotated[RankAllocation, _key(
         "`uniform`, `energy` (normalised spectra), `fisher` (estimated loss increase, one "
         "global budget)")] = "fisher"
@@ -343,11 +350,11 @@ class LowRankConfig:
                 f"needs head_group_size 1, got {self.head_group_size}; add "
                 "\"head_group_size\": 1"
             )
-        if self.rank_allocation == "fisher" and self.method != "fisher":
+        if self.rank_allocation == "fisher" and self.method not in LOSS_METHODS:
             raise LowRankConfigError(
                 f"rank_allocation=\"fisher\" compares energies in loss units, which "
-                f"only method=\"fisher\" produces (got method={self.method!r}); use "
-                "rank_allocation \"energy\" or \"uniform\""
+                f"only methods {list(LOSS_METHODS)} produce (got method={self.method!r}); "
+                "use rank_allocation \"energy\" or \"uniform\""
             )
         if self.exact_bits != 16 and not self.token_adaptive:
             raise LowRankConfigError(

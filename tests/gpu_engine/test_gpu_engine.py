@@ -56,6 +56,13 @@ SETTINGS = {
     # rank 768 (lossless) in the varlen prefill
     "preset-4x": {"preset": "4x"},
     "preset-lossless": {"preset": "lossless"},
+    # the 8x recipe's storage with key bases that commute with RoPE (weight-only
+    # rope_equivariant bases: artifact "none"): the latent span decodes with the
+    # queries absorbed (decode_latent_rope)
+    "rope-equivariant-tale": {"rank_fraction": 0.25, "method": "rope_equivariant",
+                              "token_adaptive": True, "sink_tokens": 32, "recent_tokens": 64,
+                              "k_bits": 4, "v_bits": 4, "k_quant": "channel",
+                              "k_channel_tokens": 16, "exact_bits": 8},
 }
 
 _CACHE: dict = {}
@@ -176,4 +183,21 @@ def test_token_adaptive_decode_is_captured_and_equals_eager(setting):
     eager = probe("small-h128", SETTINGS[setting], dtype="float32", eager=True)
     assert graphs["cudagraph_mode"] != "NONE" and "FULL" in graphs["cudagraph_mode"], \
         graphs["cudagraph_mode"]
+    assert _float32_steps_agree(graphs, eager, 1e-4) >= 15
+
+
+@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
+def test_rope_equivariant_layers_decode_with_absorbed_queries(model):
+    """A ``rope_equivariant`` token-adaptive setting takes the RoPE-equivariant
+    latent kernel in every layer (after its start-up self-check against the torch
+    path, which rebuilds the keys), inside CUDA graphs, and its float32 tokens
+    and log-probabilities equal the eager engine's."""
+    from vllm_lowrank.triton_kernels.decode import TRITON_KERNELS
+
+    setting = SETTINGS["rope-equivariant-tale"]
+    graphs = probe(model, setting, dtype="float32")
+    assert graphs["paths"] and all(TRITON_KERNELS["latent_rope"] in p for p in graphs["paths"]), \
+        graphs["paths"]
+    assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
+    eager = probe(model, setting, dtype="float32", eager=True)
     assert _float32_steps_agree(graphs, eager, 1e-4) >= 15

@@ -1161,3 +1161,98 @@ def test_decode_path_choice(monkeypatch, caplog):
                                  kw, warm)
     assert path.name == "torch" and "disagrees with the torch path" in path.reason
     assert any("decode path torch" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------
+# RoPE-equivariant latents (decode_latent_rope): queries absorbed, latent pairs turned
+# ---------------------------------------------------------------------------------
+def equivariant_k_up(plan, g, neox):
+    """A random key up-projection of the ``rope_equivariant`` structure: per head
+    group, ``r / 2`` complex components on random RoPE frequencies, each a pair
+    of rows ``(Re c, Im c)`` (:func:`vllm_lowrank.factorization.bases.rope_pairs`)."""
+    from vllm_lowrank.factorization.bases import rope_pairs
+
+    d, gs, gw = plan.shape.head_dim, plan.group_size, plan.group_width
+    re, im = rope_pairs(d, gs, neox)
+    k_up = torch.zeros(plan.k_width, plan.shape.num_kv_heads * d)
+    for gi, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+        blk = torch.zeros(r, gw)
+        for k in range(r // 2):
+            f = int(torch.randint(d // 2, (1,), generator=g))
+            u = torch.randn(gs, 2, generator=g)
+            blk[2 * k, re[f]], blk[2 * k, im[f]] = u[:, 0], u[:, 1]
+            blk[2 * k + 1, re[f]], blk[2 * k + 1, im[f]] = -u[:, 1], u[:, 0]
+        k_up[off:off + r, gi * gw:(gi + 1) * gw] = blk / math.sqrt(r)
+    return k_up
+
+
+@pytest.mark.parametrize("group_size,kr,vr,neox,bits,kct,span,window,splits", [
+    (4, (56,), (40,), True, None, None, None, None, 1),          # one group, 4 key chunks
+    (2, (40, 16), (24, 64), False, None, None, None, None, 3),   # gptj, uneven ranks, split
+    (4, (64,), (48,), True, (8, 4), None, (4, 17), None, 2),     # packed per token, TALE span
+    (4, (56,), (40,), True, (4, 4), 16, (16, 17), None, 2),      # per-channel keys (KIVI), span
+    (2, (48, 32), (32, 48), True, (2, 3), 16, (32, 17), None, 1),  # 2-bit keys per channel
+    (2, (48, 32), (32, 48), True, (3, 2), None, (16, 1), 60, 1),   # 3-bit keys, window
+])
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_latent_rope(group_size, kr, vr, neox, bits, kct, span, window, splits):
+    """``mode="latent_rope"`` (absorbed queries, latent pairs turned by the RoPE
+    table) equals the float64 key-rebuild reference (rebuild, RoPE, softmax) on
+    a RoPE-equivariant ``k_up``, for every cache format the 8x recipe uses; the
+    torch pre_rope path agrees too."""
+    from vllm_lowrank.attention.latent_attention import decode_attention
+
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
+                                                       v_ranks=vr, page=16, lens=TALE_LENS,
+                                                       seed=71)
+    k_up = equivariant_k_up(plan, g, neox)
+    rope = make_rope(32, neox=neox, mscale=1.1)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
+    if bits is None:
+        cache, layout = lat, None
+        kd, vd = lat[:, :plan.k_width], lat[:, plan.k_width:]
+    else:
+        layout = SlotLayout(kr, vr, *bits, k_channel_tokens=kct)
+        cache = layout.encode_complete(lat[:, :plan.k_width], lat[:, plan.k_width:])
+        kd, vd = layout.decode(cache)
+    sink, recent = span or (0, 0)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    cache = cache.view(nblk, 1, page, -1)
+    assert dec.triton_kernel(plan, layout, "latent_rope", cache, 32) == "latent_rope"
+    out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
+                   sink=sink, recent=recent, window=window, return_lse=True,
+                   mode="latent_rope")
+    ref, ref_lse = span_reference(plan, k_up, rope, 0.2, q, gather(kd, bt, lens, page),
+                                  gather(vd, bt, lens, page), lens, in_span(sink, recent, window))
+    assert rel_err(out, ref) < TOL32
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin] - ref_lse[fin]).abs().max() < LSE_TOL
+    torch_path = decode_attention(plan, k_up.to(DEV), rope, 0.2, q.to(DEV), cache.to(DEV),
+                                  bt.clamp(max=nblk - 1).to(DEV), lens.to(DEV), int(lens.max()),
+                                  layout=layout, sink=sink, recent=recent, window=window)
+    assert rel_err(out, torch_path.double().cpu()) < TOL32
+
+
+def test_latent_rope_refuses_other_bases():
+    """A key up-projection that is not complex-linear per frequency (a random
+    one) is refused with the reason, never decoded wrongly."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=4, k_ranks=(56,),
+                                                       v_ranks=(40,), seed=73)
+    cache = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    with pytest.raises(ValueError, match="complex-linear"):
+        run(plan, k_up, make_rope(32), q, cache, bt, lens, mode="latent_rope")
+    with pytest.raises(ValueError, match="whole head"):
+        run(plan, equivariant_k_up(plan, g, True), make_rope(16), q, cache, bt, lens,
+            mode="latent_rope")
+    # per-channel key groups must be whole tiles: no window, sinks in whole groups
+    k_up = equivariant_k_up(plan, g, True)
+    slots, layout, _, _ = channel_key_cache(plan, nblk, page, g, (4, 4), 16)
+    slots = slots.view(nblk, 1, page, -1)
+    with pytest.raises(ValueError, match="sliding window"):
+        run(plan, k_up, make_rope(32), q, slots, bt, lens, layout=layout, window=20,
+            mode="latent_rope")
+    with pytest.raises(ValueError, match="not a multiple"):
+        run(plan, k_up, make_rope(32), q, slots, bt, lens, layout=layout, sink=4, recent=3,
+            mode="latent_rope", return_lse=True)

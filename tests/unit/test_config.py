@@ -217,3 +217,12 @@ def test_readme_key_table_and_cli_help_come_from_config_keys():
     for names, _, _ in config_keys():
         assert all(f"{n}" in CONFIG_HELP for n in names)
     assert "default 0.5" in CONFIG_HELP  # field defaults rendered (ratio)
+
+
+def test_rope_equivariant_takes_the_fisher_rank_allocation():
+    """Its energies are Fisher loss increases, like fisher's: the default
+    rank_allocation "fisher" is accepted; a method without them is refused."""
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "method": "rope_equivariant"})
+    assert (cfg.method, cfg.rank_allocation) == ("rope_equivariant", "fisher")
+    with pytest.raises(LowRankConfigError, match="rope_equivariant"):
+        LowRankConfig.from_dict({"mode": "lowrank", "method": "eigen"})

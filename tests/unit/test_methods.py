@@ -124,3 +124,95 @@ def test_distance_mass_sums_each_diagonal():
         for delta in range(5):
             ref = sum(float(p[b, h, m, m - delta]) for b in range(2) for m in range(delta, 5))
             assert out[h, delta] == pytest.approx(ref, rel=1e-5)
+
+
+def _rotate_keys(k, pos, inv_freq):
+    """Naive neox RoPE of ``k [T, heads, D]`` at positions ``pos [T]`` (float64)."""
+    ang = pos[:, None] * inv_freq[None, :]
+    c, s = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    half = k.shape[-1] // 2
+    return k * c + torch.cat([-k[..., half:], k[..., :half]], -1) * s
+
+
+def test_rope_equivariant_basis_commutes_with_rope():
+    """RoPE of the rebuilt keys == the rebuild of the latent rotated pair by pair
+    (pair l by theta_f t, f from latent_frequencies), at every even rank; the
+    fisher basis of the same statistics does not commute."""
+    from vllm_lowrank.factorization.bases import latent_frequencies
+
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(300, HID, dtype=torch.float64)
+    gm = torch.randn(KV * D, KV * D, dtype=torch.float64)
+    st = _stats(x, gk=gm @ gm.T, gv=gm @ gm.T)
+    inv = _kw(KV)["inv_freq"].double()
+    kb, _ = layer_bases("rope_equivariant", w_k, w_v, w_o, st, **_kw(KV))
+    fb, _ = layer_bases("fisher", w_k, w_v, w_o, st, **_kw(KV))
+    xs, pos = torch.randn(6, HID, dtype=torch.float64), torch.arange(6.0, dtype=torch.float64) * 7
+    for r in (2, 6, 10):
+        a, b = (t.double() for t in factors_for_rank(kb[0], r, w_k.T))
+        want = _rotate_keys((xs @ a @ b).view(6, KV, D), pos, inv)
+        lat, f = xs @ a, latent_frequencies(kb[0].b[:r], D)
+        ang = pos[:, None] * inv[f][None, :]
+        re, im = lat[:, 0::2], lat[:, 1::2]
+        rot = torch.stack([re * ang.cos() - im * ang.sin(), re * ang.sin() + im * ang.cos()], -1)
+        got = (rot.reshape(6, r) @ b).view(6, KV, D)
+        assert torch.allclose(got, want, atol=1e-9 * want.abs().max())
+    with pytest.raises(ValueError, match="complex-linear"):
+        latent_frequencies(fb[0].b[:4], D)
+
+
+def test_rope_equivariant_energy_is_the_rotation_averaged_objective():
+    """The error left at rank r, tr(S_x E T~ E^T) with T~ the Fisher metric
+    averaged over independent rotations of each frequency (computed here from
+    8 angles per frequency), equals the energies past r, and no
+    complex-linear map of the same rank built from a random basis does better."""
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(400, HID, dtype=torch.float64)
+    gm = torch.randn(KV * D, KV * D, dtype=torch.float64)
+    gm = gm @ gm.T
+    st = _stats(x, gk=gm, gv=gm)
+    kb, _ = layer_bases("rope_equivariant", w_k, w_v, w_o, st, **_kw(KV))
+    sx, g = x.T @ x / 400, gm / 400
+    # RoPE turns each frequency f by its own angle: T~ keeps no block between two
+    # frequencies, and averages each frequency's own block over its rotations.
+    eye = torch.eye(KV * D, dtype=torch.float64)
+    t_avg = 0
+    for f in range(D // 2):
+        dims = (torch.arange(KV * D) % (D // 2)) == f
+        g_f = g * (dims[:, None] & dims[None, :])
+        for phi in torch.arange(8, dtype=torch.float64) * (torch.pi / 4):
+            angles = torch.zeros(D // 2, dtype=torch.float64)
+            angles[f] = phi
+            rot = _rotate_keys(eye.view(-1, KV, D), torch.tensor([1.0], dtype=torch.float64),
+                               angles).reshape(KV * D, -1)
+            t_avg = t_avg + rot @ g_f @ rot.T / 8
+
+    def objective(a, b):
+        e = w_k.T.double() - a.double() @ b.double()
+        return float(torch.trace(sx @ e @ t_avg @ e.T))
+
+    r = 6
+    a, b = factors_for_rank(kb[0], r, w_k.T)
+    best = objective(a, b)
+    assert best == pytest.approx(float(kb[0].energy[r:].double().sum()), rel=1e-6)
+    assert float(kb[0].energy.double().sum()) == pytest.approx(objective(a * 0, b), rel=1e-6)
+    for _ in range(5):
+        # a random complex-linear rank-r map: 3 complex components on random frequencies
+        rb = torch.zeros(r, KV * D, dtype=torch.float64)
+        for k, f in enumerate(torch.randperm(D // 2)[:r // 2].tolist()):
+            u = torch.randn(KV, dtype=torch.complex128)
+            idx = torch.arange(KV) * D + f
+            rb[2 * k, idx], rb[2 * k, idx + D // 2] = u.real, u.imag
+            rb[2 * k + 1, idx], rb[2 * k + 1, idx + D // 2] = -u.imag, u.real
+        # the best A for this B under the averaged metric (weighted least squares)
+        ra = w_k.T.double() @ t_avg @ rb.T @ torch.linalg.inv(rb @ t_avg @ rb.T)
+        assert best <= objective(ra, rb) * (1 + 1e-9)
+
+
+def test_rope_equivariant_needs_rope_over_the_whole_head():
+    w_k, w_v, w_o = _weights()
+    x = torch.randn(50, HID, dtype=torch.float64)
+    st = _stats(x, gk=torch.eye(KV * D, dtype=torch.float64), gv=torch.eye(KV * D, dtype=torch.float64))
+    kw = dict(_kw(KV), inv_freq=torch.tensor([1.0, 0.5]))
+    with pytest.raises(LowRankConfigError, match="whole head"):
+        layer_bases("rope_equivariant", w_k, w_v, w_o, st, **kw)

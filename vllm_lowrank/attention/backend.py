@@ -410,7 +410,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                                            transform=transform, window=window,
                                            min_seq_len=m.min_decode_seq_len)
             else:
-                out = fused_decode()(*args, mode="post_rope" if post_rope else "pre_rope",
+                out = fused_decode()(*args, mode=layer.decode_mode(),
                                     layout=layout, transform=transform, window=window,
                                     backend=path)
             output[:nd].copy_(out)
@@ -459,7 +459,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             kernel = None if path == "torch" else functools.partial(fused_decode(), backend=path)
             tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
                         exact_meta.block_table[:nd], m.seq_lens[:nd], m.max_decode_seq_len,
-                        latent_decode=kernel, min_seq_len=m.min_decode_seq_len,
+                        latent_decode=kernel, mode=layer.decode_mode(),
+                        min_seq_len=m.min_decode_seq_len,
                         out=output[:nd], **common)
         qsl = m.query_start_loc_cpu
         if len(m.prefill_reqs) and query.device.type == "cuda" and self.sliding_window is None:

@@ -13,7 +13,9 @@ Three implementations compute the same decode attention from the latent cache:
   not fit one program run its wide-group variant,
   :mod:`vllm_lowrank.triton_kernels.decode_wide`; post-RoPE latents packed at
   8/4 bits per token with uniform ranks, the ``2x`` preset's format, run
-  :mod:`vllm_lowrank.triton_kernels.decode_packed`);
+  :mod:`vllm_lowrank.triton_kernels.decode_packed`; layers whose key bases
+  commute with RoPE, :meth:`~vllm_lowrank.attention.layer.LatentAttention.decode_mode`
+  ``"latent_rope"``, run :mod:`vllm_lowrank.triton_kernels.decode_latent_rope`);
 - ``torch``: :func:`~vllm_lowrank.attention.latent_attention.decode_attention`
   (every cache format, every device; on CUDA slower and never captured in a
   CUDA graph).
@@ -188,7 +190,7 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     rope = layer.rope_table(device)
     span = dict(sink=layer.exact.sink, recent=layer.exact.recent + 1) \
         if layer.exact is not None else dict(sink=0, recent=0)
-    kw = dict(mode="post_rope" if layer.post_rope else "pre_rope", layout=layout,
+    kw = dict(mode=layer.decode_mode(), layout=layout,
               transform=layer.key_transform(), window=window, **span)
     width = max(plan.k_ranks) if layer.post_rope else plan.shape.head_dim
     q = torch.zeros(1, plan.shape.num_heads, width, dtype=dtype, device=device)

@@ -41,6 +41,9 @@ class LatentAttention(Attention):
         rotary: The model's rotary module (its cos/sin table rotates the
             rebuilt keys).
         post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
+        rope_equivariant: The key up-projection was calibrated to commute
+            with RoPE (``method: "rope_equivariant"``); decode then absorbs the
+            queries where the loaded factors allow (:meth:`decode_mode`).
         layout: :class:`~vllm_lowrank.format.latent.SlotLayout` of packed
             low-bit latents, or ``None`` to cache them in the model dtype.
         key_norm: The model's per-head key norm module (QK-norm), applied to
@@ -68,7 +71,7 @@ class LatentAttention(Attention):
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
-                 layout=None, key_norm=None, key_norm_offset: float = 0.0,
+                 rope_equivariant: bool = False, layout=None, key_norm=None, key_norm_offset: float = 0.0,
                  key_bias: bool = False,
                  sliding_window: int | None = None,
                  exact_tokens=None, cache_config=None,
@@ -90,6 +93,8 @@ class LatentAttention(Attention):
         )
         self.plan = plan
         self.post_rope = post_rope
+        self.rope_equivariant = rope_equivariant
+        self._decode_mode: str | None = None
         self.layout = layout
         self.register_buffer(
             "k_up", torch.zeros(0 if post_rope else plan.k_width, shape.kv_width,
@@ -143,6 +148,36 @@ class LatentAttention(Attention):
                 norm_weight=None if norm is None else norm.weight.float() + self._key_norm_offset,
                 norm_eps=0.0 if norm is None else float(norm.variance_epsilon))
         return self._key_transform
+
+    def decode_mode(self) -> str:
+        """How the fused decode kernels read this layer's key latents, decided
+        on the first call (after weight loading):
+
+        - ``"post_rope"``: post-RoPE latents (ZACK), queries in the latent basis;
+        - ``"latent_rope"``: a ``rope_equivariant`` layer whose loaded ``k_up``
+          is complex-linear per RoPE frequency in every head group, with RoPE
+          over the whole head, no key bias or QK-norm (both act on rebuilt
+          keys) and a cache format in the kernel's scope
+          (:func:`vllm_lowrank.triton_kernels.decode_latent_rope.blocker`):
+          queries absorbed, latent pairs turned;
+        - ``"pre_rope"``: everything else (keys rebuilt, then RoPE). A
+          ``rope_equivariant`` layer lands here when its factors lost the
+          structure (full rank: the identity basis; a Hadamard rotation of the
+          key latents), and computes the same attention.
+        """
+        if self._decode_mode is None:
+            mode = "post_rope" if self.post_rope else "pre_rope"
+            if mode == "pre_rope" and self.rope_equivariant and self.key_transform() is None \
+                    and self._rotary.rotary_dim == self.plan.shape.head_dim:
+                from vllm_lowrank.triton_kernels.decode_latent_rope import blocker
+
+                sink = self.exact.sink if self.exact is not None else 0
+                if blocker(self.plan, self.layout, window=self.sliding_window, sink=sink) \
+                        is None and _pairs_per_frequency(self.plan, self.k_up,
+                                                         self._rotary.is_neox_style):
+                    mode = "latent_rope"
+            self._decode_mode = mode
+        return self._decode_mode
 
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
         """One head slot per token holding ``[c_k | c_v]``: ``Rk + Rv`` elements
@@ -201,6 +236,20 @@ class LatentAttention(Attention):
                 query, key, value, output, encoded, kv_cache_dummy_dep=dep
             )
         return output
+
+
+def _pairs_per_frequency(plan: LayerPlan, k_up: torch.Tensor, neox: bool) -> bool:
+    """Every head group's block of ``k_up`` has the ``rope_equivariant``
+    structure (:func:`~vllm_lowrank.factorization.bases.latent_frequencies`)."""
+    from vllm_lowrank.factorization.bases import latent_frequencies
+
+    d, gw = plan.shape.head_dim, plan.group_width
+    for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+        try:
+            latent_frequencies(k_up[off:off + r, g * gw:(g + 1) * gw].float().cpu(), d, neox)
+        except ValueError:
+            return False
+    return True
 
 
 class ExactTokenCache(nn.Module, AttentionLayerBase):

@@ -319,8 +319,8 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
            exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int, *, sink: int, recent: int,
            exact: ExactSlot, layout=None, transform=None,
-           window: int | None = None, latent_decode=None, min_seq_len: int = 0,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           window: int | None = None, latent_decode=None, mode: str = "pre_rope",
+           min_seq_len: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per request: latent span ``sink <= t < seq_len - 1 -
     recent`` plus the exact set, merged.
 
@@ -341,6 +341,9 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         latent_decode: The latent-span kernel (``None``: the torch path
             :func:`~vllm_lowrank.attention.latent_attention.decode_attention`;
             on CUDA the backend passes the Triton kernel, same contract).
+        mode: The kernel's ``mode`` (``"pre_rope"``, or ``"latent_rope"`` for a
+            RoPE-equivariant layer: the same attention; the torch path always
+            rebuilds).
         out: ``[B, H * d]`` tensor to write the result into (any float dtype),
             or ``None``.
 
@@ -353,7 +356,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
     if latent_decode is None:
         lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
     else:
-        lat, lat_lse = latent_decode(*args, mode="pre_rope", **span)
+        lat, lat_lse = latent_decode(*args, mode=mode, **span)
         from vllm_lowrank.triton_kernels import decode_exact
 
         if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:

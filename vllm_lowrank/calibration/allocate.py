@@ -31,7 +31,7 @@ import torch
 
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.calibration.schema import SERVING_KEYS
-from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+from vllm_lowrank.config import LOSS_METHODS, LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import budget as bud
 
 logger = logging.getLogger("vllm.lowrank")
@@ -247,9 +247,10 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     if not bits_options or not set(bits_options) <= set(bud.BITS):
         raise LowRankConfigError(f"bits {list(bits_options)} must be a non-empty subset of "
                                  f"{list(bud.BITS)}")
-    if artifact.manifest["method"] != "fisher":
+    if artifact.manifest["method"] not in LOSS_METHODS:
         raise LowRankConfigError(
-            f"byte-budget allocation needs an artifact calibrated with method \"fisher\" "
+            f"byte-budget allocation needs an artifact calibrated with a method of "
+            f"{list(LOSS_METHODS)} "
             f"(its energies are loss increases); got {artifact.manifest['method']!r}")
     if sum(x is not None for x in (ratio, bytes_per_token, ppl_increase)) != 1:
         raise LowRankConfigError("give exactly one target: ratio, bytes_per_token or "

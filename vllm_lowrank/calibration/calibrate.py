@@ -18,11 +18,12 @@ from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.calibration import text as texts
 from vllm_lowrank.calibration.collect import LayerStats, collect_stats
 from vllm_lowrank.calibration.device import check_memory, resolve_device, resolve_dtype
-from vllm_lowrank.config import METHODS, LowRankConfigError
+from vllm_lowrank.config import LOSS_METHODS, METHODS, LowRankConfigError
 from vllm_lowrank.factorization.bases import (
     GroupBasis,
     output_aware_basis,
     pca_basis,
+    rope_equivariant_basis,
     rope_query_metric,
     value_output_metric,
 )
@@ -145,6 +146,17 @@ def layer_bases(
     sx = stats.sx / stats.tokens
     if method == "whitened":
         return tuple([output_aware_basis(cols(w, g), sx) for g in groups] for w in (w_k, w_v))
+    if method == "rope_equivariant":
+        if inv_freq is None or 2 * inv_freq.numel() != head_dim:
+            raise LowRankConfigError(
+                "method rope_equivariant needs RoPE over the whole head "
+                f"(head_dim {head_dim}, rotary dims "
+                f"{0 if inv_freq is None else 2 * inv_freq.numel()}); use method \"fisher\"")
+        return (
+            [rope_equivariant_basis(cols(w_k, g), sx, block(stats.gk, g) / stats.tokens,
+                                    head_dim=d, neox=neox) for g in groups],
+            [output_aware_basis(cols(w_v, g), sx, block(stats.gv, g) / stats.tokens)
+             for g in groups])
     if method == "fisher":
         return tuple(
             [output_aware_basis(cols(w, g), sx, block(gm, g) / stats.tokens) for g in groups]
@@ -228,7 +240,7 @@ def calibrate_model(
         raise LowRankConfigError(f"method={method!r} is not one of {list(METHODS)}")
     t0 = time.time()
     model, tok = load_for_calibration(model_path, device, dtype,
-                                      gradients=method == "fisher")
+                                      gradients=method in LOSS_METHODS)
     cfg = model.config
     num_heads = cfg.num_attention_heads
     num_kv = getattr(cfg, "num_key_value_heads", None) or num_heads
@@ -245,7 +257,7 @@ def calibrate_model(
         windows = texts.token_windows(tok, documents, num_windows, WINDOW)
         stats = collect_stats(model, windows,
                               queries=method in ("kq", "eigen", "post_rope"),
-                              gradients=method == "fisher")
+                              gradients=method in LOSS_METHODS)
     state = dict(model.state_dict())
     layers = {}
     for i in range(cfg.num_hidden_layers):

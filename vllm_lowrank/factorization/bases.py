@@ -48,6 +48,17 @@ Two methods are PCA in the output space instead (orthonormal ``B``, ``A = W B^T`
   Zhang & Shen 2025): queries and keys are then projected *after* RoPE and
   attention scores are computed in the latent space without a key rebuild.
 
+One method constrains the key basis so that RoPE commutes with it:
+
+- ``rope_equivariant``: the Fisher objective of ``fisher`` with the key
+  up-projection restricted to complex-linear maps per RoPE frequency across the
+  group's heads (:func:`rope_equivariant_basis`). RoPE multiplies frequency
+  ``f`` of every head by the same ``e^{i theta_f t}``, so such a ``B`` satisfies
+  ``R_t B^T = B^T R~_t`` with ``R~_t`` rotating latent pairs: the latent can be
+  rotated instead of the rebuilt keys and queries absorbed into it (MLA-style
+  decode). TransMLA's RoRoPE (Meng et al. 2025, sec. 4.2) is the special case
+  of a real orthogonal map across heads.
+
 At full rank (``r = n``) any basis is exact; :func:`factors_for_rank` then
 returns the identity basis (``A = W``, ``B = I``), so the cached latent equals
 the key or value bit for bit.
@@ -176,6 +187,132 @@ def factors_for_rank(
     if rank > basis.a.shape[1]:
         raise ValueError(f"rank {rank} exceeds the basis size {basis.a.shape[1]}")
     return basis.a[:, :rank].contiguous(), basis.b[:rank].contiguous()
+
+
+def _complex_block(m: torch.Tensor, re: torch.Tensor, im: torch.Tensor) -> torch.Tensor:
+    """``(M_aa + M_bb) + i (M_ba - M_ab)`` of the real/imaginary index sets
+    ``re``/``im`` of one RoPE frequency (``a``: real parts, ``b``: imaginary):
+    for a second moment ``E[e e^T]`` this is ``E[z z^H]`` of ``z = a + i b``; for a
+    metric ``T`` it is twice the Hermitian ``N`` with ``E_phi[e^T T e] = eps^H N
+    eps`` averaged over rotations ``eps -> e^{i phi} eps``."""
+    aa, bb = m[re][:, re], m[im][:, im]
+    ab, ba = m[re][:, im], m[im][:, re]
+    return torch.complex(aa + bb, ba - ab)
+
+
+def rope_pairs(head_dim: int, num_heads: int, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(re, im)`` ``[head_dim/2, num_heads]`` int64 indices into a group's
+    ``num_heads * head_dim`` key channels: frequency ``f`` of head ``j`` is the
+    complex number ``k[re[f, j]] + i k[im[f, j]]`` that RoPE multiplies by
+    ``e^{i theta_f t}`` (neox: dims ``f`` and ``f + d/2``; gptj: ``2f`` and ``2f + 1``)."""
+    f = torch.arange(head_dim // 2)
+    base = torch.arange(num_heads) * head_dim
+    lo, hi = (f, f + head_dim // 2) if neox else (2 * f, 2 * f + 1)
+    return lo[:, None] + base[None, :], hi[:, None] + base[None, :]
+
+
+def rope_equivariant_basis(
+    w: torch.Tensor,
+    sx: torch.Tensor | None,
+    t: torch.Tensor | None,
+    *,
+    head_dim: int,
+    neox: bool = True,
+) -> GroupBasis:
+    """Key basis whose up-projection commutes with RoPE (``rope_equivariant``).
+
+    Per RoPE frequency ``f`` the group's keys form ``z_f = a + i b`` in
+    ``C^G`` (:func:`rope_pairs`); RoPE multiplies every head's ``z_f`` by the
+    same ``e^{i theta_f t}``, so any complex-linear ``z_f -> z_f^`` of rank
+    ``m_f`` commutes with it. With ``N_f`` the rotation-averaged metric and
+    ``H_f = E[z_f z_f^H]`` (both from :func:`_complex_block`), ``N_f = L L^H``
+    and the top eigenvectors ``U`` of ``L^H H_f L``, the optimum of objective
+    (1) among such maps is ``z_f^ = L^{-H} U U^H L^H z_f`` (Eckart-Young in the
+    metric ``N_f``), removing the eigenvalue ``lambda`` per component. Each
+    complex component becomes two consecutive real latent channels
+    ``(Re c, Im c)``; components of all frequencies are ordered by ``lambda``,
+    so a truncation to an even rank keeps whole pairs and the up-projection
+    satisfies ``R_t B^T = B^T R~_t`` (``R~_t`` rotates the pair of frequency
+    ``f`` by ``theta_f t``; :func:`latent_frequencies`).
+
+    Args:
+        w: ``[hidden, n]`` key projection of the group (``n = G * head_dim``).
+        sx: ``[hidden, hidden]`` input second moment; ``None``: identity.
+        t: ``[n, n]`` PSD metric of key errors (the Fisher ``gk`` block);
+            ``None``: identity.
+        head_dim: Per-head width ``d``; RoPE must rotate all of it.
+        neox: RoPE pair layout.
+
+    Returns:
+        ``GroupBasis`` with ``a = w @ D`` (``D`` the output-space down-projection),
+        ``b`` ``[n, n]`` and ``energy`` (``lambda / 2`` per channel, descending
+        by pair).
+
+    Raises:
+        ValueError: ``n`` is not a multiple of ``head_dim``, or shapes disagree.
+    """
+    w64 = w.detach().to(torch.float64)
+    hidden, n = w64.shape
+    if n % head_dim or head_dim % 2:
+        raise ValueError(f"group width {n} is not a multiple of an even head_dim {head_dim}")
+    cov = w64.T @ (w64 if sx is None else sx.to(torch.float64) @ w64)
+    metric = (torch.eye(n, dtype=torch.float64, device=w64.device) if t is None
+              else t.to(torch.float64))
+    re, im = rope_pairs(head_dim, n // head_dim, neox)
+    down = torch.zeros(n, n, dtype=torch.float64, device=w64.device)
+    up = torch.zeros(n, n, dtype=torch.float64, device=w64.device)
+    comps = []  # (lambda, frequency, alpha, beta)
+    for f in range(head_dim // 2):
+        h = _complex_block(cov, re[f], im[f])
+        nrm = _complex_block(metric, re[f], im[f]) / 2
+        mu, v = torch.linalg.eigh(nrm)
+        mu = mu.clamp_min(mu.max().clamp_min(1e-30) * 1e-10)
+        ell = v * mu.sqrt().to(v.dtype)  # N = L L^H
+        ell_inv_h = v * mu.rsqrt().to(v.dtype)  # L^{-H}
+        lam, u = torch.linalg.eigh(ell.mH @ h @ ell)
+        for i in range(lam.numel()):
+            comps.append((float(lam[i].clamp_min(0)), f, ell @ u[:, i], ell_inv_h @ u[:, i]))
+    comps.sort(key=lambda c: -c[0])
+    energy = torch.zeros(n, dtype=torch.float64)
+    for k, (lam, f, alpha, beta) in enumerate(comps):
+        r0, r1 = re[f].to(w64.device), im[f].to(w64.device)
+        # c = alpha^H z: Re c = Re(alpha).a + Im(alpha).b, Im c = Re(alpha).b - Im(alpha).a
+        down[r0, 2 * k], down[r1, 2 * k] = alpha.real, alpha.imag
+        down[r0, 2 * k + 1], down[r1, 2 * k + 1] = -alpha.imag, alpha.real
+        # z^ += beta c: a += Re(b) Re c - Im(b) Im c, b += Im(b) Re c + Re(b) Im c
+        up[2 * k, r0], up[2 * k, r1] = beta.real, beta.imag
+        up[2 * k + 1, r0], up[2 * k + 1, r1] = -beta.imag, beta.real
+        energy[2 * k] = energy[2 * k + 1] = lam / 2
+    return GroupBasis(a=(w64 @ down).float(), b=up.float(), energy=energy.float())
+
+
+def latent_frequencies(basis_b: torch.Tensor, head_dim: int, neox: bool = True) -> torch.Tensor:
+    """RoPE frequency index of each latent pair of a ``rope_equivariant`` basis.
+
+    Args:
+        basis_b: ``[r, n]`` up-projection (``r`` even), rows in pairs
+            ``(Re c, Im c)``.
+        head_dim: Per-head width.
+        neox: RoPE pair layout.
+
+    Returns:
+        ``[r / 2]`` int64: pair ``l`` is rotated by ``theta_f t`` with ``f`` the
+        returned index.
+
+    Raises:
+        ValueError: a pair has weight on more than one frequency (not such a basis).
+    """
+    r, n = basis_b.shape
+    re, im = rope_pairs(head_dim, n // head_dim, neox)
+    mass = basis_b.abs().double()
+    per_f = torch.stack([mass[:, re[f]].sum(1) + mass[:, im[f]].sum(1)
+                         for f in range(head_dim // 2)], dim=1)  # [r, d/2]
+    pair = per_f[0::2] + per_f[1::2]
+    freq = pair.argmax(1)
+    off = pair.sum(1) - pair.gather(1, freq[:, None])[:, 0]
+    if r % 2 or bool((off > 1e-5 * pair.sum(1).clamp_min(1e-30)).any()):
+        raise ValueError("the up-projection is not complex-linear per RoPE frequency")
+    return freq
 
 
 def rotate_half_matrix(dim: int, neox: bool, device: torch.device | str = "cpu"

@@ -105,6 +105,7 @@ def _latent_attention(arch: Architecture, compression, arguments: dict):
         qk_norm=settings.qk_norm, norm_eps=settings.norm_eps,
         sliding_window=settings.sliding_window,
         post_rope=compression.post_rope, layout=compression.layout(layer),
+        rope_equivariant=compression.rope_equivariant,
         hadamard_seed=layer if compression.cfg.hadamard else None,
         exact_tokens=compression.exact_tokens,
         cache_config=arguments.get("cache_config"),

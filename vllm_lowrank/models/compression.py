@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.calibration.cache import load_or_allocate, load_or_calibrate
-from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+from vllm_lowrank.config import LOSS_METHODS, LowRankConfig, LowRankConfigError
 from vllm_lowrank.factorization import shard
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan, uniform_plan
 from vllm_lowrank.factorization.ranks import energy_plans
@@ -75,6 +75,15 @@ class ModelCompression:
             return self.artifact.manifest["method"] == "post_rope"
         full_rank = self.cfg.rank_fraction == 1.0 and not self.cfg.ranks
         return full_rank and self.cfg.method == "post_rope"
+
+    @property
+    def rope_equivariant(self) -> bool:
+        """True when the key bases commute with RoPE (a ``rope_equivariant``
+        artifact, or that method without one: its weight-only basis): decode
+        may absorb the queries
+        (:meth:`~vllm_lowrank.attention.layer.LatentAttention.decode_mode`)."""
+        method = self.artifact.manifest["method"] if self.artifact else self.cfg.method
+        return method == "rope_equivariant"
 
     def bases(self, layer: int):
         """``(k_bases, v_bases)`` of ``layer`` or ``None`` (weight SVD)."""
@@ -394,10 +403,10 @@ def layer_plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
                 for i, s in shapes.items()}
     free = {i: s for i, s in shapes.items() if i not in fixed}
     if cfg.rank_allocation != "uniform" and artifact is not None and free:
-        if cfg.rank_allocation == "fisher" and artifact.manifest["method"] != "fisher":
+        if cfg.rank_allocation == "fisher" and artifact.manifest["method"] not in LOSS_METHODS:
             raise LowRankConfigError(
-                f"rank_allocation=\"fisher\" needs an artifact calibrated with "
-                f"method \"fisher\"; {artifact_path_hint(artifact)} used "
+                f"rank_allocation=\"fisher\" needs an artifact calibrated with a method "
+                f"of {list(LOSS_METHODS)}; {artifact_path_hint(artifact)} used "
                 f"{artifact.manifest['method']!r}"
             )
         n = next(iter(free.values())).num_kv_heads // artifact.group_size

@@ -45,7 +45,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 
 from vllm_lowrank.attention.layer import LatentAttention
 from vllm_lowrank.factorization import fold
-from vllm_lowrank.factorization.bases import GroupBasis, output_aware_basis
+from vllm_lowrank.factorization.bases import GroupBasis, output_aware_basis, rope_equivariant_basis
 from vllm_lowrank.factorization.plan import LayerPlan
 from vllm_lowrank.factorization.shard import full_sizes, load_local
 
@@ -68,6 +68,8 @@ class LatentSelfAttention(nn.Module):
         sliding_window: Tokens each query sees on a sliding-window layer
             (``None``: full attention).
         post_rope: Cache post-RoPE key latents (needs ``head_group_size`` 1).
+        rope_equivariant: The key bases commute with RoPE (``rope_equivariant``
+            artifact; :meth:`LatentAttention.decode_mode`).
         layout: Packed low-bit slot layout (:mod:`vllm_lowrank.format.latent`),
             or ``None``.
         hadamard_seed: Seed of the Hadamard rotation folded into quantized
@@ -88,7 +90,7 @@ class LatentSelfAttention(nn.Module):
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float = 1e-6, sliding_window: int | None = None,
                  post_rope: bool = False, layout=None, hadamard_seed: int | None = None,
-                 exact_tokens=None,
+                 exact_tokens=None, rope_equivariant: bool = False,
                  cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
@@ -135,7 +137,8 @@ class LatentSelfAttention(nn.Module):
             norm, norm_offset = {"rms": (RMSNorm, 0.0), "gemma": (GemmaRMSNorm, 1.0)}[qk_norm]
             self.q_norm = norm(shape.head_dim, eps=norm_eps)
             self.k_norm = norm(shape.head_dim, eps=norm_eps)
-        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope, layout=layout,
+        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope,
+                                    rope_equivariant=rope_equivariant, layout=layout,
                                     key_norm=None if post_rope else self.k_norm,
                                     key_norm_offset=norm_offset,
                                     key_bias=qkv_bias and not post_rope,
@@ -203,7 +206,10 @@ class LatentSelfAttention(nn.Module):
                 ``o_proj.bias``; under tensor parallelism this rank's heads only
                 (:func:`~vllm_lowrank.factorization.shard.local_weights`).
             bases: Calibrated ``(k_bases, v_bases)`` per head group (of this
-                rank), or ``None`` for plain weight SVD (Palu eq. 4).
+                rank), or ``None`` for plain weight SVD (Palu eq. 4; for a
+                ``rope_equivariant`` layer the keys' weight-only basis of that
+                structure, :func:`~vllm_lowrank.factorization.bases.rope_equivariant_basis`
+                without statistics).
 
         Returns:
             Names (relative to this module) of the parameters it loaded.
@@ -216,6 +222,11 @@ class LatentSelfAttention(nn.Module):
                  for g in range(plan.num_groups)]
                 for w in (w_k, w_v)
             )
+            if self.attn.rope_equivariant:
+                neox = self.attn._rotary.is_neox_style
+                bases = ([rope_equivariant_basis(fold.group_projection(plan, w_k, g), None, None,
+                                                 head_dim=plan.shape.head_dim, neox=neox)
+                          for g in range(plan.num_groups)], bases[1])
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
         if self.layout is not None and self.hadamard_seed is not None:
             # per-channel keys keep their channels: a rotation would spread an

@@ -1,0 +1,345 @@
+r"""Decode attention over RoPE-equivariant key latents: queries absorbed, no key rebuild.
+
+The case: a layer calibrated with ``method: "rope_equivariant"``
+(:func:`vllm_lowrank.factorization.bases.rope_equivariant_basis`). Its key
+up-projection ``B`` (``[r, G d]`` per head group) is complex-linear per RoPE
+frequency: latent channels come in pairs ``(2l, 2l + 1)`` that rebuild only
+frequency ``f_l`` of the group's heads, so for every position ``t``
+
+    R_t B^T = B^T R~_t      (R~_t turns pair l by theta_{f_l} t)
+
+and the score of query head ``h`` (KV head ``j``, post-RoPE query ``q'_h``) is
+
+    q'_h . R_t B_j^T c_t = (B_j q'_h) . (R~_t c_t) = q~_h . (R~_t c_t)
+
+with ``q~_h = B_j q'_h`` (``[r]``, computed once per step by
+:func:`absorbed_queries`) and ``c_t`` the cached (pre-RoPE) key latent,
+dequantized as the other kernels do. Per tile the kernel turns the latent
+pairs by the RoPE table (``cos/sin[t, f_l]``) and takes ``[HG, r] x [r, N]``
+dots on the tensor cores: ``2 r`` multiply-adds per cached token and query
+head, against ``r G d`` per token and KV head for a key rebuild (the wide
+kernel: 45-72 TFLOP/s of rebuild on an H100, benchmarks/README.md). This is
+the decode of multi-head latent attention (DeepSeek-V2, sec. 2.1.2, "absorb"
+``W^{UK}`` into the query), made possible for RoPE by the basis' structure
+(TransMLA's RoRoPE, Meng et al. 2025, sec. 4.2, is the real-orthogonal case).
+
+Values are as in the other kernels: ``P @ C_v`` per query head in the value
+latent space, one head group per program, all its ``HG`` query heads in one
+score tile (per-token packed values: the codes in the dot and the scales folded
+into ``P``, :mod:`.decode_packed`'s algebra). Keys are read in chunks of ``RC``
+channels by storage unit (:func:`_unit_pairs`), so the two channels of a pair
+arrive as two operands; per-channel keys (KIVI) take one token group per tile.
+Split-K, windows and the token-adaptive span share :func:`.tiles.split_tiles`
+and the reduce pass with the other kernels; the output format is theirs
+(``[B, out_width]`` float32). Measured on an H200 (benchmarks/README.md, "Decode
+without a key rebuild"): 1.8-2.3x the wide kernel's speed on the ``8x``
+storage, 0.21-0.25x SDPA's over full keys and values (255 registers).
+
+Host side: :func:`blocker` and :func:`launch`, called by
+:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` with
+``mode="latent_rope"``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_prep import WEIGHT_CACHE, cached_for, pow2
+from .decode_wide import PER_LAYER_ARGS
+from .tiles import (_share_half, add_combine, group_row, load_f16_param, load_latent,
+                    max_combine, split_tiles)
+
+
+@triton.jit
+def _unit_pairs(rows_t, code_off, u, um, k: tl.constexpr, BITS: tl.constexpr,
+                DT: tl.constexpr):
+    """Codes (or float latents) of latent pair ``l = u * PPU + k`` of each
+    token, transposed: ``(re, im)`` ``[UC, N]`` float32 (``rows_t`` ``[1, N]``
+    slot pointers, ``u`` ``[UC]`` storage units from the group's first code byte
+    ``code_off``, ``um`` their mask ``[UC, N]``). A unit holds ``PPU`` whole
+    pairs (channels ``2l``, ``2l + 1``): 2 float elements or 2 bytes (8-bit), 1
+    byte (4-bit: the nibbles; 2-bit: two pairs), 3 bytes (3-bit: four pairs in a
+    24-bit word), so no tile is reshaped or split."""
+    if BITS == 16:
+        x = rows_t + code_off + 2 * u[:, None]
+        re = tl.load(x, mask=um, other=0.0).to(tl.float32)
+        im = tl.load(x + 1, mask=um, other=0.0).to(tl.float32)
+    elif BITS == 8:
+        x = rows_t + code_off + 2 * u[:, None]
+        re = tl.load(x, mask=um, other=0).to(tl.float32)
+        im = tl.load(x + 1, mask=um, other=0).to(tl.float32)
+    elif BITS == 3:
+        x = rows_t + code_off + 3 * u[:, None]
+        w = tl.load(x, mask=um, other=0).to(tl.int32) | \
+            (tl.load(x + 1, mask=um, other=0).to(tl.int32) << 8) | \
+            (tl.load(x + 2, mask=um, other=0).to(tl.int32) << 16)
+        re = ((w >> (6 * k)) & 7).to(tl.float32)
+        im = ((w >> (6 * k + 3)) & 7).to(tl.float32)
+    else:  # 4 or 2 bits: one byte
+        w = tl.load(rows_t + code_off + u[:, None], mask=um, other=0).to(tl.int32)
+        re = ((w >> (2 * k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        im = ((w >> ((2 * k + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return re, im
+
+
+@triton.jit
+def _channel_params(cache_ptr, gbase, ch, cm, s_tok, share_off, rk_total, share):
+    """Per-channel key ``(scale, zero)`` ``[UC]`` float32 of channels ``ch`` of
+    the token group whose first slot is at byte ``gbase``
+    (:func:`.tiles.load_channel_keys`' parameter stream)."""
+    sc = _share_half(cache_ptr, gbase, 2 * ch, s_tok, share_off, share, cm)
+    ze = _share_half(cache_ptr, gbase, 2 * (rk_total + ch), s_tok, share_off, share, cm)
+    return sc, ze
+
+
+@triton.jit(do_not_specialize=PER_LAYER_ARGS)
+def latent_rope_decode_kernel(
+    n_splits,
+    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
+    fr_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
+    window, sink, recent, share_off, rk_total, share,
+    HG: tl.constexpr, HG_PAD: tl.constexpr, RC: tl.constexpr, VC: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    V_QG: tl.constexpr, ALIGNED: tl.constexpr,
+    SPLIT: tl.constexpr, WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
+    K_CHAN: tl.constexpr,
+):
+    """Grid ``(n_splits, num_groups * n_vc, B)``: split ``s`` of sequence ``b``
+    for the ``HG`` query heads of head group ``g = pid(1) // n_vc`` and value
+    channels ``VC * (pid(1) % n_vc) ..`` (``VC`` per program: every program
+    scores the whole key latent; ``n_vc = ceil(max(r_v) / VC)``).
+    ``q_ptr``: absorbed queries ``[B, H, >= r_k]``; ``fr_ptr``: int32
+    ``[rk_total / 2]``, the RoPE frequency of each latent pair of the layer
+    (group ``g``'s pairs from its first key channel / 2); ``cos/sin``: the
+    RoPE table ``[max_pos, rot/2]`` (row stride ``s_rope``). Keys: float rows
+    (``QUANT`` false), packed per token with one scale/zero pair per token and
+    group, or per channel (``K_CHAN``: each ``BLOCK_N``-position tile is one
+    complete token group, its first slot holding the start of the group's
+    parameter stream, :func:`.tiles.load_channel_keys`). Other arguments as
+    :func:`.decode_wide.wide_decode_kernel`."""
+    s = tl.program_id(0)
+    n_vc = tl.num_programs(1) // num_groups
+    g = tl.program_id(1) // n_vc
+    v0 = (tl.program_id(1) % n_vc) * VC  # first value channel of the program
+    b = tl.program_id(2)
+    k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
+    ch0 = k_off  # first key channel of the group (float cache: elements)
+    if QUANT:
+        ch0 = (k_off * 8) // K_BITS
+    # storage units of the key codes (_unit_pairs): channels and latent pairs per unit
+    UNIT_CH: tl.constexpr = 8 if K_BITS == 3 else (4 if K_BITS == 2 else 2)
+    PPU: tl.constexpr = UNIT_CH // 2
+    UC: tl.constexpr = RC // UNIT_CH  # units per rank chunk
+    seq_len = tl.load(seq_lens_ptr + b)
+    first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
+                                         BLOCK_N, WINDOW, SPAN)
+    h = tl.arange(0, HG_PAD)
+    hm = h < HG
+    heads = g * HG + h
+    qrow = q_ptr + b.to(tl.int64) * s_qb + heads.to(tl.int64) * s_qh
+    uu = tl.arange(0, UC)
+    i = tl.arange(0, BLOCK_N)
+    m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([HG_PAD], 0.0, tl.float32)
+    z_i = tl.full([HG_PAD], 0.0, tl.float32)  # sum_t p z_v (per-token value zero points)
+    acc = tl.full([HG_PAD, VC], 0.0, tl.float32)
+    # per-token values (one scale/zero pair per token and group): codes in the dot,
+    # the scales applied to the probabilities (decode_packed's algebra)
+    V_POST: tl.constexpr = QUANT and V_QG == 0
+    v_col = v_off + v0  # the program's value channels in the slot (float cache: elements)
+    v_par = vpar
+    if QUANT:
+        v_col = v_off + (v0 * V_BITS) // 8
+        if V_QG > 0:
+            v_par = vpar + v0 // V_QG
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for t in range(t_lo, t_hi):
+        p0 = first + t * BLOCK_N
+        pos = p0 + i
+        valid = pos < end  # rows from the end on are never loaded (null blocks)
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        rows_t = (cache_ptr + row)[None, :]
+        if K_CHAN:  # the tile's token group starts at its first slot
+            gblk = tl.load(bt_row + p0 // PAGE).to(tl.int64)
+            gbase = gblk * s_blk + (p0 % PAGE).to(tl.int64) * s_tok
+        elif QUANT:
+            ks = load_f16_param(cache_ptr + row + k_scale_off + 2 * kpar, valid, ALIGNED)
+            kz = load_f16_param(cache_ptr + row + k_zero_off + 2 * kpar, valid, ALIGNED)
+        sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
+        for rc in range(0, rk, RC):
+            u = rc // UNIT_CH + uu  # units of the chunk, counted in the group
+            for k in tl.static_range(PPU):
+                lpair = u * PPU + k  # latent pair of each unit
+                pm = 2 * lpair < rk
+                um = pm[:, None] & valid[None, :]
+                re, im = _unit_pairs(rows_t, k_off, u, um, k, K_BITS, DT)
+                if K_CHAN:
+                    s_re, z_re = _channel_params(cache_ptr, gbase, ch0 + 2 * lpair, pm, s_tok,
+                                                 share_off, rk_total, share)
+                    s_im, z_im = _channel_params(cache_ptr, gbase, ch0 + 2 * lpair + 1, pm,
+                                                 s_tok, share_off, rk_total, share)
+                    re = re * s_re[:, None] + z_re[:, None]
+                    im = im * s_im[:, None] + z_im[:, None]
+                elif QUANT:
+                    re = re * ks[None, :] + kz[None, :]
+                    im = im * ks[None, :] + kz[None, :]
+                fr = tl.load(fr_ptr + ch0 // 2 + lpair, mask=pm, other=0)
+                ci = tl.load(cos_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
+                si = tl.load(sin_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
+                qm = hm[:, None] & pm[None, :]
+                q_re = tl.load(qrow[:, None] + 2 * lpair[None, :], mask=qm, other=0.0).to(DT)
+                q_im = tl.load(qrow[:, None] + 2 * lpair[None, :] + 1, mask=qm,
+                               other=0.0).to(DT)
+                # (Re + i Im) e^{i phi}: the latent pair at position t after RoPE
+                sc = tl.dot(q_re, (re * ci - im * si).to(DT), sc)
+                sc = tl.dot(q_im, (re * si + im * ci).to(DT), sc)
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
+        cv, vs, vz = load_latent(cache_ptr, row, valid, v_col, rv - v0, v_par, v_scale_off,
+                                 v_zero_off, DT, QUANT, V_BITS, VC, V_QG, ALIGNED, 1, V_POST)
+        if V_POST:
+            z_i = z_i * alpha + tl.reduce(pr * vz[None, :], 1, add_combine)
+            acc = tl.dot((pr * vs[None, :]).to(DT), cv, acc * alpha[:, None])
+        else:
+            acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    inv_l = 1.0 / tl.where(has, l_i, 1.0)
+    o = acc * inv_l[:, None]
+    if V_POST:
+        o += (z_i * inv_l)[:, None]
+    c = v0 + tl.arange(0, VC)
+    cols = ocol + h[:, None] * rv + c[None, :]
+    om = hm[:, None] & (c[None, :] < rv)
+    if SPLIT:
+        bs = b.to(tl.int64) * n_splits + s
+        tl.store(po_ptr + bs * out_width + cols, o, mask=om)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(plse_ptr + bs * num_heads + heads, lse, mask=hm & (h * 0 + v0 == 0))
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om)
+        if LSE:  # once per head: by the program of the first value channels
+            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                             float("-inf"))
+            tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n,
+                     mask=hm & (h * 0 + v0 == 0))
+
+
+def _group_blocks(plan, k_up: torch.Tensor):
+    """``(g, rows, cols)`` slices of each head group's block of ``k_up``."""
+    d, gs = plan.shape.head_dim, plan.group_size
+    for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+        yield g, slice(off, off + r), slice(g * gs * d, (g + 1) * gs * d)
+
+
+def absorption(plan, k_up: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, freq)`` of a RoPE-equivariant layer, cached per ``k_up``.
+
+    Args:
+        plan: The layer's plan; k_up: ``[Rk, num_kv_heads * head_dim]`` float
+            block-diagonal key up-projection; rope: its
+            :class:`~vllm_lowrank.attention.rope.RopeTable` (RoPE over the
+            whole head, either pair layout).
+
+    Returns:
+        ``w`` ``[num_kv_heads, max(k_ranks), head_dim]`` float32: KV head ``j``'s
+        rows of its group's ``B`` (zero past the group's rank); ``freq``
+        int32 ``[Rk / 2]``: the RoPE frequency of each latent pair (groups in
+        order).
+
+    Raises:
+        ValueError: the basis is not complex-linear per frequency
+            (:func:`~vllm_lowrank.factorization.bases.latent_frequencies`), or
+            RoPE does not rotate the whole head.
+    """
+    from vllm_lowrank.factorization.bases import latent_frequencies
+
+    def build():
+        sh = plan.shape
+        if rope.rotary_dim != sh.head_dim:
+            raise ValueError("RoPE-equivariant latents need RoPE over the whole head")
+        d, gs = sh.head_dim, plan.group_size
+        w = torch.zeros(sh.num_kv_heads, max(plan.k_ranks), d, device=k_up.device)
+        freqs = []
+        for g, rows, cols in _group_blocks(plan, k_up):
+            block = k_up[rows, cols].float()
+            freqs.append(latent_frequencies(block.cpu(), d, rope.neox))
+            w[g * gs:(g + 1) * gs, :block.shape[0]] = block.view(-1, gs, d).transpose(0, 1)
+        return w, torch.cat(freqs).to(device=k_up.device, dtype=torch.int32)
+
+    return cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox), build)
+
+
+def absorbed_queries(plan, w: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``q~_h = B_j q'_h`` for every query head: ``[B, H, max(k_ranks)]`` float32
+    from post-RoPE queries ``[B, H, head_dim]`` (``w`` from :func:`absorption`)."""
+    sh = plan.shape
+    q = query.float().view(query.shape[0], sh.num_kv_heads, sh.queries_per_kv, sh.head_dim)
+    return torch.einsum("bjqd,jrd->bjqr", q, w).reshape(query.shape[0], sh.num_heads, -1)
+
+
+def blocker(plan, layout, *, window: int | None = None, sink: int = 0) -> str | None:
+    """Why a ``latent_rope`` call cannot take this kernel, or ``None``.
+
+    Its scope: every key rank even (whole pairs); at most 64 query heads per
+    group (one score tile); keys as float rows, packed per token with one
+    scale/zero pair per token and group (8/4/3/2 bits), or per channel over
+    token groups that each tile covers exactly (no sliding window, ``sink`` a
+    multiple of the group: the token-adaptive presets' 32 sink tokens in
+    32-token groups)."""
+    if any(r % 2 for r in plan.k_ranks):
+        return "odd key rank"
+    if plan.heads_per_group > 64:
+        return "more than 64 query heads per group"
+    if layout is None:
+        return None
+    if layout.k_per_channel:
+        if window is not None:
+            return "per-channel keys under a sliding window"
+        if sink % layout.k_channel_tokens:
+            return f"sink {sink} not a multiple of the {layout.k_channel_tokens}-token key groups"
+        return None
+    if layout.k_bits != 16 and any(q != r for q, r in zip(layout.k_groups, layout.k_ranks)):
+        return "grouped per-token key scales"
+    return None
+
+
+def launch(plan, args: tuple, common: dict, rank_chunk: int, value_chunk: int,
+           num_splits: int, bsz: int) -> None:
+    """Launch :func:`latent_rope_decode_kernel` with the argument tuple and
+    constexprs that :func:`.decode.latent_decode_attention` prepared for the
+    other kernels (the absorbed queries in place of the queries, the
+    frequency table in place of the key weights); ``value_chunk`` value
+    channels per program (a power of two, a multiple of the value
+    quantization group)."""
+    (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
+     freq, _s_wg, _s_wsec, _maps, cos, sin, s_rope, _max_pos, gt, k_so, k_zo, v_so, v_zo,
+     po, plse, out, out_width, num_heads, qk_scale, _kb, _kn, _hd, _eps,
+     window, sink, recent, share_off, rk_total) = args
+    hg = plan.heads_per_group
+    unit_ch = 8 if common["K_BITS"] == 3 else 4 if common["K_BITS"] == 2 else 2
+    rank_chunk = max(rank_chunk, 16 * unit_ch)  # >= 16 units: the dots' smallest K
+    n_vc = triton.cdiv(max(plan.v_ranks), value_chunk)
+    latent_rope_decode_kernel[(num_splits, ng * n_vc, bsz)](
+        n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
+        freq, cos, sin, s_rope, gt, ng, k_so, k_zo, v_so, v_zo,
+        po, plse, out, out_width, num_heads, qk_scale,
+        window, sink, recent, share_off, rk_total, common["SHARE"],
+        HG=hg, HG_PAD=pow2(hg, 16), RC=rank_chunk, VC=value_chunk,
+        BLOCK_N=common["KCT"] if common["K_CHAN"] else common["BLOCK_N"],
+        PAGE=common["PAGE"], DT=common["DT"],
+        QUANT=common["QUANT"], K_BITS=common["K_BITS"], V_BITS=common["V_BITS"],
+        V_QG=common["V_QG"], ALIGNED=common["ALIGNED"],
+        SPLIT=common["SPLIT"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
+        LSE=common["LSE"], K_CHAN=common["K_CHAN"],
+        num_warps=common["num_warps"], num_stages=common["num_stages"])
