@@ -457,7 +457,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     if packed:
         dflt = _packed_config(device)
     elif latent_rope:
-        dflt = _latent_rope_config(prep, plan.heads_per_group, device)
+        dflt = _latent_rope_config(prep, device)
     elif wide:
         dflt = _wide_config(plan, prep, device)
     else:
@@ -470,6 +470,8 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     if hpp > 1 and device.type == "cuda":  # larger tiles spill (H100 sweep: 64 is 3-4x slower)
         dflt = dict(dflt, block_n=min(dflt["block_n"], 32))
     block_n = cfg.block_n or dflt["block_n"]
+    if latent_rope and layout is not None and layout.k_per_channel:
+        block_n = layout.k_channel_tokens  # one per-channel key group per tile
     num_warps = cfg.num_warps or dflt["num_warps"]
     num_stages = cfg.num_stages or dflt["num_stages"]
     trans = cfg.transposed if cfg.transposed is not None else dflt["transposed"]
@@ -597,7 +599,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     if wide:
         _launch_wide(plan, prep, args, common, dflt, cfg, hpp, rotary_dim, num_splits, bsz)
     elif latent_rope:
-        rc = min(max(cfg.rank_chunk or dflt["rank_chunk"], k_qg), prep.rk_max_pad)
+        rc = min(cfg.rank_chunk or dflt["rank_chunk"], prep.rk_max_pad)
         vc = min(cfg.value_chunk or dflt["value_chunk"], prep.rv_max_pad)
         if v_qg and (vc % v_qg or v_qg & (v_qg - 1)):
             vc = prep.rv_max_pad  # a chunk must start on a scale group: one chunk

@@ -235,13 +235,6 @@ def latent_rope_decode_kernel(
                      mask=hm & (h * 0 + v0 == 0))
 
 
-def _group_blocks(plan, k_up: torch.Tensor):
-    """``(g, rows, cols)`` slices of each head group's block of ``k_up``."""
-    d, gs = plan.shape.head_dim, plan.group_size
-    for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
-        yield g, slice(off, off + r), slice(g * gs * d, (g + 1) * gs * d)
-
-
 def absorption(plan, k_up: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w, freq)`` of a RoPE-equivariant layer, cached per ``k_up``.
 
@@ -268,11 +261,11 @@ def absorption(plan, k_up: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tens
         sh = plan.shape
         if rope.rotary_dim != sh.head_dim:
             raise ValueError("RoPE-equivariant latents need RoPE over the whole head")
-        d, gs = sh.head_dim, plan.group_size
+        d, gs, gw = sh.head_dim, plan.group_size, plan.group_width
         w = torch.zeros(sh.num_kv_heads, max(plan.k_ranks), d, device=k_up.device)
         freqs = []
-        for g, rows, cols in _group_blocks(plan, k_up):
-            block = k_up[rows, cols].float()
+        for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+            block = k_up[off:off + r, g * gw:(g + 1) * gw].float()
             freqs.append(latent_frequencies(block.cpu(), d, rope.neox))
             w[g * gs:(g + 1) * gs, :block.shape[0]] = block.view(-1, gs, d).transpose(0, 1)
         return w, torch.cat(freqs).to(device=k_up.device, dtype=torch.int32)
@@ -336,8 +329,7 @@ def launch(plan, args: tuple, common: dict, rank_chunk: int, value_chunk: int,
         po, plse, out, out_width, num_heads, qk_scale,
         window, sink, recent, share_off, rk_total, common["SHARE"],
         HG=hg, HG_PAD=pow2(hg, 16), RC=rank_chunk, VC=value_chunk,
-        BLOCK_N=common["KCT"] if common["K_CHAN"] else common["BLOCK_N"],
-        PAGE=common["PAGE"], DT=common["DT"],
+        BLOCK_N=common["BLOCK_N"], PAGE=common["PAGE"], DT=common["DT"],
         QUANT=common["QUANT"], K_BITS=common["K_BITS"], V_BITS=common["V_BITS"],
         V_QG=common["V_QG"], ALIGNED=common["ALIGNED"],
         SPLIT=common["SPLIT"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],

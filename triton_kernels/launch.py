@@ -165,7 +165,7 @@ def _packed_config(device) -> dict:
                 transposed=False, programs_per_sm=per_sm)
 
 
-def _latent_rope_config(prep: Prepared, hg: int, device) -> dict:
+def _latent_rope_config(prep: Prepared, device) -> dict:
     """Launch parameters of the RoPE-equivariant latent kernel
     (:mod:`.decode_latent_rope`): one program per head group and split with
     all value channels (an H200 sweep of the kernel's first version put one

@@ -72,20 +72,32 @@ def test_eigen_basis_is_top_eigenspace_of_keys_and_queries():
     assert torch.allclose(b.T @ b, proj_ref, atol=1e-4)
 
 
-def test_fisher_minimises_the_kfac_objective():
-    """fisher == closed form of tr(S_x E G E^T) with the collected moments;
-    no other rank-r factorization does better on that objective."""
+def _kfac_problem(method):
+    """Random weights, inputs and a Fisher metric: ``(w_k, method's key bases,
+    S_x, G, objective)`` with ``S_x``, ``G`` per token and ``objective(a, b,
+    t)`` = ``tr(S_x E T E^T)`` of a key factorization (``E = W - a b``) in a
+    metric ``T``."""
     w_k, w_v, w_o = _weights()
     x = torch.randn(400, HID, dtype=torch.float64)
     gm = torch.randn(KV * D, KV * D, dtype=torch.float64)
     gm = gm @ gm.T
-    st = _stats(x, gk=gm, gv=gm)
-    kb, _ = layer_bases("fisher", w_k, w_v, w_o, st, **_kw(KV))
-    sx, g = x.T @ x / 400, gm / 400
+    kb, _ = layer_bases(method, w_k, w_v, w_o, _stats(x, gk=gm, gv=gm), **_kw(KV))
+    sx = x.T @ x / 400
+
+    def objective(a, b, t):
+        e = w_k.T.double() - a.double() @ b.double()
+        return float(torch.trace(sx @ e @ t @ e.T))
+
+    return w_k, kb, sx, gm / 400, objective
+
+
+def test_fisher_minimises_the_kfac_objective():
+    """fisher == closed form of tr(S_x E G E^T) with the collected moments;
+    no other rank-r factorization does better on that objective."""
+    w_k, kb, sx, g, kfac = _kfac_problem("fisher")
 
     def objective(a, b):
-        e = w_k.T.double() - a.double() @ b.double()
-        return float(torch.trace(sx @ e @ g @ e.T))
+        return kfac(a, b, g)
 
     a, b = factors_for_rank(kb[0], 5, w_k.T)
     best = objective(a, b)
@@ -166,13 +178,7 @@ def test_rope_equivariant_energy_is_the_rotation_averaged_objective():
     averaged over independent rotations of each frequency (computed here from
     8 angles per frequency), equals the energies past r, and no
     complex-linear map of the same rank built from a random basis does better."""
-    w_k, w_v, w_o = _weights()
-    x = torch.randn(400, HID, dtype=torch.float64)
-    gm = torch.randn(KV * D, KV * D, dtype=torch.float64)
-    gm = gm @ gm.T
-    st = _stats(x, gk=gm, gv=gm)
-    kb, _ = layer_bases("rope_equivariant", w_k, w_v, w_o, st, **_kw(KV))
-    sx, g = x.T @ x / 400, gm / 400
+    w_k, kb, _, g, kfac = _kfac_problem("rope_equivariant")
     # RoPE turns each frequency f by its own angle: T~ keeps no block between two
     # frequencies, and averages each frequency's own block over its rotations.
     eye = torch.eye(KV * D, dtype=torch.float64)
@@ -188,8 +194,7 @@ def test_rope_equivariant_energy_is_the_rotation_averaged_objective():
             t_avg = t_avg + rot @ g_f @ rot.T / 8
 
     def objective(a, b):
-        e = w_k.T.double() - a.double() @ b.double()
-        return float(torch.trace(sx @ e @ t_avg @ e.T))
+        return kfac(a, b, t_avg)
 
     r = 6
     a, b = factors_for_rank(kb[0], r, w_k.T)

@@ -71,7 +71,8 @@ class LatentAttention(Attention):
     """
 
     def __init__(self, plan: LayerPlan, scale: float, rotary, *, post_rope: bool = False,
-                 rope_equivariant: bool = False, layout=None, key_norm=None, key_norm_offset: float = 0.0,
+                 rope_equivariant: bool = False, layout=None, key_norm=None,
+                 key_norm_offset: float = 0.0,
                  key_bias: bool = False,
                  sliding_window: int | None = None,
                  exact_tokens=None, cache_config=None,
@@ -169,13 +170,15 @@ class LatentAttention(Attention):
             mode = "post_rope" if self.post_rope else "pre_rope"
             if mode == "pre_rope" and self.rope_equivariant and self.key_transform() is None \
                     and self._rotary.rotary_dim == self.plan.shape.head_dim:
-                from vllm_lowrank.triton_kernels.decode_latent_rope import blocker
+                from vllm_lowrank.triton_kernels.decode_latent_rope import absorption, blocker
 
                 sink = self.exact.sink if self.exact is not None else 0
-                if blocker(self.plan, self.layout, window=self.sliding_window, sink=sink) \
-                        is None and _pairs_per_frequency(self.plan, self.k_up,
-                                                         self._rotary.is_neox_style):
-                    mode = "latent_rope"
+                if blocker(self.plan, self.layout, window=self.sliding_window, sink=sink) is None:
+                    try:  # the structure check; its tables stay cached for decode
+                        absorption(self.plan, self.k_up, self.rope_table(self.k_up.device))
+                        mode = "latent_rope"
+                    except ValueError:
+                        pass
             self._decode_mode = mode
         return self._decode_mode
 
@@ -236,20 +239,6 @@ class LatentAttention(Attention):
                 query, key, value, output, encoded, kv_cache_dummy_dep=dep
             )
         return output
-
-
-def _pairs_per_frequency(plan: LayerPlan, k_up: torch.Tensor, neox: bool) -> bool:
-    """Every head group's block of ``k_up`` has the ``rope_equivariant``
-    structure (:func:`~vllm_lowrank.factorization.bases.latent_frequencies`)."""
-    from vllm_lowrank.factorization.bases import latent_frequencies
-
-    d, gw = plan.shape.head_dim, plan.group_width
-    for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
-        try:
-            latent_frequencies(k_up[off:off + r, g * gw:(g + 1) * gw].float().cpu(), d, neox)
-        except ValueError:
-            return False
-    return True
 
 
 class ExactTokenCache(nn.Module, AttentionLayerBase):

@@ -217,16 +217,16 @@ class LatentSelfAttention(nn.Module):
         plan = self.plan
         w_q, w_k, w_v, w_o = (weights[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         if bases is None:
+            def key_basis(w):
+                if self.attn.rope_equivariant:
+                    return rope_equivariant_basis(w, None, None, head_dim=plan.shape.head_dim,
+                                                  neox=self.attn._rotary.is_neox_style)
+                return output_aware_basis(w)
+
             bases = tuple(
-                [output_aware_basis(fold.group_projection(plan, w, g))
-                 for g in range(plan.num_groups)]
-                for w in (w_k, w_v)
+                [basis(fold.group_projection(plan, w, g)) for g in range(plan.num_groups)]
+                for w, basis in ((w_k, key_basis), (w_v, output_aware_basis))
             )
-            if self.attn.rope_equivariant:
-                neox = self.attn._rotary.is_neox_style
-                bases = ([rope_equivariant_basis(fold.group_projection(plan, w_k, g), None, None,
-                                                 head_dim=plan.shape.head_dim, neox=neox)
-                          for g in range(plan.num_groups)], bases[1])
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
         if self.layout is not None and self.hadamard_seed is not None:
             # per-channel keys keep their channels: a rotation would spread an
