@@ -1,28 +1,33 @@
-r"""Token-adaptive decode: the exact part, the value up-projection of the latent
-part and their merge, in one kernel.
+r"""Token-adaptive decode: the exact part and its merge with the latent part, in one kernel.
 
 A token-adaptive (TALE) decode step attends to two disjoint sets of positions
 (:mod:`vllm_lowrank.attention.token_adaptive`): the latent span, decoded by the
 latent kernels of this package into value-latent outputs ``o_L [B, out_width]``
 with their log-sum-exp ``lse_L [B, H]``, and the exact set ``E`` (the ``S`` sink
 positions and the last ``W + 1``, the new token included), read from the exact
-cache. This kernel does the rest of the step for one sequence ``b`` and KV head
-``j`` (its ``QPK`` query heads) per program::
+cache. The latent outputs are lifted to head space before the call, ``o_L' =
+o_L B_v`` (Palu eq. 6 unfolded: :func:`~vllm_lowrank.attention.token_adaptive.
+values_up`, one GEMM per head group that reads ``B_v`` once; done inside this
+kernel it was re-read from L2 by every program, ``r_v x d`` float32 per sequence
+and KV head, 15 % of the kernel's time). This kernel does the rest of the step
+for one sequence ``b`` and KV head ``j`` (its ``QPK`` query heads) per program::
 
     o_E, lse_E  = softmax attention of q over E           (exact keys/values)
-    o_L'        = o_L[b, heads of j] B_v[g][:, j]           (Palu eq. 6, unfolded)
     o           = (e^{lse_L} o_L' + e^{lse_E} o_E) / (e^{lse_L} + e^{lse_E})
 
 (the log-sum-exp merge of flash-decoding, Dao et al. 2023), and stores ``o`` in
 the layer's output dtype: what :func:`~vllm_lowrank.attention.token_adaptive.
-exact_attention`, :func:`~vllm_lowrank.attention.token_adaptive.values_up` and
-:func:`~vllm_lowrank.attention.token_adaptive.merge` do in about 40 torch
-kernels per layer.
+exact_attention` and :func:`~vllm_lowrank.attention.token_adaptive.merge` do in
+about 40 torch kernels per layer.
 
 Exact slots (:class:`vllm_lowrank.format.exact.ExactSlot`): post-RoPE keys and
 values in the model dtype (``bits=16``), or per-head int8 codes with one float16
-scale/zero pair per token, head and side (``bits=8``). Scores and the softmax
-are float32 in base 2 (the exponent of ``exp2`` carries ``log2 e``); the dots
+scale/zero pair per token, head and side (``bits=8``). Int8 codes enter the dots
+centred (``code - 128``, exact in bf16) and their scales are applied after them,
+as in :mod:`.decode_packed`: ``s_t = scale_t (q . c_t) + zero_t sum(q)`` and
+``o = (sum_t (p_t scale_t) c_t + sum_t p_t zero_t) / l`` (no dequantized tile in
+registers: 1.35-1.43x faster than dequantizing, measured with the tile and warp
+choice below). Scores and the softmax are float32 in base 2 (the exponent of ``exp2`` carries ``log2 e``); the dots
 take the model dtype, as stock vLLM's attention does (float32 under the Triton
 interpreter).
 
@@ -39,8 +44,15 @@ import triton.language as tl
 from .decode_prep import LOG2E, TL_DTYPES, interpreting
 from .tiles import add_combine, load_latent, max_combine
 
-BLOCK = 32
+BLOCK = 64
 """Exact positions per tile."""
+
+WARPS = 8
+"""Warps per program. With 64-position tiles and int8 codes in the dots, the
+fastest of the H200 sweep (tiles of 32/64, 4/8 warps, codes in the dots or
+dequantized) at 16 x 4k and 128 x 2k for the ``8x`` and ``lossless`` presets'
+int8 slots; 64-position tiles on 4 warps spill (benchmarks/README.md, "The
+exact part of token-adaptive decode")."""
 
 
 @triton.jit
@@ -48,26 +60,23 @@ def exact_merge_kernel(
     q_ptr, s_qb, s_qh,
     ex_ptr, s_eblk, s_etok,
     bt_ptr, s_bt, lens_ptr,
-    lat_ptr, s_lat, lse_ptr, s_lse,
-    vup_ptr, s_vup, heads_ptr,
+    up_ptr, s_ub, s_uh, lse_ptr, s_lse,
     out_ptr, s_out,
     sink, recent, qk_scale,
     kv_width, v_codes_off, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    D: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, RC: tl.constexpr,
+    D: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-    ALIGNED: tl.constexpr, F32: tl.constexpr,
+    ALIGNED: tl.constexpr, F32: tl.constexpr, POST: tl.constexpr,
 ):
     """One program per ``(b, j)``: sequence ``b``, KV head ``j``.
 
     Pointers and strides: the queries ``[B, H, D]``; the exact cache (``BITS``
     16: viewed as its dtype, strides in elements; 8: uint8, in bytes); its block
     table ``[B, max_blocks]`` int32 and the sequence lengths ``[B]``; the latent
-    part ``o_L [B, out_width]`` and ``lse_L [B, H]`` (natural log) float32;
-    ``B_v [Rv, kv_width]`` float32; ``heads_ptr [Hkv, 3]`` int32 (first column of
-    head ``j``'s query heads in ``o_L``, their value rank, its first row in
-    ``B_v``); the output ``[B, H * D]``. ``qk_scale`` = softmax scale times
-    ``log2 e``. ``DT``: the dots' operand dtype; ``F32``: float32 dots in IEEE
-    precision; ``RC``: value-latent channels per step of the up-projection."""
+    part lifted to head space ``o_L' [B, H, D]`` and its ``lse_L [B, H]``
+    (natural log), float32; the output ``[B, H * D]``. ``qk_scale`` = softmax
+    scale times ``log2 e``. ``DT``: the dots' operand dtype; ``F32``: float32
+    dots in IEEE precision; ``POST``: int8 codes in the dots (module docstring)."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
@@ -84,6 +93,8 @@ def exact_merge_kernel(
     m_i = tl.full([Q_PAD], float("-inf"), tl.float32)
     l_i = tl.full([Q_PAD], 0.0, tl.float32)
     acc = tl.full([Q_PAD, D], 0.0, tl.float32)
+    z_i = tl.full([Q_PAD], 0.0, tl.float32)  # sum_t p z_v (POST)
+    q_sum = tl.sum(q.to(tl.float32), 1)  # for the key zero points (POST)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for u0 in range(0, n_exact, BLOCK_N):
         u = u0 + i
@@ -96,20 +107,26 @@ def exact_merge_kernel(
             k = tl.load(base + j * D + c[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(base + kv_width + j * D + c[None, :], mask=valid[:, None], other=0.0)
         else:
-            k, _, _ = load_latent(ex_ptr, row, valid, j * D, D, j, k_scale_off, k_zero_off,
-                                  DT, True, BITS, D, 0, ALIGNED, 1, False)
-            v, _, _ = load_latent(ex_ptr, row, valid, v_codes_off + j * D, D, j, v_scale_off,
-                                  v_zero_off, DT, True, BITS, D, 0, ALIGNED, 1, False)
+            k, ks, kz = load_latent(ex_ptr, row, valid, j * D, D, j, k_scale_off, k_zero_off,
+                                    DT, True, BITS, D, 0, ALIGNED, 1, POST)
+            v, vs, vz = load_latent(ex_ptr, row, valid, v_codes_off + j * D, D, j,
+                                    v_scale_off, v_zero_off, DT, True, BITS, D, 0, ALIGNED, 1,
+                                    POST)
         if F32:
             sc = tl.dot(q, tl.trans(k.to(DT)), input_precision="ieee")
         else:
             sc = tl.dot(q, tl.trans(k.to(DT)))
+        if POST:
+            sc = sc * ks[None, :] + q_sum[:, None] * kz[None, :]
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
+        if POST:  # value codes in the dot, their scales on the probabilities
+            z_i = z_i * alpha + tl.reduce(p * vz[None, :], 1, add_combine)
+            p = p * vs[None, :]
         if F32:
             acc = tl.dot(p, v.to(DT), acc * alpha[:, None], input_precision="ieee")
         else:
@@ -120,19 +137,10 @@ def exact_merge_kernel(
     # CUDA graph's padding (seq_len 0): then zeros
     seen = l_i > 0.0
     lse_e = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    o_e = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_e = (acc + z_i[:, None]) / tl.where(seen, l_i, 1.0)[:, None]
 
-    col0 = tl.load(heads_ptr + 3 * j)
-    r_v = tl.load(heads_ptr + 3 * j + 1)
-    v_row = tl.load(heads_ptr + 3 * j + 2)
-    o_l = tl.full([Q_PAD, D], 0.0, tl.float32)
-    lat_row = lat_ptr + b.to(tl.int64) * s_lat + col0 + hq[:, None] * r_v
-    for r0 in range(0, r_v, RC):  # o_L' = o_L B_v, RC value-latent channels at a time
-        rr = r0 + tl.arange(0, RC)
-        lat = tl.load(lat_row + rr[None, :], mask=hm[:, None] & (rr[None, :] < r_v), other=0.0)
-        bv = tl.load(vup_ptr + (v_row + rr).to(tl.int64)[:, None] * s_vup + j * D + c[None, :],
-                     mask=(rr < r_v)[:, None], other=0.0)
-        o_l = tl.dot(lat, bv, o_l, input_precision="ieee")
+    o_l = tl.load(up_ptr + b.to(tl.int64) * s_ub + heads[:, None] * s_uh + c[None, :],
+                  mask=hm[:, None], other=0.0)
     lse_l = tl.load(lse_ptr + b.to(tl.int64) * s_lse + heads, mask=hm,
                     other=float("-inf")) * 1.4426950408889634
     top = tl.maximum(lse_l, lse_e)
@@ -176,36 +184,16 @@ def blocker(plan, slot, query: torch.Tensor, exact_cache: torch.Tensor,
     return None
 
 
-_HEAD_TABLES: dict = {}
-
-
-def _head_table(plan, device) -> torch.Tensor:
-    """``[Hkv, 3]`` int32, per KV head ``j``: first column of its query heads in
-    ``o_L``, their value rank ``r_v``, the first row of its group in ``B_v``
-    (query heads of a group are ordered ``(KV head in group, query of that
-    head)``, ``r_v`` columns each); built once per plan and device."""
-    key = (plan, str(device))
-    if key not in _HEAD_TABLES:
-        qpk, gs = plan.shape.queries_per_kv, plan.group_size
-        rows, col = [], 0
-        for v_off, r in zip(plan.v_offsets(), plan.v_ranks):
-            rows += [(col + jj * qpk * r, r, v_off) for jj in range(gs)]
-            col += plan.heads_per_group * r
-        _HEAD_TABLES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
-    return _HEAD_TABLES[key]
-
-
-def exact_merge_decode(plan, v_up: torch.Tensor, scale: float, query: torch.Tensor,
+def exact_merge_decode(plan, scale: float, query: torch.Tensor,
                        exact_cache: torch.Tensor, slot, exact_block_table: torch.Tensor,
                        seq_lens: torch.Tensor, sink: int, recent: int,
-                       lat: torch.Tensor, lat_lse: torch.Tensor,
+                       lat_up: torch.Tensor, lat_lse: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """The exact part of a token-adaptive decode step merged with the latent
     part (module docstring), in one launch with a fixed grid (CUDA graphs).
 
     Args:
         plan: The layer's :class:`~vllm_lowrank.factorization.plan.LayerPlan`.
-        v_up: ``[Rv, kv_width]`` float32 block-diagonal value up-projection.
         scale: Softmax scale.
         query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
         exact_cache: ``[num_blocks, 1, block_size, slot_bytes]`` uint8, this
@@ -215,8 +203,10 @@ def exact_merge_decode(plan, v_up: torch.Tensor, scale: float, query: torch.Tens
         seq_lens: ``[B]`` int32 (this token included).
         sink, recent: ``S`` and ``W``: the exact set is positions ``< S`` and
             ``>= max(S, seq_len - 1 - W)``.
-        lat, lat_lse: The latent span's ``[B, plan.out_width]`` value-latent
-            outputs and ``[B, H]`` natural-log log-sum-exp (``-inf``: empty).
+        lat_up, lat_lse: The latent span's outputs lifted to head space,
+            ``[B, H, d]`` float32 with unit stride in ``d``
+            (:func:`~vllm_lowrank.attention.token_adaptive.values_up`), and their
+            ``[B, H]`` natural-log log-sum-exp (``-inf``: empty).
         out: ``[B, H * d]`` output (any float dtype, unit stride in its last
             dimension), or ``None`` for a new float32 tensor.
 
@@ -233,6 +223,7 @@ def exact_merge_decode(plan, v_up: torch.Tensor, scale: float, query: torch.Tens
     bsz, h, d = query.shape
     if out is None:
         out = torch.empty(bsz, h * d, dtype=torch.float32, device=query.device)
+    lat_up = lat_up if lat_up.stride(-1) == 1 else lat_up.contiguous()
     lay = slot.int8_layout
     offs = ((0, 0, 0, 0, 0) if lay is None else
             (lay.v_codes_offset, lay.k_scale_offset, lay.k_zero_offset, lay.v_scale_offset,
@@ -248,14 +239,13 @@ def exact_merge_decode(plan, v_up: torch.Tensor, scale: float, query: torch.Tens
         query, query.stride(0), query.stride(1),
         cache, cache.stride(0), cache.stride(2),
         bt, bt.stride(0), lens,
-        lat, lat.stride(0), lat_lse, lat_lse.stride(0),
-        v_up, v_up.stride(0), _head_table(plan, query.device),
+        lat_up, lat_up.stride(0), lat_up.stride(1), lat_lse, lat_lse.stride(0),
         out, out.stride(0),
         int(sink), int(recent), float(scale) * LOG2E,
         sh.kv_width, *offs,
-        D=d, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
-        RC=min(64, max(16, triton.next_power_of_2(max(plan.v_ranks)))), BLOCK_N=BLOCK,
+        D=d, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)), BLOCK_N=BLOCK,
         PAGE=exact_cache.shape[2], BITS=slot.bits,
         DT=tl.float32 if f32 else TL_DTYPES[query.dtype], ALIGNED=aligned, F32=f32,
-        num_warps=4)
+        POST=slot.bits == 8,
+        num_warps=WARPS, num_stages=2)
     return out

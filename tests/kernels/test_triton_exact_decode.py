@@ -1,7 +1,7 @@
-"""The token-adaptive decode kernel (exact part, value up-projection and merge in
-one launch, ``triton_kernels/decode_exact.py``) against the torch functions it
-replaces (``token_adaptive.exact_attention``, ``values_up``, ``merge``; those
-are checked against a float64 loop in ``tests/unit/test_token_adaptive.py``).
+"""The token-adaptive decode kernel (exact part and merge in one launch,
+``triton_kernels/decode_exact.py``, after ``token_adaptive.values_up``) against
+the torch functions it replaces (``token_adaptive.exact_attention``, ``merge``;
+those are checked against a float64 loop in ``tests/unit/test_token_adaptive.py``).
 
 Under the Triton interpreter on CPU tensors without CUDA, compiled on a GPU:
 
@@ -27,7 +27,7 @@ DEV = torch.device("cuda" if ON_GPU else "cpu")
 BLOCK = 16
 
 
-def case(group_size, k_ranks, v_ranks, dtype, bits, lens, sink=16, recent=32, seed=0):
+def case(group_size, k_ranks, v_ranks, dtype, bits, lens, sink=16, recent=64, seed=0):
     """A plan (8 query / 4 KV heads of 32), an exact cache holding random keys and
     values at every position of ``len(lens)`` sequences on shuffled blocks (the
     rest of the cache NaN), queries, latent-part outputs and log-sum-exps (the
@@ -89,13 +89,14 @@ def test_kernel_matches_the_torch_path(setting, dtype, bits):
     longer (exact set = sinks + the last ``W + 1``), the first with an empty
     latent span; 16-bit slots in the query dtype and int8 slots."""
     plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
-        *setting, dtype, bits, lens=[100, 7, 49, 83])
+        *setting, dtype, bits, lens=[150, 7, 81, 83])
     scale = 0.3
     ref = torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, scale)
     out = torch.full(ref.shape, float("nan"), dtype=dtype, device=DEV)
     got = decode_exact.exact_merge_decode(
-        plan, v_up.to(DEV), scale, q.to(DEV), cache.to(DEV), slot, table.to(DEV),
-        seq_lens.to(DEV), sink, recent, lat.to(DEV), lse.to(DEV), out)
+        plan, scale, q.to(DEV), cache.to(DEV), slot, table.to(DEV),
+        seq_lens.to(DEV), sink, recent, tale.values_up(plan, v_up, lat).to(DEV), lse.to(DEV),
+        out)
     assert got is out
     # interpreter: float32 dots, a bf16 output rounds (2^-8 relative); GPU: float32 on
     # TF32 tensor cores, bf16 with the keys, values, queries and probabilities in
@@ -142,13 +143,14 @@ def test_padding_rows_give_zeros_and_leave_the_others_alone():
         *SETTINGS[0], torch.float32, 16, lens=[100, 40, 1])
     seq_lens[2] = 0
     lat[2], lse[2] = 0.0, float("-inf")
-    args = (plan, v_up.to(DEV), 0.3)
+    args = (plan, 0.3)
+    up = tale.values_up(plan, v_up, lat).to(DEV)
     got = decode_exact.exact_merge_decode(*args, q.to(DEV), cache.to(DEV), slot, table.to(DEV),
-                                          seq_lens.to(DEV), sink, recent, lat.to(DEV),
+                                          seq_lens.to(DEV), sink, recent, up,
                                           lse.to(DEV)).cpu()
     alone = decode_exact.exact_merge_decode(*args, q[:2].to(DEV), cache.to(DEV), slot,
                                             table[:2].to(DEV), seq_lens[:2].to(DEV), sink,
-                                            recent, lat[:2].to(DEV), lse[:2].to(DEV)).cpu()
+                                            recent, up[:2], lse[:2].to(DEV)).cpu()
     assert torch.equal(got[2], torch.zeros_like(got[2]))
     torch.testing.assert_close(got[:2], alone, rtol=0, atol=0)
 
@@ -158,8 +160,8 @@ def test_blocker_names_what_is_out_of_scope():
     q = torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=DEV)
     assert "16-bit exact slots" in decode_exact.blocker(plan, slot, q, cache.to(DEV), None)
     with pytest.raises(ValueError, match="16-bit exact slots"):
-        decode_exact.exact_merge_decode(plan, v_up, 1.0, q, cache.to(DEV), slot,
+        decode_exact.exact_merge_decode(plan, 1.0, q, cache.to(DEV), slot,
                                         torch.zeros(1, 4, dtype=torch.int32, device=DEV),
                                         torch.ones(1, dtype=torch.int32, device=DEV), 16, 32,
-                                        torch.zeros(1, plan.out_width, device=DEV),
+                                        torch.zeros(1, 8, 32, device=DEV),
                                         torch.zeros(1, 8, device=DEV))

@@ -174,15 +174,17 @@ def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor) -> torch.T
         v_up: ``[Rv, kv_width]`` float32 block-diagonal value up-projection.
     """
     s = plan.shape
-    d, qpk, gs = s.head_dim, s.queries_per_kv, plan.group_size
+    d, qpk, gs, hg = s.head_dim, s.queries_per_kv, plan.group_size, plan.heads_per_group
+    n = out.shape[0]
     parts, col = [], 0
     for g, (v_off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
-        hg = plan.heads_per_group
-        o = out[:, col:col + hg * r].float().view(-1, gs, qpk, r)  # [N, G, qpk, r]
-        b = v_up[v_off:v_off + r, g * gs * d:(g + 1) * gs * d].view(r, gs, d)
-        parts.append(torch.einsum("ngqr,rgd->ngqd", o, b).reshape(-1, hg, d))
+        # one GEMM per group, batched over its KV heads, N * qpk rows each
+        o = out[:, col:col + hg * r].float().view(n, gs, qpk * r).transpose(0, 1)
+        b = v_up[v_off:v_off + r, g * gs * d:(g + 1) * gs * d].view(r, gs, d).transpose(0, 1)
+        up = torch.bmm(o.reshape(gs, n * qpk, r), b)  # [G, N * qpk, d]
+        parts.append(up.view(gs, n, qpk, d).transpose(0, 1).reshape(n, hg, d))
         col += hg * r
-    return torch.cat(parts, dim=1)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -324,11 +326,10 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
     """One new token per request: latent span ``sink <= t < seq_len - 1 -
     recent`` plus the exact set, merged.
 
-    With a latent-span kernel, the exact part, the value up-projection and the
-    merge run in one Triton kernel
-    (:func:`vllm_lowrank.triton_kernels.decode_exact.exact_merge_decode`) where
-    its ``blocker`` allows, else in torch (:func:`exact_attention`,
-    :func:`values_up`, :func:`merge`).
+    With a latent-span kernel, the exact part and the merge run in one Triton
+    kernel (:func:`vllm_lowrank.triton_kernels.decode_exact.exact_merge_decode`)
+    after :func:`values_up` where its ``blocker`` allows, else in torch
+    (:func:`exact_attention`, :func:`values_up`, :func:`merge`).
 
     Args:
         query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
@@ -361,8 +362,8 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
 
         if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:
             return decode_exact.exact_merge_decode(
-                plan, v_up, scale, query, exact_cache, exact, exact_block_table, seq_lens,
-                sink, recent, lat, lat_lse, out)
+                plan, scale, query, exact_cache, exact, exact_block_table, seq_lens,
+                sink, recent, values_up(plan, v_up, lat), lat_lse, out)
     ex, ex_lse = exact_attention(query[:, None], exact_cache, exact, exact_block_table,
                                  seq_lens, 1, sink, recent, scale, window)
     merged = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
