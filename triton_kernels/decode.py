@@ -599,11 +599,10 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     if wide:
         _launch_wide(plan, prep, args, common, dflt, cfg, hpp, rotary_dim, num_splits, bsz)
     elif latent_rope:
-        rc = min(cfg.rank_chunk or dflt["rank_chunk"], prep.rk_max_pad)
         vc = min(cfg.value_chunk or dflt["value_chunk"], prep.rv_max_pad)
         if v_qg and (vc % v_qg or v_qg & (v_qg - 1)):
             vc = prep.rv_max_pad  # a chunk must start on a scale group: one chunk
-        decode_latent_rope.launch(plan, args, common, rc, vc, num_splits, bsz)
+        decode_latent_rope.launch(plan, args, common, vc, num_splits, bsz)
     elif schedule is None:
         decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:

@@ -42,18 +42,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import LOG2E, TL_DTYPES, interpreting
+from .decode_prep import LOG2E, TL_DTYPES, interpreting, pow2_divisor
 from .tiles import add_combine, load_latent, max_combine
 
 BLOCK = 64
-"""Exact positions per tile."""
+"""Most exact positions per tile. A tile is ``min(BLOCK, block size)`` aligned
+positions, so it lies in one block of the exact cache: its slots are one
+pointer plus 32-bit offsets. Tiles of positions that crossed blocks computed a
+64-bit slot address per row in every register layout that used it (1,828 SASS
+instructions per 64-position tile and 254 registers, against 554 per
+32-position tile and 101 registers, sm_90, triton 3.6); 2.2x faster at 128 x
+2k on an H200 with the same warps (benchmarks/README.md, "Fewer instructions
+per tile")."""
 
-WARPS = 8
-"""Warps per program. With 64-position tiles and int8 codes in the dots, the
-fastest of the H200 sweep (tiles of 32/64, 4/8 warps, codes in the dots or
-dequantized) at 16 x 4k and 128 x 2k for the ``8x`` and ``lossless`` presets'
-int8 slots; 64-position tiles on 4 warps spill (benchmarks/README.md, "The
-exact part of token-adaptive decode")."""
+STAGES = 1
+"""Software-pipelining stages of the tile loop."""
+
+WARPS = 4
+"""Warps per program. H200 sweep of the block-aligned tiles (32 positions:
+the ``8x`` preset's block size), ``8x`` int8 slots, warps x stages in {4, 8} x
+{1, 2, 3}: 4 warps and 1 stage took 70.6 us at 128 x 2k (8 warps, 2 stages:
+108.6; 4 warps, 2 stages: 84.8) and 25.0 us at 16 x 4k (the best, 4 warps and
+2 stages: 21.2)."""
 
 
 @triton.jit
@@ -67,7 +77,7 @@ def exact_merge_kernel(
     kv_width, v_codes_off, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     D: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr,
-    ALIGNED: tl.constexpr, F32: tl.constexpr, POST: tl.constexpr,
+    ALIGNED: tl.constexpr, F32: tl.constexpr, POST: tl.constexpr, SLOT_MULT: tl.constexpr,
 ):
     """One program per ``(b, j)``: sequence ``b``, KV head ``j``.
 
@@ -90,27 +100,34 @@ def exact_merge_kernel(
 
     i = tl.arange(0, BLOCK_N)
     tail = tl.maximum(sink, seq_len - 1 - recent)  # first non-sink exact position
-    n_exact = sink + recent + 1
+    # Tiles of BLOCK_N aligned positions (BLOCK_N divides the page: a tile lies
+    # in one block, its slots one pointer plus 32-bit offsets): those holding
+    # the sinks, then those holding the tail from the first one past them.
+    n_sink = (tl.minimum(sink, seq_len) + BLOCK_N - 1) // BLOCK_N
+    t_tail = tl.maximum(tail // BLOCK_N, n_sink)
+    n_tiles = n_sink + tl.maximum((seq_len + BLOCK_N - 1) // BLOCK_N - t_tail, 0)
+    roff = tl.multiple_of(i * s_etok, SLOT_MULT)
     m_i = tl.full([Q_PAD], float("-inf"), tl.float32)
     l_i = tl.full([Q_PAD], 0.0, tl.float32)
     acc = tl.full([Q_PAD, D], 0.0, tl.float32)
     z_i = tl.full([Q_PAD], 0.0, tl.float32)  # sum_t p z_v (POST)
     q_sum = tl.sum(q.to(tl.float32), 1)  # for the key zero points (POST)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    for u0 in range(0, n_exact, BLOCK_N):
-        u = u0 + i
-        pos = tl.where(u < sink, u, tail + (u - sink))
-        valid = (u < n_exact) & (pos < seq_len)
-        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = blk * s_eblk + (pos % PAGE).to(tl.int64) * s_etok
+    for k_t in range(0, n_tiles):
+        p0 = tl.where(k_t < n_sink, k_t, t_tail + k_t - n_sink) * BLOCK_N
+        pos = p0 + i
+        valid = (pos < seq_len) & ((pos < sink) | (pos >= tail))
+        blk = tl.load(bt_row + p0 // PAGE).to(tl.int64)
+        base = ex_ptr + tl.multiple_of(blk * s_eblk + (p0 % PAGE) * s_etok, SLOT_MULT)
         if BITS == 16:
-            base = ex_ptr + row[:, None]
-            k = tl.load(base + j * D + c[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(base + kv_width + j * D + c[None, :], mask=valid[:, None], other=0.0)
+            k = tl.load(base + roff[:, None] + (j * D + c)[None, :], mask=valid[:, None],
+                        other=0.0)
+            v = tl.load(base + roff[:, None] + (kv_width + j * D + c)[None, :],
+                        mask=valid[:, None], other=0.0)
         else:
-            k, ks, kz = load_latent(ex_ptr, row, valid, j * D, D, j, k_scale_off, k_zero_off,
+            k, ks, kz = load_latent(base, roff, valid, j * D, D, j, k_scale_off, k_zero_off,
                                     DT, True, BITS, D, 0, ALIGNED, 1, POST)
-            v, vs, vz = load_latent(ex_ptr, row, valid, v_codes_off + j * D, D, j,
+            v, vs, vz = load_latent(base, roff, valid, v_codes_off + j * D, D, j,
                                     v_scale_off, v_zero_off, DT, True, BITS, D, 0, ALIGNED, 1,
                                     POST)
         if F32:
@@ -178,6 +195,8 @@ def blocker(plan, slot, query: torch.Tensor, exact_cache: torch.Tensor,
          "of its elements"),
         (exact_cache.dim() == 4 and exact_cache.shape[1] == 1
          and exact_cache.dtype == torch.uint8, "exact cache layout"),
+        (exact_cache.shape[2] >= 16 and exact_cache.shape[2] & (exact_cache.shape[2] - 1) == 0,
+         "exact cache block size not a power of two of at least 16"),
     )
     for ok, why in checks:
         if not ok:
@@ -244,9 +263,10 @@ def exact_merge_decode(plan, scale: float, query: torch.Tensor,
         out, out.stride(0),
         int(sink), int(recent), float(scale) * LOG2E,
         sh.kv_width, *offs,
-        D=d, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)), BLOCK_N=BLOCK,
+        D=d, QPK=qpk, Q_PAD=max(16, triton.next_power_of_2(qpk)),
+        BLOCK_N=min(BLOCK, exact_cache.shape[2]),
         PAGE=exact_cache.shape[2], BITS=slot.bits,
         DT=tl.float32 if f32 else TL_DTYPES[query.dtype], ALIGNED=aligned, F32=f32,
-        POST=slot.bits == 8,
-        num_warps=WARPS, num_stages=2)
+        POST=slot.bits == 8, SLOT_MULT=pow2_divisor(cache.stride(2), cache.stride(0)),
+        num_warps=WARPS, num_stages=STAGES)
     return out

@@ -26,14 +26,21 @@ the decode of multi-head latent attention (DeepSeek-V2, sec. 2.1.2, "absorb"
 Values are as in the other kernels: ``P @ C_v`` per query head in the value
 latent space, one head group per program, all its ``HG`` query heads in one
 score tile (per-token packed values: the codes in the dot and the scales folded
-into ``P``, :mod:`.decode_packed`'s algebra). Keys are read in chunks of ``RC``
-channels by storage unit (:func:`_unit_pairs`), so the two channels of a pair
-arrive as two operands; per-channel keys (KIVI) take one token group per tile.
-Split-K, windows and the token-adaptive span share :func:`.tiles.split_tiles`
-and the reduce pass with the other kernels; the output format is theirs
-(``[B, out_width]`` float32). Measured on an H200 (benchmarks/README.md, "Decode
-without a key rebuild"): 1.8-2.3x the wide kernel's speed on the ``8x``
-storage, 0.21-0.25x SDPA's over full keys and values (255 registers).
+into ``P``, :mod:`.decode_packed`'s algebra). Every key pair of the group is in
+one tile (:func:`_pair_codes`: the two channels of a pair arrive as two
+operands, so each tile takes two dots of depth ``r / 2``), and what does not
+change from tile to tile is read or computed once before the tile loop: the
+absorbed queries, the pairs' RoPE frequencies and, for per-channel keys (KIVI,
+one token group per tile), the byte offsets of the group's parameters; a tile
+that lies in one block addresses its slots as one pointer plus 32-bit offsets.
+Earlier versions looped over key chunks inside the tile loop, re-reading
+those operands and waiting on a chain of dependent loads per chunk (this one is
+1.54-1.58x faster on an H200, benchmarks/README.md, "Fewer instructions per
+tile"). Split-K, windows and the token-adaptive span share
+:func:`.tiles.split_tiles` and the reduce pass with the other kernels; the
+output format is theirs (``[B, out_width]`` float32). Its first version ran at
+1.8-2.3x the wide kernel's speed on the ``8x`` storage (H200,
+benchmarks/README.md, "Decode without a key rebuild").
 
 Host side: :func:`blocker` and :func:`launch`, called by
 :func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` with
@@ -46,52 +53,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import WEIGHT_CACHE, cached_for, pow2
+from .decode_prep import WEIGHT_CACHE, cached_for, pow2, pow2_divisor
 from .decode_wide import PER_LAYER_ARGS
-from .tiles import (_share_half, add_combine, group_row, load_f16_param, load_latent,
-                    max_combine, split_tiles)
+from .tiles import (add_combine, group_row, load_f16_param, load_latent, max_combine,
+                    share_half, share_offsets, split_tiles)
 
 
 @triton.jit
-def _unit_pairs(rows_t, code_off, u, um, k: tl.constexpr, BITS: tl.constexpr,
-                DT: tl.constexpr):
-    """Codes (or float latents) of latent pair ``l = u * PPU + k`` of each
-    token, transposed: ``(re, im)`` ``[UC, N]`` float32 (``rows_t`` ``[1, N]``
-    slot pointers, ``u`` ``[UC]`` storage units from the group's first code byte
-    ``code_off``, ``um`` their mask ``[UC, N]``). A unit holds ``PPU`` whole
-    pairs (channels ``2l``, ``2l + 1``): 2 float elements or 2 bytes (8-bit), 1
-    byte (4-bit: the nibbles; 2-bit: two pairs), 3 bytes (3-bit: four pairs in a
-    24-bit word), so no tile is reshaped or split."""
-    if BITS == 16:
-        x = rows_t + code_off + 2 * u[:, None]
-        re = tl.load(x, mask=um, other=0.0).to(tl.float32)
-        im = tl.load(x + 1, mask=um, other=0.0).to(tl.float32)
-    elif BITS == 8:
-        x = rows_t + code_off + 2 * u[:, None]
+def _pair_codes(base, rows_t, code_off, lp, um, BITS: tl.constexpr):
+    """Codes (or float latents) of latent pairs ``lp`` [P] of each token,
+    transposed: ``(re, im)`` ``[P, N]`` float32 (``base + rows_t`` ``[1, N]``
+    the slots, ``code_off`` the group's first code element or byte, ``um`` the
+    mask ``[P, N]``; offsets are summed before the pointer, in 32 bits where
+    ``rows_t`` is). Pair ``l`` is channels ``2l, 2l + 1``: 2 float elements or
+    2 bytes (8-bit); in the packed formats it lies in a storage unit of
+    ``PPU`` whole pairs, one byte (4-bit: one pair, the low nibble its real
+    channel; 2-bit: two pairs) or a 24-bit word of 3 bytes (3-bit: four pairs),
+    at bits ``2 k BITS`` (real) and ``(2 k + 1) BITS`` (imaginary) for the
+    unit's ``k``-th pair. A unit holding several pairs is read once per pair
+    (L1 hits), so every pair of the group comes out of one tile."""
+    if BITS == 16 or BITS == 8:
+        x = base + (rows_t + (code_off + 2 * lp)[:, None])
         re = tl.load(x, mask=um, other=0).to(tl.float32)
         im = tl.load(x + 1, mask=um, other=0).to(tl.float32)
-    elif BITS == 3:
-        x = rows_t + code_off + 3 * u[:, None]
-        w = tl.load(x, mask=um, other=0).to(tl.int32) | \
-            (tl.load(x + 1, mask=um, other=0).to(tl.int32) << 8) | \
-            (tl.load(x + 2, mask=um, other=0).to(tl.int32) << 16)
-        re = ((w >> (6 * k)) & 7).to(tl.float32)
-        im = ((w >> (6 * k + 3)) & 7).to(tl.float32)
-    else:  # 4 or 2 bits: one byte
-        w = tl.load(rows_t + code_off + u[:, None], mask=um, other=0).to(tl.int32)
-        re = ((w >> (2 * k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-        im = ((w >> ((2 * k + 1) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    else:
+        PPU: tl.constexpr = 4 if BITS == 3 else (2 if BITS == 2 else 1)
+        UNIT_BYTES: tl.constexpr = 3 if BITS == 3 else 1
+        x = base + (rows_t + (code_off + UNIT_BYTES * (lp // PPU))[:, None])
+        w = tl.load(x, mask=um, other=0).to(tl.int32)
+        if BITS == 3:
+            w = w | (tl.load(x + 1, mask=um, other=0).to(tl.int32) << 8) | \
+                (tl.load(x + 2, mask=um, other=0).to(tl.int32) << 16)
+        sh = (2 * BITS * (lp % PPU))[:, None]
+        re = ((w >> sh) & ((1 << BITS) - 1)).to(tl.float32)
+        im = ((w >> (sh + BITS)) & ((1 << BITS) - 1)).to(tl.float32)
     return re, im
-
-
-@triton.jit
-def _channel_params(cache_ptr, gbase, ch, cm, s_tok, share_off, rk_total, share):
-    """Per-channel key ``(scale, zero)`` ``[UC]`` float32 of channels ``ch`` of
-    the token group whose first slot is at byte ``gbase``
-    (:func:`.tiles.load_channel_keys`' parameter stream)."""
-    sc = _share_half(cache_ptr, gbase, 2 * ch, s_tok, share_off, share, cm)
-    ze = _share_half(cache_ptr, gbase, 2 * (rk_total + ch), s_tok, share_off, share, cm)
-    return sc, ze
 
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS)
@@ -102,10 +98,11 @@ def latent_rope_decode_kernel(
     k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
     window, sink, recent, share_off, rk_total, share,
-    HG: tl.constexpr, HG_PAD: tl.constexpr, RC: tl.constexpr, VC: tl.constexpr,
+    HG: tl.constexpr, HG_PAD: tl.constexpr, PAIRS: tl.constexpr, VC: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    V_QG: tl.constexpr, ALIGNED: tl.constexpr,
+    V_QG: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
+    RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
     SPLIT: tl.constexpr, WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr,
 ):
@@ -120,7 +117,10 @@ def latent_rope_decode_kernel(
     (``QUANT`` false), packed per token with one scale/zero pair per token and
     group, or per channel (``K_CHAN``: each ``BLOCK_N``-position tile is one
     complete token group, its first slot holding the start of the group's
-    parameter stream, :func:`.tiles.load_channel_keys`). Other arguments as
+    parameter stream, :func:`.tiles.load_channel_keys`). ``OFF_MULT``,
+    ``RANK_MULT``, ``SLOT_MULT``: powers of two that divide every group's code
+    offset, every rank, and the slot and block strides (alignment hints,
+    checked on the host). Other arguments as
     :func:`.decode_wide.wide_decode_kernel`."""
     s = tl.program_id(0)
     n_vc = tl.num_programs(1) // num_groups
@@ -128,22 +128,41 @@ def latent_rope_decode_kernel(
     v0 = (tl.program_id(1) % n_vc) * VC  # first value channel of the program
     b = tl.program_id(2)
     k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
+    # alignment hints (host-checked) that keep the value codes' loads vectorized
+    if OFF_MULT > 1:
+        v_off = tl.multiple_of(v_off, OFF_MULT)
+    if RANK_MULT > 1:
+        rv = tl.multiple_of(rv, RANK_MULT)
     ch0 = k_off  # first key channel of the group (float cache: elements)
     if QUANT:
         ch0 = (k_off * 8) // K_BITS
-    # storage units of the key codes (_unit_pairs): channels and latent pairs per unit
-    UNIT_CH: tl.constexpr = 8 if K_BITS == 3 else (4 if K_BITS == 2 else 2)
-    PPU: tl.constexpr = UNIT_CH // 2
-    UC: tl.constexpr = RC // UNIT_CH  # units per rank chunk
     seq_len = tl.load(seq_lens_ptr + b)
     first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
                                          BLOCK_N, WINDOW, SPAN)
     h = tl.arange(0, HG_PAD)
     hm = h < HG
     heads = g * HG + h
+    # loop-invariant operands, read once: the absorbed queries split into the
+    # real and imaginary channels of every latent pair, and the pairs' RoPE
+    # frequencies (the tile loop then issues only the tile's own loads)
+    lp = tl.arange(0, PAIRS)
+    pm = 2 * lp < rk
     qrow = q_ptr + b.to(tl.int64) * s_qb + heads.to(tl.int64) * s_qh
-    uu = tl.arange(0, UC)
+    qm = hm[:, None] & pm[None, :]
+    q_re = tl.load(qrow[:, None] + 2 * lp[None, :], mask=qm, other=0.0).to(DT)
+    q_im = tl.load(qrow[:, None] + 2 * lp[None, :] + 1, mask=qm, other=0.0).to(DT)
+    fr = tl.load(fr_ptr + ch0 // 2 + lp, mask=pm, other=0)
     i = tl.arange(0, BLOCK_N)
+    # Per-channel keys: each tile is one token group; its parameter stream's
+    # byte offsets from the group's first slot are the same for every tile.
+    # When a tile also lies in one block (the page a multiple of the tile), its
+    # slots are one pointer plus 32-bit offsets.
+    ONE_BLOCK: tl.constexpr = K_CHAN and PAGE % BLOCK_N == 0
+    if K_CHAN:
+        sr_lo, sr_hi = share_offsets(2 * (ch0 + 2 * lp), s_tok, share_off, share)
+        si_lo, si_hi = share_offsets(2 * (ch0 + 2 * lp + 1), s_tok, share_off, share)
+        zr_lo, zr_hi = share_offsets(2 * (rk_total + ch0 + 2 * lp), s_tok, share_off, share)
+        zi_lo, zi_hi = share_offsets(2 * (rk_total + ch0 + 2 * lp + 1), s_tok, share_off, share)
     m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
     l_i = tl.full([HG_PAD], 0.0, tl.float32)
     z_i = tl.full([HG_PAD], 0.0, tl.float32)  # sum_t p z_v (per-token value zero points)
@@ -162,50 +181,43 @@ def latent_rope_decode_kernel(
         p0 = first + t * BLOCK_N
         pos = p0 + i
         valid = pos < end  # rows from the end on are never loaded (null blocks)
-        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
-        rows_t = (cache_ptr + row)[None, :]
-        if K_CHAN:  # the tile's token group starts at its first slot
-            gblk = tl.load(bt_row + p0 // PAGE).to(tl.int64)
-            gbase = gblk * s_blk + (p0 % PAGE).to(tl.int64) * s_tok
+        if ONE_BLOCK:
+            blk0 = tl.load(bt_row + p0 // PAGE).to(tl.int64)
+            base = cache_ptr + tl.multiple_of(blk0 * s_blk + (p0 % PAGE) * s_tok, SLOT_MULT)
+            row = tl.multiple_of(i * s_tok, SLOT_MULT)
+        else:
+            blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            base = cache_ptr
+            row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        um = pm[:, None] & valid[None, :]
+        re, im = _pair_codes(base, row[None, :], k_off, lp, um, K_BITS)
+        if K_CHAN:
+            gp = base  # the group's first slot
+            if not ONE_BLOCK:
+                gblk = tl.load(bt_row + p0 // PAGE).to(tl.int64)
+                gp = cache_ptr + (gblk * s_blk + (p0 % PAGE) * s_tok)
+            re = re * share_half(gp, sr_lo, sr_hi, pm)[:, None] + \
+                share_half(gp, zr_lo, zr_hi, pm)[:, None]
+            im = im * share_half(gp, si_lo, si_hi, pm)[:, None] + \
+                share_half(gp, zi_lo, zi_hi, pm)[:, None]
         elif QUANT:
-            ks = load_f16_param(cache_ptr + row + k_scale_off + 2 * kpar, valid, ALIGNED)
-            kz = load_f16_param(cache_ptr + row + k_zero_off + 2 * kpar, valid, ALIGNED)
-        sc = tl.full([HG_PAD, BLOCK_N], 0.0, tl.float32)
-        for rc in range(0, rk, RC):
-            u = rc // UNIT_CH + uu  # units of the chunk, counted in the group
-            for k in tl.static_range(PPU):
-                lpair = u * PPU + k  # latent pair of each unit
-                pm = 2 * lpair < rk
-                um = pm[:, None] & valid[None, :]
-                re, im = _unit_pairs(rows_t, k_off, u, um, k, K_BITS, DT)
-                if K_CHAN:
-                    s_re, z_re = _channel_params(cache_ptr, gbase, ch0 + 2 * lpair, pm, s_tok,
-                                                 share_off, rk_total, share)
-                    s_im, z_im = _channel_params(cache_ptr, gbase, ch0 + 2 * lpair + 1, pm,
-                                                 s_tok, share_off, rk_total, share)
-                    re = re * s_re[:, None] + z_re[:, None]
-                    im = im * s_im[:, None] + z_im[:, None]
-                elif QUANT:
-                    re = re * ks[None, :] + kz[None, :]
-                    im = im * ks[None, :] + kz[None, :]
-                fr = tl.load(fr_ptr + ch0 // 2 + lpair, mask=pm, other=0)
-                ci = tl.load(cos_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
-                si = tl.load(sin_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
-                qm = hm[:, None] & pm[None, :]
-                q_re = tl.load(qrow[:, None] + 2 * lpair[None, :], mask=qm, other=0.0).to(DT)
-                q_im = tl.load(qrow[:, None] + 2 * lpair[None, :] + 1, mask=qm,
-                               other=0.0).to(DT)
-                # (Re + i Im) e^{i phi}: the latent pair at position t after RoPE
-                sc = tl.dot(q_re, (re * ci - im * si).to(DT), sc)
-                sc = tl.dot(q_im, (re * si + im * ci).to(DT), sc)
+            ks = load_f16_param(base + row + k_scale_off + 2 * kpar, valid, ALIGNED)
+            kz = load_f16_param(base + row + k_zero_off + 2 * kpar, valid, ALIGNED)
+            re = re * ks[None, :] + kz[None, :]
+            im = im * ks[None, :] + kz[None, :]
+        ci = tl.load(cos_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
+        si = tl.load(sin_ptr + pos[None, :] * s_rope + fr[:, None], mask=um, other=0.0)
+        # (Re + i Im) e^{i phi}: the latent pairs at position t after RoPE
+        sc = tl.dot(q_re, (re * ci - im * si).to(DT))
+        sc = tl.dot(q_im, (re * si + im * ci).to(DT), sc)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
-        cv, vs, vz = load_latent(cache_ptr, row, valid, v_col, rv - v0, v_par, v_scale_off,
-                                 v_zero_off, DT, QUANT, V_BITS, VC, V_QG, ALIGNED, 1, V_POST)
+        cv, vs, vz = load_latent(base, row, valid, v_col, rv - v0, v_par, v_scale_off,
+                                 v_zero_off, DT, QUANT, V_BITS, VC, V_QG, ALIGNED, RANK_MULT,
+                                 V_POST)
         if V_POST:
             z_i = z_i * alpha + tl.reduce(pr * vz[None, :], 1, add_combine)
             acc = tl.dot((pr * vs[None, :]).to(DT), cv, acc * alpha[:, None])
@@ -307,31 +319,32 @@ def blocker(plan, layout, *, window: int | None = None, sink: int = 0) -> str | 
     return None
 
 
-def launch(plan, args: tuple, common: dict, rank_chunk: int, value_chunk: int,
-           num_splits: int, bsz: int) -> None:
+def launch(plan, args: tuple, common: dict, value_chunk: int, num_splits: int,
+           bsz: int) -> None:
     """Launch :func:`latent_rope_decode_kernel` with the argument tuple and
     constexprs that :func:`.decode.latent_decode_attention` prepared for the
     other kernels (the absorbed queries in place of the queries, the
     frequency table in place of the key weights); ``value_chunk`` value
     channels per program (a power of two, a multiple of the value
-    quantization group)."""
+    quantization group). Every key pair of a group is in one tile
+    (``PAIRS``: the largest key rank's pairs, a power of two of at least 16,
+    the dots' smallest K)."""
     (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
      freq, _s_wg, _s_wsec, _maps, cos, sin, s_rope, _max_pos, gt, k_so, k_zo, v_so, v_zo,
      po, plse, out, out_width, num_heads, qk_scale, _kb, _kn, _hd, _eps,
      window, sink, recent, share_off, rk_total) = args
     hg = plan.heads_per_group
-    unit_ch = 8 if common["K_BITS"] == 3 else 4 if common["K_BITS"] == 2 else 2
-    rank_chunk = max(rank_chunk, 16 * unit_ch)  # >= 16 units: the dots' smallest K
     n_vc = triton.cdiv(max(plan.v_ranks), value_chunk)
     latent_rope_decode_kernel[(num_splits, ng * n_vc, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         freq, cos, sin, s_rope, gt, ng, k_so, k_zo, v_so, v_zo,
         po, plse, out, out_width, num_heads, qk_scale,
         window, sink, recent, share_off, rk_total, common["SHARE"],
-        HG=hg, HG_PAD=pow2(hg, 16), RC=rank_chunk, VC=value_chunk,
+        HG=hg, HG_PAD=pow2(hg, 16), PAIRS=pow2(max(plan.k_ranks) // 2, 16), VC=value_chunk,
         BLOCK_N=common["BLOCK_N"], PAGE=common["PAGE"], DT=common["DT"],
         QUANT=common["QUANT"], K_BITS=common["K_BITS"], V_BITS=common["V_BITS"],
-        V_QG=common["V_QG"], ALIGNED=common["ALIGNED"],
+        V_QG=common["V_QG"], ALIGNED=common["ALIGNED"], OFF_MULT=common["OFF_MULT"],
+        RANK_MULT=common["RANK_MULT"], SLOT_MULT=pow2_divisor(s_tok, s_blk),
         SPLIT=common["SPLIT"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
         LSE=common["LSE"], K_CHAN=common["K_CHAN"],
         num_warps=common["num_warps"], num_stages=common["num_stages"])

@@ -41,6 +41,16 @@ def pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(1, x)))))
 
 
+def pow2_divisor(*values: int, limit: int = 16) -> int:
+    """Largest power of two up to ``limit`` that divides every one of
+    ``values`` (an alignment hint for ``tl.multiple_of``: slot and block
+    strides, offsets)."""
+    m = limit
+    while m > 1 and any(v % m for v in values):
+        m //= 2
+    return m
+
+
 @dataclasses.dataclass
 class Prepared:
     """Per (plan, layout, rope geometry, device) tables; built once."""

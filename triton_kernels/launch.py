@@ -171,9 +171,8 @@ def _latent_rope_config(prep: Prepared, device) -> dict:
     all value channels (an H200 sweep of the kernel's first version put one
     value program ahead of 2-8: each scores the whole key latent), 8 warps (the
     ``32 x 512`` float32 value accumulator spills at 4: ``kernel_resources.py``),
-    key chunks of 64 channels, 32-token tiles (per-channel keys: one token
-    group); 16-token tiles and 16-channel chunks under the interpreter (several
-    value programs). The split model counts one program per SM: at 255
+    32-token tiles (per-channel keys: one token group); 16-token tiles under
+    the interpreter (several value programs). The split model counts one program per SM: at 255
     registers and 8 warps no second one is resident (``ncu``: 12.5 %
     occupancy), and counting two split the context into twice the programs,
     run in two waves (H200, ``8x rope_equivariant``: 209.5 against 229.6 us at
@@ -181,9 +180,9 @@ def _latent_rope_config(prep: Prepared, device) -> dict:
     exact part of token-adaptive decode")."""
     if device.type != "cuda":
         return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,
-                    programs_per_sm=1, rank_chunk=16, value_chunk=16)
+                    programs_per_sm=1, value_chunk=16)
     return dict(block_n=32, num_warps=8, num_stages=2, transposed=False,
-                programs_per_sm=1, rank_chunk=64, value_chunk=prep.rv_max_pad)
+                programs_per_sm=1, value_chunk=prep.rv_max_pad)
 
 
 WIDE_GROUP_MIN_PROGRAMS = 4

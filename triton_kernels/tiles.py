@@ -216,25 +216,38 @@ def split_tiles(seq_len, s, n_splits, window, sink, recent, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _share_half(cache_ptr, base, o, s_tok, share_off, share, mask):
-    """float16 at bytes ``o, o + 1`` [PAD] of a token group's parameter stream
-    (``base``: byte offset of the group's first slot), as float32 [PAD]: stream
-    byte ``o`` is byte ``share_off + o % share`` of the group's slot ``o //
-    share`` (read byte by byte: an odd ``share`` splits a float16 over two
-    slots). ``share`` may be a runtime value or a constexpr. One integer division
-    per element (byte ``o + 1`` follows from byte ``o``): a division by a runtime
-    value is some twenty instructions (the latent_rope kernel 1.03-1.04x
-    faster than with a division and a modulo per byte)."""
+def share_offsets(o, s_tok, share_off, share):
+    """Byte offsets, from a token group's first slot, of bytes ``o`` and ``o + 1``
+    [PAD] of the group's parameter stream: stream byte ``o`` is byte
+    ``share_off + o % share`` of the group's slot ``o // share`` (an odd
+    ``share`` splits a float16 over two slots). ``share`` may be a runtime value
+    or a constexpr. One integer division per element (byte ``o + 1`` follows
+    from byte ``o``): a division by a runtime value is some twenty
+    instructions, so kernels compute these once, outside their tile loop."""
     slot = o // share
     at = o - slot * share
-    lo = tl.load(cache_ptr + base + slot.to(tl.int64) * s_tok + share_off + at,
-                 mask=mask, other=0).to(tl.int32)
-    wrap = at + 1 == share  # byte o + 1 opens the next slot
-    slot1 = tl.where(wrap, slot + 1, slot)
-    at1 = tl.where(wrap, 0, at + 1)
-    hi = tl.load(cache_ptr + base + slot1.to(tl.int64) * s_tok + share_off + at1,
-                 mask=mask, other=0).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = slot * s_tok + share_off + at
+    hi = tl.where(at + 1 == share, lo - at + s_tok, lo + 1)  # o + 1 opens the next slot
+    return lo, hi
+
+
+@triton.jit
+def share_half(group_ptr, lo, hi, mask):
+    """The float16 whose bytes are at ``group_ptr + lo`` and ``group_ptr + hi``
+    (:func:`share_offsets`; ``group_ptr`` the group's first slot, uint8), as
+    float32 [PAD]."""
+    a = tl.load(group_ptr + lo, mask=mask, other=0).to(tl.int32)
+    b = tl.load(group_ptr + hi, mask=mask, other=0).to(tl.int32)
+    return (a | (b << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _share_half(cache_ptr, base, o, s_tok, share_off, share, mask):
+    """float16 at bytes ``o, o + 1`` [PAD] of a token group's parameter stream
+    (``base``: byte offset of the group's first slot), as float32 [PAD]
+    (:func:`share_offsets`, :func:`share_half`)."""
+    lo, hi = share_offsets(o, s_tok, share_off, share)
+    return share_half(cache_ptr + base, lo, hi, mask)
 
 
 @triton.jit

@@ -27,11 +27,14 @@ DEV = torch.device("cuda" if ON_GPU else "cpu")
 BLOCK = 16
 
 
-def case(group_size, k_ranks, v_ranks, dtype, bits, lens, sink=16, recent=64, seed=0):
-    """A plan (8 query / 4 KV heads of 32), an exact cache holding random keys and
-    values at every position of ``len(lens)`` sequences on shuffled blocks (the
-    rest of the cache NaN), queries, latent-part outputs and log-sum-exps (the
-    first sequence's span empty: ``-inf``)."""
+def case(group_size, k_ranks, v_ranks, dtype, bits, lens, sink=16, recent=64, seed=0,
+         block=BLOCK):
+    """A plan (8 query / 4 KV heads of 32), an exact cache of ``block``-slot
+    blocks holding random keys and values at every position of ``len(lens)``
+    sequences on shuffled blocks (the rest of the cache NaN), queries,
+    latent-part outputs and log-sum-exps (the first sequence's span empty:
+    ``-inf``)."""
+    BLOCK = block  # noqa: N806
     g = torch.Generator().manual_seed(seed)
     shape = AttentionShape(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32)
     plan = LayerPlan(shape, group_size, k_ranks=k_ranks, v_ranks=v_ranks)
@@ -108,6 +111,21 @@ def test_kernel_matches_the_torch_path(setting, dtype, bits):
     torch.testing.assert_close(got.cpu().float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("block", [32, 128])
+def test_kernel_tiles_within_and_across_blocks(block):
+    """Blocks of 32 slots (one tile per block) and of 128 (several tiles per
+    block; the tail starts inside one): sinks, a tail that begins inside the
+    sink tile (length 81: tail 16) and later ones, int8 slots."""
+    plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
+        *SETTINGS[3], torch.float32, 8, lens=[300, 81, 200, 129], block=block)
+    ref = torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, 0.3)
+    got = decode_exact.exact_merge_decode(
+        plan, 0.3, q.to(DEV), cache.to(DEV), slot, table.to(DEV), seq_lens.to(DEV), sink,
+        recent, tale.values_up(plan, v_up, lat).to(DEV), lse.to(DEV))
+    tol = 5e-3 if ON_GPU else 1e-5
+    torch.testing.assert_close(got.cpu(), ref, rtol=tol, atol=tol)
+
+
 def test_tale_decode_takes_the_kernel_when_a_latent_kernel_runs(monkeypatch):
     """``token_adaptive.decode`` with a latent-span kernel uses this kernel (the
     torch exact path is not called) and writes into ``out``; with a sliding
@@ -159,6 +177,8 @@ def test_blocker_names_what_is_out_of_scope():
     plan, v_up, slot, cache, *_ = case(*SETTINGS[0], torch.float32, 16, lens=[20])
     q = torch.zeros(1, 8, 32, dtype=torch.bfloat16, device=DEV)
     assert "16-bit exact slots" in decode_exact.blocker(plan, slot, q, cache.to(DEV), None)
+    assert "block size" in decode_exact.blocker(plan, slot, q.float(), cache[:, :, :8].to(DEV),
+                                                None)
     with pytest.raises(ValueError, match="16-bit exact slots"):
         decode_exact.exact_merge_decode(plan, 1.0, q, cache.to(DEV), slot,
                                         torch.zeros(1, 4, dtype=torch.int32, device=DEV),
