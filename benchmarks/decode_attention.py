@@ -971,7 +971,7 @@ def setting_problem(cfg, plan, layout, bsz, length, device, seed=0):
     mode: queries in the key-latent basis), and in the token-adaptive mode the
     exact cache holding each sequence's sink and recent positions (the rest of
     its block table points at a scratch block)."""
-    from vllm_lowrank.format.exact import ExactSlot
+    from vllm_lowrank.format.exact import ExactSlot, ExactTokens
     from vllm_lowrank.attention import token_adaptive as tale
 
     dev = torch.device(device)
@@ -1021,7 +1021,7 @@ def setting_problem(cfg, plan, layout, bsz, length, device, seed=0):
     lens = torch.full((bsz,), length, dtype=torch.int32, device=dev)
     p = dict(k_up=k_up, v_up=v_up, cache=cache, bt=bt, lens=lens, q=q, page=page)
     if cfg.token_adaptive:
-        slot = ExactSlot.for_layer(plan, layout, torch.bfloat16, cfg.exact_bits)
+        slot = ExactSlot.for_layer(plan, layout, torch.bfloat16, ExactTokens(0, 0, cfg.exact_bits))
         sink, recent = cfg.sink_tokens, cfg.recent_tokens
         pos = torch.cat([torch.arange(min(sink, length)),
                          torch.arange(max(0, length - recent - 1 - page), length)]).unique()
@@ -1098,12 +1098,13 @@ def sequence_ratio(cfg, plan, layout, length):
     """16-bit K+V bytes of a ``length``-token sequence over what this layer
     stores for it (latent slots for every position, plus the exact sink and
     recent slots in the token-adaptive mode)."""
-    from vllm_lowrank.format.exact import ExactSlot
+    from vllm_lowrank.format.exact import ExactSlot, ExactTokens
 
     slot = layout.slot_bytes if layout is not None else 2 * (plan.k_width + plan.v_width)
     stored = length * slot
     if cfg.token_adaptive:
-        ex = ExactSlot.for_layer(plan, layout, torch.bfloat16, cfg.exact_bits).slot_bytes
+        ex = ExactSlot.for_layer(plan, layout, torch.bfloat16,
+                                 ExactTokens(0, 0, cfg.exact_bits)).slot_bytes
         stored += min(length, cfg.sink_tokens + cfg.recent_tokens + 1) * ex
     return length * 2 * 2 * KV_HEADS * HEAD_DIM / stored
 
@@ -1171,12 +1172,10 @@ SETTINGS_SWEEP = {
                  (32, 8, 2, 64, 4, True), (16, 4, 2, 64, 4, True), (16, 8, 2, 64, 4, True),
                  (32, 4, 2, 32, 4, True), (32, 4, 1, 64, 4, True), (32, 4, 3, 64, 4, True),
                  (32, 8, 2, 64, 8, True))],
-    # per-channel keys fix the tile at one token group (32): warps, stages, chunks
-    "latent_rope": [dict(num_warps=w, num_stages=st, rank_chunk=rc, value_chunk=vc)
-                    for w, st, rc, vc in (
-                        (4, 2, 64, 128), (4, 2, 64, 256), (8, 2, 64, 512), (4, 1, 64, 512),
-                        (4, 3, 64, 512), (4, 2, 32, 512), (4, 2, 128, 512), (4, 2, 256, 512),
-                        (8, 2, 128, 512), (2, 2, 64, 512))],
+    # per-channel keys fix the tile at one token group (32): warps, stages, value chunks
+    "latent_rope": [dict(num_warps=w, num_stages=st, value_chunk=vc)
+                    for w, st, vc in ((8, 1, 512), (8, 3, 512), (4, 2, 512), (8, 2, 256),
+                                      (4, 2, 256), (8, 2, 128), (4, 2, 128))],
     "grid": [dict(block_n=bn, num_warps=w, num_stages=st, transposed=False)
              for bn, w, st in ((32, 4, 3), (16, 4, 2), (64, 4, 2), (128, 4, 2), (32, 8, 2),
                                (64, 8, 2), (128, 8, 2))],

@@ -103,7 +103,7 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
             return 0
         count = min(comp.exact_tokens.count + 1, context)
         return count * sum(
-            ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens.bits).slot_bytes
+            ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens).slot_bytes
             for i, p in comp.plans.items())
 
     exact_per_seq = exact_bytes(torch_dtype)

@@ -47,3 +47,28 @@ def test_token_adaptive_capacity_holds_under_default_scheduler_limits(model_path
     # exact blocks for 32 sinks, the 129-token window and the chunk in flight
     assert capped / stock >= 2.0, (capped, stock)
     assert capped / uncapped >= 1.5, (capped, uncapped)
+
+
+@pytest.mark.isolated  # the engine core runs in this process
+def test_layers_of_different_ranks_share_one_cache_group_per_kind(model_path, monkeypatch):
+    """Token-adaptive layers whose ranks differ (a byte-budget allocation's
+    shape), with per-channel keys (each exact slot stages its layer's key
+    latent): vLLM keeps all latent caches in one cache group and all exact
+    caches in another. With a group per layer its scheduler walked 2 x 30
+    groups of every request at every step, and equal-page groups hold no more
+    tokens."""
+    from vllm_lowrank.metrics import kv_capacity_tokens
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in-process
+    ranks = {str(i): [48 + 16 * (i % 3), 96 - 16 * (i % 3)] for i in range(30)}
+    llm = make_llm(model_path, {"mode": "lowrank", "artifact": "none", "ranks": ranks,
+                                "k_bits": 4, "v_bits": 4, "token_adaptive": True,
+                                "sink_tokens": 32, "recent_tokens": 64, "k_quant": "channel",
+                                "k_channel_tokens": 32}, block_size=32)
+    groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    kinds = sorted(type(g.kv_cache_spec).__name__ for g in groups)
+    assert kinds == ["ExactTokensSpec", "FullAttentionSpec"], kinds
+    assert all(len(g.layer_names) == 30 for g in groups)
+    assert kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config) > 0
+    del llm
+    gc.collect()

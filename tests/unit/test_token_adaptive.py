@@ -8,11 +8,14 @@ rows of exact positions, exact rows of latent positions (vLLM frees those
 blocks), so any read of the wrong form shows up as NaN.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from test_latent_attention import BLOCK, fill, rotate64, setup_case
 from vllm_lowrank.attention import token_adaptive as tale
+from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
 from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.attention.rope import RopeTable
 
@@ -299,6 +302,39 @@ def test_int8_exact_slot_round_trips_per_head():
                        torch.cat((k, v), -1).to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="exact_bits=4"):
         ExactSlot(kvw, d, torch.bfloat16, 4)
+    # room for a wider layer's staged latent: that layer's slot size, its own
+    # staged latents still where they were
+    roomy = ExactSlot(kvw, d, torch.bfloat16, 8, rk, 60, staged_room=rk + 30)
+    assert roomy.slot_bytes == ExactSlot(kvw, d, torch.bfloat16, 8, rk + 30, 60).slot_bytes == 300
+    rows = roomy.encode(k, v, staged)
+    assert torch.equal(roomy.staged(rows), staged.float())
+    assert torch.equal(rows[:, :slot.slot_bytes - 60], slot.encode(k, v, staged)[:, :180])
+
+
+def test_exact_slots_of_layers_with_different_ranks_have_one_size():
+    """Token-adaptive layers of different key ranks, per-channel keys (each
+    exact slot stages its layer's key latent): one exact slot size for all
+    (the widest layer's), so that vLLM keeps them in one cache group."""
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.format.exact import exact_tokens
+    from vllm_lowrank.models.compression import ModelCompression
+
+    shape = AttentionShape(hidden_size=32, num_heads=8, num_kv_heads=4, head_dim=16)
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "k_bits": 4, "v_bits": 4,
+                                   "token_adaptive": True, "k_quant": "channel",
+                                   "sink_tokens": 32, "recent_tokens": 32})
+    plans = {0: LayerPlan(shape, 4, (16,), (48,)), 1: LayerPlan(shape, 4, (40,), (24,)),
+             2: LayerPlan(shape, 4, (24,), (40,))}
+    c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None,
+                         exact_tokens=exact_tokens(cfg, 32))
+    assert c.exact_tokens.staged_room == 40
+    own = {ExactSlot.for_layer(p, c.layout(i), torch.bfloat16,
+                               dataclasses.replace(c.exact_tokens, staged_room=0)).slot_bytes
+           for i, p in plans.items()}
+    assert len(own) > 1  # without the room: one size per key rank
+    sizes = {ExactSlot.for_layer(p, c.layout(i), torch.bfloat16, c.exact_tokens).slot_bytes
+             for i, p in plans.items()}
+    assert sizes == {max(own)}
 
 
 @pytest.mark.parametrize("bits", [16, 8])

@@ -36,7 +36,12 @@ multiple of theirs (otherwise it pads the smaller page, which would waste the
 latent cache's savings). The exact slot is therefore padded up to a multiple
 of the latent slot (:attr:`~vllm_lowrank.format.exact.ExactSlot.slot_bytes`): the latent group gets an integer
 multiple of the block size and loses nothing; the padding costs at most one
-latent slot per exact token.
+latent slot per exact token. Every layer's exact slot also has room for the
+widest layer's staged key latent, and the latent specs' head sizes split the
+slot bytes, so layers of different ranks still have equal specs: vLLM keeps all
+exact caches in one cache group and all latent caches in another (one group per
+layer made its scheduler walk 64 groups per request and step at 32 layers,
+:meth:`~vllm_lowrank.format.exact.ExactSlot.for_layer`).
 """
 
 from __future__ import annotations

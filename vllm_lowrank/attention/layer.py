@@ -116,8 +116,7 @@ class LatentAttention(Attention):
                                 dtype=torch.float32), persistent=False)
         self.exact = None
         if exact_tokens is not None:
-            slot = ExactSlot.for_layer(plan, layout, self.kv_cache_torch_dtype,
-                                       exact_tokens.bits)
+            slot = ExactSlot.for_layer(plan, layout, self.kv_cache_torch_dtype, exact_tokens)
             # a plain attribute: vLLM finds the cache layer by its name
             self.__dict__["exact"] = ExactTokenCache(
                 slot, exact_tokens.sink, exact_tokens.recent, prefix=f"{prefix}.exact")
@@ -185,13 +184,20 @@ class LatentAttention(Attention):
     def get_kv_cache_spec(self, vllm_config) -> KVCacheSpec:
         """One head slot per token holding ``[c_k | c_v]``: ``Rk + Rv`` elements
         of the model dtype, or ``layout.slot_bytes`` uint8 when quantized (vLLM's
-        ``state_content_bytes``: packed codes plus float16 scales/zeros)."""
+        ``state_content_bytes``: packed codes plus float16 scales/zeros; the
+        head sizes then split the slot's bytes in two, whatever the ranks, so
+        that layers of one slot size have equal specs and vLLM keeps them in
+        one cache group, :meth:`~vllm_lowrank.format.exact.ExactSlot.for_layer`)."""
         quantized = self.layout is not None
+        k_size, v_size = self.plan.k_width, self.plan.v_width
+        if quantized:
+            k_size = self.layout.slot_bytes // 2
+            v_size = self.layout.slot_bytes - k_size
         slot = dict(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
-            head_size=self.plan.k_width,
-            head_size_v=self.plan.v_width,
+            head_size=k_size,
+            head_size_v=v_size,
             dtype=torch.uint8 if quantized else self.kv_cache_torch_dtype,
             state_content_bytes=self.layout.slot_bytes if quantized else None,
         )

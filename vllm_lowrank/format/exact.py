@@ -64,11 +64,17 @@ class ExactTokens:
         recent: Most recent tokens, a whole number of KV blocks.
         bits: Storage of their keys and values (:data:`EXACT_BITS`; 16 = the
             model dtype).
+        staged_room: Key-latent elements every layer's exact slot has room
+            for: the widest ``Rk`` of the layers that stage their key latents
+            (per-channel keys), 0 if none does. One exact slot size for every
+            layer puts all exact caches in one vLLM cache group
+            (:meth:`ExactSlot.for_layer`).
     """
 
     sink: int
     recent: int
     bits: int = 16
+    staged_room: int = 0
 
     @property
     def count(self) -> int:
@@ -94,8 +100,9 @@ class ExactSlot:
       quantization, :func:`vllm_lowrank.attention.token_adaptive.write_key_groups`),
       kept in the model dtype at both settings: they are quantized again, per
       channel, once their group is complete.
-    - The slot is padded up to a multiple of ``latent_slot_bytes`` (see the
-      module docstring).
+    - Room for ``staged_room`` staged elements (at least ``staged_width``),
+      then padding up to a multiple of ``latent_slot_bytes`` (see the module
+      docstring).
 
     Args:
         kv_width: ``num_kv_heads * head_dim``.
@@ -104,6 +111,8 @@ class ExactSlot:
         bits: :data:`~vllm_lowrank.config.EXACT_BITS`.
         staged_width: ``Rk`` staged key-latent elements, or 0.
         latent_slot_bytes: Bytes of the owning layer's latent slot.
+        staged_room: Staged elements the slot has room for (a model's widest
+            ``staged_width``, :attr:`ExactTokens.staged_room`).
 
     Raises:
         ValueError: ``bits`` not in ``EXACT_BITS``, or ``head_dim`` not
@@ -116,17 +125,26 @@ class ExactSlot:
     bits: int = 16
     staged_width: int = 0
     latent_slot_bytes: int = 1
+    staged_room: int = 0
 
     @classmethod
-    def for_layer(cls, plan, layout, dtype: torch.dtype, bits: int) -> ExactSlot:
+    def for_layer(cls, plan, layout, dtype: torch.dtype, exact: ExactTokens) -> ExactSlot:
         """The exact slot of a latent layer with ``plan`` (a
         :class:`~vllm_lowrank.factorization.plan.LayerPlan`) and slot
-        ``layout`` (``None``: latents in ``dtype``): staged key latents when its
-        keys are quantized per channel, padded to the latent slot."""
+        ``layout`` (``None``: latents in ``dtype``) in a model keeping ``exact``
+        tokens: staged key latents when its keys are quantized per channel,
+        room for the model's widest (``exact.staged_room``), padded to the
+        latent slot. Layers of one latent slot size then have one exact slot
+        size: with per-layer sizes vLLM made a cache group per layer, and its
+        scheduler walked every group of every request at every step (64
+        groups at Llama-3-8B's 32 layers; at 107 sequences a decode step took
+        57.8 ms, the GPU busy for 32.8 of them, H200, benchmarks/README.md,
+        "One cache group per kind")."""
         latent_bytes = (layout.slot_bytes if layout is not None else
                         (plan.k_width + plan.v_width) * dtype.itemsize)
         staged = plan.k_width if layout is not None and layout.k_per_channel else 0
-        return cls(plan.shape.kv_width, plan.shape.head_dim, dtype, bits, staged, latent_bytes)
+        return cls(plan.shape.kv_width, plan.shape.head_dim, dtype, exact.bits, staged,
+                   latent_bytes, exact.staged_room)
 
     def __post_init__(self) -> None:
         if self.bits not in EXACT_BITS:
@@ -154,7 +172,7 @@ class ExactSlot:
     @property
     def slot_bytes(self) -> int:
         """Bytes of the whole slot, padding included."""
-        raw = self.kv_bytes + self.staged_width * self.dtype.itemsize
+        raw = self.kv_bytes + max(self.staged_width, self.staged_room) * self.dtype.itemsize
         return -(-raw // self.latent_slot_bytes) * self.latent_slot_bytes
 
     def encode(self, key: torch.Tensor, value: torch.Tensor,

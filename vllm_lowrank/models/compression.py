@@ -68,6 +68,15 @@ class ModelCompression:
     bits: dict[int, tuple[int, int]] | None = None
     one_page: bool | None = None
 
+    def __post_init__(self) -> None:
+        """Give ``exact_tokens`` the model's widest staged key latent
+        (:attr:`~vllm_lowrank.format.exact.ExactTokens.staged_room`)."""
+        if self.exact_tokens is not None:
+            room = max((p.k_width for i, p in self.plans.items()
+                        if (lay := self.layout(i)) is not None and lay.k_per_channel),
+                       default=0)
+            self.exact_tokens = dataclasses.replace(self.exact_tokens, staged_room=room)
+
     @property
     def post_rope(self) -> bool:
         """True when keys are cached as post-RoPE latents (``post_rope`` bases)."""
@@ -164,8 +173,9 @@ class ModelCompression:
             "original_bytes_per_token": original,
             "stored_bytes_per_token": stored,
             "compression_ratio": original / stored,
-            "exact_tokens": (None if self.exact_tokens is None
-                             else dataclasses.asdict(self.exact_tokens)),
+            "exact_tokens": (None if self.exact_tokens is None else  # what is kept, not
+                             {k: getattr(self.exact_tokens, k)  # how slots are padded
+                              for k in ("sink", "recent", "bits")}),
         }
 
     def describe(self) -> str:
