@@ -153,11 +153,10 @@ def latent_rope_decode_kernel(
     q_im = tl.load(qrow[:, None] + 2 * lp[None, :] + 1, mask=qm, other=0.0).to(DT)
     fr = tl.load(fr_ptr + ch0 // 2 + lp, mask=pm, other=0)
     i = tl.arange(0, BLOCK_N)
-    # Per-channel keys: each tile is one token group; its parameter stream's
+    # Per-channel keys: each tile is one token group, inside one block (the
+    # page a multiple of the group, which decode.triton_kernel checks): its
+    # slots are one pointer plus 32-bit offsets, and its parameter stream's
     # byte offsets from the group's first slot are the same for every tile.
-    # When a tile also lies in one block (the page a multiple of the tile), its
-    # slots are one pointer plus 32-bit offsets.
-    ONE_BLOCK: tl.constexpr = K_CHAN and PAGE % BLOCK_N == 0
     if K_CHAN:
         sr_lo, sr_hi = share_offsets(2 * (ch0 + 2 * lp), s_tok, share_off, share)
         si_lo, si_hi = share_offsets(2 * (ch0 + 2 * lp + 1), s_tok, share_off, share)
@@ -181,7 +180,7 @@ def latent_rope_decode_kernel(
         p0 = first + t * BLOCK_N
         pos = p0 + i
         valid = pos < end  # rows from the end on are never loaded (null blocks)
-        if ONE_BLOCK:
+        if K_CHAN:
             blk0 = tl.load(bt_row + p0 // PAGE).to(tl.int64)
             base = cache_ptr + tl.multiple_of(blk0 * s_blk + (p0 % PAGE) * s_tok, SLOT_MULT)
             row = tl.multiple_of(i * s_tok, SLOT_MULT)
@@ -191,15 +190,11 @@ def latent_rope_decode_kernel(
             row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
         um = pm[:, None] & valid[None, :]
         re, im = _pair_codes(base, row[None, :], k_off, lp, um, K_BITS)
-        if K_CHAN:
-            gp = base  # the group's first slot
-            if not ONE_BLOCK:
-                gblk = tl.load(bt_row + p0 // PAGE).to(tl.int64)
-                gp = cache_ptr + (gblk * s_blk + (p0 % PAGE) * s_tok)
-            re = re * share_half(gp, sr_lo, sr_hi, pm)[:, None] + \
-                share_half(gp, zr_lo, zr_hi, pm)[:, None]
-            im = im * share_half(gp, si_lo, si_hi, pm)[:, None] + \
-                share_half(gp, zi_lo, zi_hi, pm)[:, None]
+        if K_CHAN:  # base: the group's first slot
+            re = re * share_half(base, sr_lo, sr_hi, pm)[:, None] + \
+                share_half(base, zr_lo, zr_hi, pm)[:, None]
+            im = im * share_half(base, si_lo, si_hi, pm)[:, None] + \
+                share_half(base, zi_lo, zi_hi, pm)[:, None]
         elif QUANT:
             ks = load_f16_param(base + row + k_scale_off + 2 * kpar, valid, ALIGNED)
             kz = load_f16_param(base + row + k_zero_off + 2 * kpar, valid, ALIGNED)

@@ -172,10 +172,10 @@ def _latent_rope_config(prep: Prepared, device) -> dict:
     value program ahead of 2-8: each scores the whole key latent), 8 warps (the
     ``32 x 512`` float32 value accumulator spills at 4: ``kernel_resources.py``),
     32-token tiles (per-channel keys: one token group); 16-token tiles under
-    the interpreter (several value programs). The split model counts one program per SM: at 255
-    registers and 8 warps no second one is resident (``ncu``: 12.5 %
-    occupancy), and counting two split the context into twice the programs,
-    run in two waves (H200, ``8x rope_equivariant``: 209.5 against 229.6 us at
+    the interpreter (several value programs). The split model counts one
+    program per SM: at 255 registers and 8 warps no second one is resident
+    (``ncu``: 12.5 % occupancy), and counting two split the context into twice
+    the programs, run in two waves (H200, ``8x rope_equivariant``: 209.5 against 229.6 us at
     16 x 4k, 759.4 against 778.4 us at 128 x 2k; benchmarks/README.md, "The
     exact part of token-adaptive decode")."""
     if device.type != "cuda":

@@ -1256,3 +1256,9 @@ def test_latent_rope_refuses_other_bases():
     with pytest.raises(ValueError, match="not a multiple"):
         run(plan, k_up, make_rope(32), q, slots, bt, lens, layout=layout, sink=4, recent=3,
             mode="latent_rope", return_lse=True)
+    # ... and a block must hold whole groups (the kernel addresses a tile's slots
+    # from its group's first one)
+    slots, layout, _, _ = channel_key_cache(plan, nblk, page, g, (4, 4), 32)
+    with pytest.raises(ValueError, match="not a multiple of the per-channel key group"):
+        run(plan, k_up, make_rope(32), q, slots.view(nblk, 1, page, -1), bt, lens,
+            layout=layout, mode="latent_rope")
