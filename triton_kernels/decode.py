@@ -432,7 +432,9 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     neox = rope.neox if mode != "post_rope" else True
     prep = prepare(plan, layout, rotary_dim, neox, device)
     if mode == "latent_rope":
-        absorb, weights = decode_latent_rope.absorption(plan, k_up, rope)
+        absorb, weights = decode_latent_rope.absorption(
+            plan, k_up, rope, query.dtype if query.dtype in (torch.bfloat16, torch.float16)
+            else torch.float32)
         query = decode_latent_rope.absorbed_queries(plan, absorb, query)
         cos, sin = rope.cos, rope.sin
         rope_direct, s_rope, max_pos = False, cos.stride(0), cos.shape[0]

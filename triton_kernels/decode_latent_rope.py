@@ -242,17 +242,19 @@ def latent_rope_decode_kernel(
                      mask=hm & (h * 0 + v0 == 0))
 
 
-def absorption(plan, k_up: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, freq)`` of a RoPE-equivariant layer, cached per ``k_up``.
+def absorption(plan, k_up: torch.Tensor, rope,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w, freq)`` of a RoPE-equivariant layer, cached per ``k_up`` and ``dtype``.
 
     Args:
         plan: The layer's plan; k_up: ``[Rk, num_kv_heads * head_dim]`` float
             block-diagonal key up-projection; rope: its
             :class:`~vllm_lowrank.attention.rope.RopeTable` (RoPE over the
             whole head, either pair layout).
+        dtype: Of ``w``.
 
     Returns:
-        ``w`` ``[num_kv_heads, max(k_ranks), head_dim]`` float32: KV head ``j``'s
+        ``w`` ``[num_kv_heads, max(k_ranks), head_dim]`` ``dtype``: KV head ``j``'s
         rows of its group's ``B`` (zero past the group's rank); ``freq``
         int32 ``[Rk / 2]``: the RoPE frequency of each latent pair (groups in
         order).
@@ -277,14 +279,23 @@ def absorption(plan, k_up: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tens
             w[g * gs:(g + 1) * gs, :block.shape[0]] = block.view(-1, gs, d).transpose(0, 1)
         return w, torch.cat(freqs).to(device=k_up.device, dtype=torch.int32)
 
-    return cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox), build)
+    w, freq = cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox), build)
+    if dtype == torch.float32:
+        return w, freq
+    # from the float32 entry: no second structure check (a host copy)
+    return cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox, dtype),
+                      lambda: (w.to(dtype), freq))
 
 
 def absorbed_queries(plan, w: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """``q~_h = B_j q'_h`` for every query head: ``[B, H, max(k_ranks)]`` float32
-    from post-RoPE queries ``[B, H, head_dim]`` (``w`` from :func:`absorption`)."""
+    """``q~_h = B_j q'_h`` for every query head: ``[B, H, max(k_ranks)]`` in
+    ``w``'s dtype from post-RoPE queries ``[B, H, head_dim]`` (``w`` from
+    :func:`absorption`). The kernel rounds them to the model dtype on load, so
+    a 16-bit model gets them from one 16-bit GEMM (float32 accumulation): the
+    values the kernel reads up to the rounding of ``w``, without the float32
+    copy of the queries and a float32 GEMM per layer."""
     sh = plan.shape
-    q = query.float().view(query.shape[0], sh.num_kv_heads, sh.queries_per_kv, sh.head_dim)
+    q = query.to(w.dtype).view(query.shape[0], sh.num_kv_heads, sh.queries_per_kv, sh.head_dim)
     return torch.einsum("bjqd,jrd->bjqr", q, w).reshape(query.shape[0], sh.num_heads, -1)
 
 

@@ -360,7 +360,8 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         if per_channel:  # key groups completed by this step's tokens
             ends = None
             m = get_attention_context(layer.layer_name)[0]
-            if isinstance(m, LatentAttentionMetadata) and \
+            fused = tale.fused_key_groups(kv_cache, layer.layout, exact.slot)
+            if not fused and isinstance(m, LatentAttentionMetadata) and \
                     m.num_actual_tokens > tale.GRAPH_SAFE_TOKENS:
                 g = layer.layout.k_channel_tokens
                 if g not in m.key_group_ends:

@@ -44,12 +44,21 @@ def write_exact(exact_cache: torch.Tensor, slot: ExactSlot, key: torch.Tensor,
                 value: torch.Tensor, slot_mapping: torch.Tensor,
                 staged: torch.Tensor | None = None) -> None:
     """Scatter ``key``/``value`` ``[T, kv_width]`` (keys post-RoPE) into their
-    slots, stored as ``slot`` says; negative slots (padding) are skipped.
+    slots, stored as ``slot`` says; negative slots (padding) are skipped. On
+    CUDA int8 slots take one Triton launch
+    (:func:`vllm_lowrank.triton_kernels.cache_write.write_exact_slots`), else
+    :meth:`ExactSlot.encode` and a scatter.
 
     Args:
         staged: ``[T, Rk]`` key latents staged behind them (for per-channel
             key quantization, :func:`write_key_groups`), or ``None``.
     """
+    if exact_cache.is_cuda:
+        from vllm_lowrank.triton_kernels import cache_write
+
+        if cache_write.supports_exact(slot):
+            cache_write.write_exact_slots(exact_cache, slot, key, value, slot_mapping, staged)
+            return
     n = slot_mapping.shape[0]
     rows = slot.encode(key[:n], value[:n], None if staged is None else staged[:n])
     latent.scatter_rows(exact_cache, rows, slot_mapping)
@@ -83,6 +92,18 @@ def key_group_ends(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, key_gr
     return (pos % key_group == key_group - 1).nonzero()[:, 0].to(device, non_blocking=True)
 
 
+def fused_key_groups(kv_cache: torch.Tensor, layout, slot: ExactSlot) -> bool:
+    """Whether :func:`write_key_groups` takes the Triton kernel for this cache
+    (CUDA, and a layout and slot in
+    :func:`vllm_lowrank.triton_kernels.cache_write.supports_key_groups`): it
+    then needs no ``ends``."""
+    if not kv_cache.is_cuda:
+        return False
+    from vllm_lowrank.triton_kernels import cache_write
+
+    return cache_write.supports_key_groups(layout, slot)
+
+
 def _group_end_mask(lat: torch.Tensor, ex: torch.Tensor, g: int) -> torch.Tensor:
     """``[T]`` bool: the tokens (latent / exact slots ``lat`` / ``ex``, negative
     for padding) whose slot ends a group of ``g`` positions."""
@@ -103,11 +124,13 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     group's slots are the ``G`` consecutive slots ending at ``p``'s in either
     cache. Run after this step's tokens were written to both caches.
 
-    Steps of at most :data:`GRAPH_SAFE_TOKENS` tokens run without a host sync
-    and with fixed shapes (CUDA graphs capture them): every token is treated
-    as a group end, and a token that is not one rewrites slots ``0 .. G - 1``
-    of block 0, vLLM's null block that no request owns, with their own
-    content (as :func:`~vllm_lowrank.attention.latent_attention.scatter_rows`
+    On CUDA one Triton launch does it for any step size
+    (:func:`vllm_lowrank.triton_kernels.cache_write.write_key_groups`: tokens
+    that end no group return at once). The torch path: steps of at most
+    :data:`GRAPH_SAFE_TOKENS` tokens run without a host sync and with fixed
+    shapes (CUDA graphs capture them): every token is treated as a group end,
+    and a token that is not one rewrites slots ``0 .. G - 1`` of block 0,
+    vLLM's null block that no request owns, with their own content (as :func:`~vllm_lowrank.attention.latent_attention.scatter_rows`
     does for padding). Longer steps (prefill) quantize only the completed
     groups: the tokens ``ends`` (:func:`key_group_ends`, computed once per
     step on the host), or, without it, those found with one host sync.
@@ -122,6 +145,12 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
         ends: ``[N]`` int64 indices of the step's tokens that end a key group
             (:func:`key_group_ends`), or ``None``.
     """
+    if fused_key_groups(kv_cache, layout, slot):
+        from vllm_lowrank.triton_kernels import cache_write
+
+        cache_write.write_key_groups(kv_cache, exact_cache, slot, slot_mapping, exact_slots,
+                                     layout)
+        return
     g = layout.k_channel_tokens
     n = min(slot_mapping.shape[0], exact_slots.shape[0])
     lat, ex = slot_mapping[:n].long(), exact_slots[:n].long()
