@@ -304,7 +304,8 @@ def _estimate(args) -> None:
     cfg = LowRankConfig.from_dict({"mode": "lowrank", **given})
     info = estimate(resolve_model(args.model), cfg, dtype=args.dtype,
                     kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
-                    tensor_parallel_size=args.tensor_parallel_size, context=args.context)
+                    tensor_parallel_size=args.tensor_parallel_size, context=args.context,
+                    concurrent_batches=args.concurrent_batches)
     if args.json:
         print(json.dumps(info, indent=1))
         return
@@ -323,6 +324,9 @@ def _estimate(args) -> None:
     print(f"capacity   {info['tokens']:,} tokens ({info['stock_tokens']:,} uncompressed) "
           f"in {args.kv_cache_gib:g} GiB; {info['sequences']:,} sequences of "
           f"{info['context']} tokens ({info['stock_sequences']:,} uncompressed)")
+    print(f"admitted   {info['admitted_sequences']:g} requests of {info['context']} tokens at "
+          f"once by vLLM's worst-case rule ({info['stock_admitted_sequences']:g} "
+          f"uncompressed; {info['concurrent_batches']} batches in flight)")
     print(f"GPU path   {info['gpu_path']}")
 
 
@@ -430,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV block size (default: the preset's, else 16)")
     s.add_argument("--tensor-parallel-size", type=int, default=1)
     s.add_argument("--context", type=int, default=4096, help="tokens per sequence")
+    s.add_argument("--concurrent-batches", type=int, default=2,
+                   help="vLLM's batches in flight: 2 with async scheduling (its default on "
+                        "CUDA), 1 without (CPU)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_estimate)
 

@@ -30,7 +30,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
              kv_cache_gib: float = 1.0, block_size: int | None = None,
              tensor_parallel_size: int = 1,
-             context: int = 4096) -> dict:
+             context: int = 4096, concurrent_batches: int = 2,
+             prefill_chunk: int | None = None, max_num_batched_tokens: int = 8192) -> dict:
     """Bytes per token, compression and capacity of ``cfg`` on ``model_path``.
 
     Args:
@@ -42,6 +43,13 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         block_size: KV block size, tokens (``None``: the preset's, else vLLM's 16).
         tensor_parallel_size: Workers sharing the KV heads (bytes are per worker).
         context: Tokens per sequence for the sequence count.
+        concurrent_batches: vLLM's ``max_concurrent_batches``: 2 with async
+            scheduling (vLLM's default on CUDA), 1 without (its CPU engine),
+            for :func:`admitted_sequences`.
+        prefill_chunk: vLLM's ``long_prefill_token_threshold`` (``None``: what
+            the server sets, :data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`
+            for the token-adaptive mode).
+        max_num_batched_tokens: vLLM's step budget (its default 8,192).
 
     Returns:
         JSON-safe dict: ``preset``, ``note`` (what stands in for a missing
@@ -52,7 +60,10 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         sequence, exact tokens included: the README's preset figures at
         4,096), ``exact_bytes_per_sequence``, ``tokens`` and ``stock_tokens``
         (vLLM's count for the latent group and for an uncompressed cache),
-        ``sequences`` and ``stock_sequences`` of ``context`` tokens, and
+        ``sequences`` and ``stock_sequences`` of ``context`` tokens (by bytes),
+        ``admitted_sequences`` (vLLM's "maximum concurrency" at ``context``
+        tokens, :func:`admitted_sequences`: the worst case it sizes and admits
+        by) and ``stock_admitted_sequences``, and
         ``gpu_path`` (the preset's measured decode path, else where to read it).
 
     Raises:
@@ -71,9 +82,10 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         block_size = (preset.block_size if preset is not None else None) or 16
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-    if kv_cache_gib <= 0 or block_size < 1 or context < 1 or tensor_parallel_size < 1:
-        raise ValueError("kv_cache_gib, block_size, context and tensor_parallel_size must "
-                         "be positive")
+    if kv_cache_gib <= 0 or block_size < 1 or context < 1 or tensor_parallel_size < 1 \
+            or concurrent_batches < 1 or max_num_batched_tokens < 1:
+        raise ValueError("kv_cache_gib, block_size, context, tensor_parallel_size, "
+                         "concurrent_batches and max_num_batched_tokens must be positive")
     torch_dtype = DTYPES[dtype]
     hf = AutoConfig.from_pretrained(model_path)
     vllm_config = types.SimpleNamespace(
@@ -113,6 +125,23 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     def tokens(per_token: int) -> int:
         return kv_bytes // (block_size * per_token) * block_size
 
+    exact = None
+    if comp.exact_tokens is not None:
+        from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+
+        slots = [ExactSlot.for_layer(p, comp.layout(i), torch_dtype, comp.exact_tokens)
+                 for i, p in comp.plans.items()]
+        chunk = PREFILL_CHUNK_TOKENS if prefill_chunk is None else prefill_chunk
+        exact = dict(slot_bytes=max(x.slot_bytes for x in slots),
+                     latent_slot_bytes=max(x.latent_slot_bytes for x in slots),
+                     sink=comp.exact_tokens.sink, recent=comp.exact_tokens.recent,
+                     request_tokens=chunk * concurrent_batches if chunk > 0 else None)
+    admitted = admitted_sequences(
+        kv_bytes, len(comp.plans), stored // len(comp.plans), block_size, context,
+        max_num_batched_tokens * concurrent_batches, exact)
+    stock_admitted = admitted_sequences(kv_bytes, len(comp.plans), original // len(comp.plans),
+                                        16, context, max_num_batched_tokens * concurrent_batches)
+
     return {
         "preset": cfg.preset,
         "note": note,
@@ -130,7 +159,59 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         "context": context,
         "sequences": kv_bytes // (stored * context + exact_per_seq),
         "stock_sequences": kv_bytes // (original * context),
+        "admitted_sequences": round(admitted, 2),
+        "stock_admitted_sequences": round(stock_admitted, 2),
+        "concurrent_batches": concurrent_batches,
         "gpu_path": preset.gpu_path if preset is not None else (
             "chosen per layer at start-up and logged ('vllm-lowrank: decode path ...'); "
             "see the README, 'On a GPU'"),
     }
+
+
+def admitted_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_size: int,
+                       context: int, max_in_flight_tokens: int,
+                       exact: dict | None = None) -> float:
+    """vLLM's "maximum concurrency" for requests of ``context`` tokens: the KV
+    blocks over the blocks one such request may hold at worst, by the rule its
+    scheduler sizes and admits with (``get_max_concurrency_for_kv_cache_config``
+    in ``vllm/v1/core/kv_cache_utils.py``).
+
+    Without exact tokens one cache group: ``kv_bytes // (num_layers x
+    block_size x slot_bytes)`` blocks, ``ceil(context / block_size)`` per request.
+    With them (``exact``), the exact group's page (``block_size`` exact slots)
+    is every group's: the latent group's blocks hold ``page / latent slot``
+    tokens, and the exact group reserves what
+    :meth:`~vllm_lowrank.attention.exact_cache.ExactTokensSpec.max_admission_blocks_per_request`
+    says (sink blocks, the ``recent + 1`` window and the tokens a request has
+    in flight, plus one block for the window's misalignment).
+
+    Args:
+        kv_bytes: KV cache bytes per worker.
+        num_layers: Attention layers (each holds one page of each block).
+        slot_bytes: Bytes per token and layer of the (latent) cache.
+        block_size: KV block size, tokens (of the exact group, with ``exact``).
+        context: Tokens per request (vLLM's ``max_model_len``).
+        max_in_flight_tokens: vLLM's ``max_in_flight_tokens``
+            (``max_num_batched_tokens x max_concurrent_batches``).
+        exact: ``None``, or a dict with ``slot_bytes``, ``latent_slot_bytes``,
+            ``sink``, ``recent`` (tokens) and ``request_tokens`` (the
+            per-request in-flight cap, or ``None``).
+
+    Returns:
+        Requests that fit at once, float (vLLM logs it as ``x``).
+    """
+    from vllm.utils.math_utils import cdiv
+
+    if exact is None:
+        blocks = kv_bytes // (num_layers * block_size * slot_bytes)
+        return blocks / cdiv(context, block_size)
+    from vllm_lowrank.attention.exact_cache import ExactTokensSpec
+
+    page = block_size * exact["slot_bytes"]
+    spec = ExactTokensSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                           dtype=torch.uint8, state_content_bytes=exact["slot_bytes"],
+                           sliding_window=exact["recent"] + 1, sink=exact["sink"],
+                           max_request_tokens=exact["request_tokens"])
+    per_request = cdiv(context, page // exact["latent_slot_bytes"]) \
+        + spec.max_admission_blocks_per_request(max_in_flight_tokens, context)
+    return (kv_bytes // (num_layers * page)) / per_request

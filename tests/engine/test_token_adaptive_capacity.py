@@ -19,29 +19,48 @@ from conftest import make_llm
 pytestmark = pytest.mark.slow
 
 
-def _capacity(model_path, compression=None, **kwargs) -> tuple[int, int]:
+def _capacity(model_path, compression=None, **kwargs) -> tuple[int, int, float, int]:
+    """``(KV tokens, long_prefill_token_threshold, maximum concurrency,
+    max_concurrent_batches)`` of an engine (block size 32, 2,048 tokens)."""
     from vllm_lowrank.metrics import kv_capacity_tokens
 
     llm = make_llm(model_path, compression, block_size=32, **kwargs)
-    sched = llm.llm_engine.vllm_config.scheduler_config
-    out = kv_capacity_tokens(llm.llm_engine.vllm_config.cache_config), \
-        sched.long_prefill_token_threshold
+    cfg = llm.llm_engine.vllm_config
+    out = (kv_capacity_tokens(cfg.cache_config), cfg.scheduler_config.long_prefill_token_threshold,
+           cfg.cache_config.kv_cache_max_concurrency, cfg.max_concurrent_batches)
     del llm
     gc.collect()
     return out
 
 
+def _estimated(model_path, compression: dict, batches: int) -> dict:
+    """``vllm-lowrank estimate`` for the engines :func:`_capacity` starts
+    (float32, 1 GiB of KV cache: ``VLLM_CPU_KVCACHE_SPACE``, 2,048 tokens)."""
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.estimate import estimate
+
+    return estimate(model_path, LowRankConfig.from_dict(compression), dtype="float32",
+                    kv_cache_gib=1.0, block_size=32, context=2048,
+                    concurrent_batches=batches)
+
+
 def test_token_adaptive_capacity_holds_under_default_scheduler_limits(model_path):
     from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
 
-    stock, threshold = _capacity(model_path)
+    stock, threshold, stock_concurrency, batches = _capacity(model_path)
     assert threshold == 0  # stock vLLM: no per-request cap
     config = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
               "token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128}
-    capped, threshold = _capacity(model_path, config)
+    capped, threshold, concurrency, _ = _capacity(model_path, config)
     assert threshold == PREFILL_CHUNK_TOKENS
+    # the estimate's worst-case concurrency is the one vLLM computes for these engines
+    info = _estimated(model_path, config, batches)
+    assert info["admitted_sequences"] == pytest.approx(concurrency, abs=0.01)
+    assert info["stock_admitted_sequences"] == pytest.approx(stock_concurrency, abs=0.01)
+    # and below the bytes' count: the reservation for the window and the chunk in flight
+    assert info["admitted_sequences"] < info["sequences"]
     # a user's explicit chunk cap wins; 2,048 (the model length) is the old behaviour
-    uncapped, threshold = _capacity(model_path, config, long_prefill_token_threshold=2048)
+    uncapped, threshold, _, _ = _capacity(model_path, config, long_prefill_token_threshold=2048)
     assert threshold == 2048
     # per request at 2,048 tokens: 4-bit latents (~1/13 of a float32 K+V slot) plus
     # exact blocks for 32 sinks, the 129-token window and the chunk in flight
