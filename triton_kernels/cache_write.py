@@ -296,9 +296,9 @@ def key_group_write_kernel(
     """Grid ``(T, cdiv(rk, 8 OCT))``: token ``t``, channels ``8 OCT c ..``. A
     token whose latent slot does not end a group of ``G`` (or a padding
     token) returns at once. Otherwise the program reads the group's ``G``
-    staged key latents (``exact_ptr``: the exact cache viewed in the staged
-    dtype, strides ``e_blk``/``e_tok`` and offset ``staged_off`` in
-    elements), quantizes its channels over the ``G`` tokens and stores each
+    staged key latents (``exact_ptr``: the exact cache, uint8, strides
+    ``e_blk``/``e_tok``; ``STAGED`` elements from byte ``staged_off`` of a
+    slot, read byte-wise: any alignment), quantizes its channels over the ``G`` tokens and stores each
     token's packed codes (byte ``c OCT BITS`` of the K codes region) and the
     channels' float16 scales and zeros, byte by byte, where
     :meth:`SlotLayout.encode_key_groups` puts them (parameter byte ``b`` of
