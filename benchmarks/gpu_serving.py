@@ -150,18 +150,6 @@ def _prompts(n: int, length: int, salt: int) -> list[dict]:
                                   for j in range(length)]} for i in range(n)]
 
 
-def _timed(llm, prompts, max_tokens: int) -> float:
-    import torch
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate(prompts, sp, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 _REQ = iter(range(10**9))
 
 
@@ -336,7 +324,7 @@ def run_one(args) -> list[dict]:
         base["startup_s"] = round(time.perf_counter() - t0, 1)
         base["kv_tokens"] = _capacity(llm)
         base.update(_paths(llm))
-        _timed(llm, _prompts(2, 64, 99), 4)  # warm-up: compiles, graphs
+        _load(llm, _prompts(2, 64, 99), 4)  # warm-up: compiles, graphs
         for salt, (b, length) in enumerate(shapes):
             row = dict(base, batch=b, context=length)
             if b * (length + extra[b, length]) > base["kv_tokens"]:
@@ -363,8 +351,8 @@ def run_one(args) -> list[dict]:
         # its timing. With the short warm-up alone, a cold machine timed the
         # plugin's compiles: alloc-8x-re 3,381 tok/s cold against 3,993 warm
         # (H200, benchmarks/README.md, "Quantize-on-write").
-        _timed(llm, _prompts(2, 64, 99), 4)
-        _timed(llm, _prompts(min(16, args.load_prompts), args.load_len, 98), 4)
+        _load(llm, _prompts(2, 64, 99), 4)
+        _load(llm, _prompts(min(16, args.load_prompts), args.load_len, 98), 4)
         t, peak, mean = _load(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
         rows.append(dict(base, kv_gib=args.equal_memory, kv_tokens=cap,
                          fit_seqs=cap // per_seq, peak_running=peak,

@@ -110,27 +110,29 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     original, stored = comp.bytes_per_token(elem)
     original16, stored16 = comp.bytes_per_token(2)
 
-    def exact_bytes(dt: torch.dtype) -> int:  # per sequence, + the token in flight
+    def exact_slots(dt: torch.dtype) -> list[ExactSlot]:  # one per layer, none if no exact
         if comp.exact_tokens is None:
-            return 0
-        count = min(comp.exact_tokens.count + 1, context)
-        return count * sum(
-            ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens).slot_bytes
-            for i, p in comp.plans.items())
+            return []
+        return [ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens)
+                for i, p in comp.plans.items()]
 
-    exact_per_seq = exact_bytes(torch_dtype)
-    seq16 = original16 * context / (stored16 * context + exact_bytes(torch.float16))
+    def exact_bytes(slots: list[ExactSlot]) -> int:  # per sequence, + the token in flight
+        if not slots:
+            return 0
+        return min(comp.exact_tokens.count + 1, context) * sum(x.slot_bytes for x in slots)
+
+    slots = exact_slots(torch_dtype)
+    exact_per_seq = exact_bytes(slots)
+    seq16 = original16 * context / (stored16 * context + exact_bytes(exact_slots(torch.float16)))
     kv_bytes = int(kv_cache_gib * 2**30)
 
     def tokens(per_token: int) -> int:
         return kv_bytes // (block_size * per_token) * block_size
 
     exact = None
-    if comp.exact_tokens is not None:
+    if slots:
         from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
 
-        slots = [ExactSlot.for_layer(p, comp.layout(i), torch_dtype, comp.exact_tokens)
-                 for i, p in comp.plans.items()]
         chunk = PREFILL_CHUNK_TOKENS if prefill_chunk is None else prefill_chunk
         exact = dict(slot_bytes=max(x.slot_bytes for x in slots),
                      latent_slot_bytes=max(x.latent_slot_bytes for x in slots),

@@ -130,8 +130,9 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     :data:`GRAPH_SAFE_TOKENS` tokens run without a host sync and with fixed
     shapes (CUDA graphs capture them): every token is treated as a group end,
     and a token that is not one rewrites slots ``0 .. G - 1`` of block 0,
-    vLLM's null block that no request owns, with their own content (as :func:`~vllm_lowrank.attention.latent_attention.scatter_rows`
-    does for padding). Longer steps (prefill) quantize only the completed
+    vLLM's null block that no request owns, with their own content (as
+    :func:`~vllm_lowrank.attention.latent_attention.scatter_rows` does for
+    padding). Longer steps (prefill) quantize only the completed
     groups: the tokens ``ends`` (:func:`key_group_ends`, computed once per
     step on the host), or, without it, those found with one host sync.
 
