@@ -15,7 +15,10 @@
   transforms, the split-K merge.
 - :mod:`.prefill` -- varlen causal prefill of every chunk of a step in one launch
   (:func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`: rebuilt
-  keys, value latents, bottom-right causal mask, sliding windows).
+  keys, value latents or rebuilt values, bottom-right causal mask, sliding
+  windows, a prefix source every query sees: the token-adaptive history).
+- :mod:`.rope` -- RoPE of rebuilt keys in place, one launch
+  (:func:`~vllm_lowrank.triton_kernels.rope.rotate_keys`).
 - :mod:`.cache_write` -- quantize-on-write of packed latents into the paged
   cache, every token and quantization group of a step in one launch
   (:func:`~vllm_lowrank.triton_kernels.cache_write.write_packed_latents`).

@@ -55,8 +55,8 @@ import triton.language as tl
 
 from .decode_prep import WEIGHT_CACHE, cached_for, pow2, pow2_divisor
 from .decode_wide import PER_LAYER_ARGS
-from .tiles import (add_combine, group_row, load_f16_param, load_latent, max_combine,
-                    share_half, share_offsets, split_tiles)
+from .tiles import (add_combine, group_row, load_f16_param, load_latent, load_nibbles,
+                    max_combine, share_half, share_offsets, split_tiles)
 
 
 @triton.jit
@@ -165,10 +165,18 @@ def latent_rope_decode_kernel(
     m_i = tl.full([HG_PAD], float("-inf"), tl.float32)
     l_i = tl.full([HG_PAD], 0.0, tl.float32)
     z_i = tl.full([HG_PAD], 0.0, tl.float32)  # sum_t p z_v (per-token value zero points)
-    acc = tl.full([HG_PAD, VC], 0.0, tl.float32)
     # per-token values (one scale/zero pair per token and group): codes in the dot,
     # the scales applied to the probabilities (decode_packed's algebra)
     V_POST: tl.constexpr = QUANT and V_QG == 0
+    # 4-bit per-token values: the low and the high nibbles of the code bytes (the
+    # even and the odd channels) go to two dots, so no tile is interleaved
+    V_SPLIT: tl.constexpr = V_POST and V_BITS == 4
+    if V_SPLIT:
+        acc = tl.full([HG_PAD, VC // 2], 0.0, tl.float32)
+        acc_hi = tl.full([HG_PAD, VC // 2], 0.0, tl.float32)
+    else:
+        acc = tl.full([HG_PAD, VC], 0.0, tl.float32)
+        acc_hi = tl.full([HG_PAD, 16], 0.0, tl.float32)  # unused
     v_col = v_off + v0  # the program's value channels in the slot (float cache: elements)
     v_par = vpar
     if QUANT:
@@ -210,14 +218,22 @@ def latent_rope_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
-        cv, vs, vz = load_latent(base, row, valid, v_col, rv - v0, v_par, v_scale_off,
-                                 v_zero_off, DT, QUANT, V_BITS, VC, V_QG, ALIGNED, RANK_MULT,
-                                 V_POST)
-        if V_POST:
+        if V_SPLIT:
+            ev, od, vs, vz = load_nibbles(base, row, valid, v_col, rv - v0, v_par, v_scale_off,
+                                          v_zero_off, DT, VC // 2, ALIGNED, RANK_MULT)
             z_i = z_i * alpha + tl.reduce(pr * vz[None, :], 1, add_combine)
-            acc = tl.dot((pr * vs[None, :]).to(DT), cv, acc * alpha[:, None])
+            ps = (pr * vs[None, :]).to(DT)
+            acc = tl.dot(ps, ev, acc * alpha[:, None])
+            acc_hi = tl.dot(ps, od, acc_hi * alpha[:, None])
         else:
-            acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
+            cv, vs, vz = load_latent(base, row, valid, v_col, rv - v0, v_par, v_scale_off,
+                                     v_zero_off, DT, QUANT, V_BITS, VC, V_QG, ALIGNED,
+                                     RANK_MULT, V_POST)
+            if V_POST:
+                z_i = z_i * alpha + tl.reduce(pr * vz[None, :], 1, add_combine)
+                acc = tl.dot((pr * vs[None, :]).to(DT), cv, acc * alpha[:, None])
+            else:
+                acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0.0
@@ -225,21 +241,30 @@ def latent_rope_decode_kernel(
     o = acc * inv_l[:, None]
     if V_POST:
         o += (z_i * inv_l)[:, None]
-    c = v0 + tl.arange(0, VC)
+    if V_SPLIT:  # o: the even channels, o_hi the odd ones
+        c = v0 + 2 * tl.arange(0, VC // 2)
+        o_hi = acc_hi * inv_l[:, None] + (z_i * inv_l)[:, None]
+    else:
+        c = v0 + tl.arange(0, VC)
+        o_hi = acc_hi
     cols = ocol + h[:, None] * rv + c[None, :]
     om = hm[:, None] & (c[None, :] < rv)
     if SPLIT:
+        dst = po_ptr + (b.to(tl.int64) * n_splits + s) * out_width
+    else:
+        dst = out_ptr + b.to(tl.int64) * out_width
+    tl.store(dst + cols, o, mask=om)
+    if V_SPLIT:
+        tl.store(dst + cols + 1, o_hi, mask=hm[:, None] & (c[None, :] + 1 < rv))
+    if SPLIT:
         bs = b.to(tl.int64) * n_splits + s
-        tl.store(po_ptr + bs * out_width + cols, o, mask=om)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(plse_ptr + bs * num_heads + heads, lse, mask=hm & (h * 0 + v0 == 0))
-    else:
-        tl.store(out_ptr + b.to(tl.int64) * out_width + cols, o, mask=om)
-        if LSE:  # once per head: by the program of the first value channels
-            lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                             float("-inf"))
-            tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n,
-                     mask=hm & (h * 0 + v0 == 0))
+    elif LSE:  # once per head: by the program of the first value channels
+        lse_n = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                         float("-inf"))
+        tl.store(plse_ptr + b.to(tl.int64) * num_heads + heads, lse_n,
+                 mask=hm & (h * 0 + v0 == 0))
 
 
 def absorption(plan, k_up: torch.Tensor, rope,

@@ -1,26 +1,27 @@
-r"""Varlen causal prefill attention with rebuilt keys and latent values.
+r"""Varlen causal prefill attention over rebuilt keys.
 
 One launch attends every prefill request of a step (no loop over requests),
 FlashAttention-2 style (Dao 2023, Algorithm 1: online softmax over key tiles,
 one program per ``BLOCK_M`` query rows and query head), with two differences
 from a stock kernel:
 
-- keys and values have different widths: keys are the rebuilt, rotated keys
-  ``[S, num_key_heads, dk]`` (``dk = head_dim``; post-RoPE mode: the key
-  latents, zero-padded to the widest rank), values the value *latents*
+- keys and values may have different widths: keys are the rebuilt, rotated
+  keys ``[S, num_key_heads, dk]`` (``dk = head_dim``; post-RoPE mode: the key
+  latents, zero-padded to the widest rank), values either the value *latents*
   ``[S, Rv]`` of which query head ``h`` reads its group's ``r_v`` columns
   (``B_v`` is folded into ``o_proj``, Palu eq. 6), so the output of head ``h``
-  is ``r_v[group(h)]`` columns at its place in the plan's output layout;
+  is ``r_v[group(h)]`` columns at its place in the plan's output layout, or
+  rebuilt values ``[S, num_kv_heads * head_dim]`` (token-adaptive layers);
 - the keys of request ``n`` are its whole visible context (cached prefix and
   this chunk, rows ``cu_k[n] .. cu_k[n+1]``), of which the chunk's ``q_len``
   queries are the last ``q_len`` positions: query ``j`` sees key ``i`` iff
   ``i <= k_len - q_len + j`` (bottom-right causal), and with a sliding window
   also ``i > k_len - q_len + j - window``.
 
-Without ``causal`` every query sees every key of its request (the latent
-history of a token-adaptive chunk, which precedes all of it); with
-``lse`` the kernel also returns each row's log-sum-exp, for a merge with another
-part of the context (:mod:`vllm_lowrank.attention.token_adaptive`).
+A ``prefix`` is a second key source ahead of that context, which every query
+of the request sees (the latent history of a token-adaptive chunk, rebuilt,
+ahead of its exact tokens in their own buffer): one softmax runs over both,
+so the two parts need no merge and no copy into one buffer.
 
 Scores are base 2 (``qk_scale = scale * log2 e``); operands enter the tensor
 cores in the key dtype (bf16/fp16, or float32 under the interpreter) with
@@ -38,15 +39,40 @@ from .tiles import add_combine, max_combine
 
 
 @triton.jit
+def _attend_tile(q, k_ptr, s_kt, v_ptr, s_vt, key_rows, col_ok, visible, dks, dvs, dk, r_v,
+                 qk_scale, m_i, l_i, acc, DT: tl.constexpr):
+    """One key tile of the online softmax (FlashAttention-2, Algorithm 1): keys
+    at ``k_ptr + key_rows * s_kt + dks`` and values at ``v_ptr + key_rows *
+    s_vt + dvs`` (``key_rows`` int64 ``[BLOCK_N]``, ``col_ok`` the rows that
+    exist, ``visible`` ``[BLOCK_M, BLOCK_N]`` the scores kept); returns the
+    updated ``(m_i, l_i, acc)``."""
+    k = tl.load(k_ptr + key_rows[:, None] * s_kt + dks[None, :],
+                mask=col_ok[:, None] & (dks[None, :] < dk), other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_ptr + key_rows[:, None] * s_vt + dvs[None, :],
+                mask=col_ok[:, None] & (dvs[None, :] < r_v), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
+    l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, s_qt, s_qh,
     k_ptr, s_kt, s_kh,
     v_ptr, s_vt,
-    o_ptr, s_ot, lse_ptr, s_lt,
-    head_table_ptr, cu_q_ptr, cu_k_ptr,
+    pk_ptr, s_pkt, s_pkh,
+    pv_ptr, s_pvt,
+    o_ptr, s_ot,
+    head_table_ptr, cu_q_ptr, cu_k_ptr, cu_p_ptr,
     qk_scale, window, dk, QPK,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, DT: tl.constexpr, CAUSAL: tl.constexpr, LSE: tl.constexpr,
+    WINDOW: tl.constexpr, DT: tl.constexpr, PREFIX: tl.constexpr,
 ):
     m_blk = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,9 +99,18 @@ def _prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, DV], 0.0, tl.float32)
-        hi = k_len
-        if CAUSAL:
-            hi = tl.minimum(ctx + m_blk * BLOCK_M + BLOCK_M, k_len)
+        if PREFIX:  # keys before the whole chunk: every query sees all of them
+            p_start = tl.load(cu_p_ptr + n)
+            p_len = tl.load(cu_p_ptr + n + 1) - p_start
+            for start in range(0, p_len, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_ok = cols < p_len
+                m_i, l_i, acc = _attend_tile(
+                    q, pk_ptr + kvh * s_pkh, s_pkt, pv_ptr + v_off, s_pvt,
+                    (p_start + cols).to(tl.int64), col_ok,
+                    col_ok[None, :] & (rows[:, None] >= 0), dks, dvs, dk, r_v, qk_scale,
+                    m_i, l_i, acc, DT)
+        hi = tl.minimum(ctx + m_blk * BLOCK_M + BLOCK_M, k_len)
         lo = 0
         if WINDOW:
             lo = tl.maximum(ctx + m_blk * BLOCK_M - window + 1, 0)
@@ -83,32 +118,16 @@ def _prefill_kernel(
         for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < k_len
-            key_rows = (k_start + cols).to(tl.int64)
-            k = tl.load(k_ptr + key_rows[:, None] * s_kt + kvh * s_kh + dks[None, :],
-                        mask=col_ok[:, None] & (dks[None, :] < dk), other=0.0)
-            s = tl.dot(q, tl.trans(k.to(DT))) * qk_scale
-            visible = col_ok[None, :] & (rows[:, None] >= 0)
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= last[:, None])
+            visible = col_ok[None, :] & (cols[None, :] <= last[:, None])
             if WINDOW:
                 visible = visible & (cols[None, :] > last[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            v = tl.load(v_ptr + key_rows[:, None] * s_vt + v_off + dvs[None, :],
-                        mask=col_ok[:, None] & (dvs[None, :] < r_v), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT))
-            l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, k_ptr + kvh * s_kh, s_kt, v_ptr + v_off, s_vt,
+                (k_start + cols).to(tl.int64), col_ok, visible, dks, dvs, dk, r_v, qk_scale,
+                m_i, l_i, acc, DT)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + (q_start + rows).to(tl.int64)[:, None] * s_ot + o_col + dvs[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dvs[None, :] < r_v))
-        if LSE:  # natural log; -inf for a row that saw no key
-            log2_l = tl.log2(tl.where(l_i > 0, l_i, 1.0))
-            lse = tl.where(l_i > 0, (m_i + log2_l) * 0.6931471805599453, float("-inf"))
-            tl.store(lse_ptr + (q_start + rows).to(tl.int64) * s_lt + h, lse, mask=row_ok)
 
 
 _HEAD_TABLES: dict = {}
@@ -161,8 +180,9 @@ def prefill_tiles(dk: int, dv: int, elem: int, on_gpu: bool) -> tuple[int, int]:
 def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                              heads: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                              max_q_len: int, scale: float, out: torch.Tensor, *,
-                             max_rank_v: int, window: int | None = None, causal: bool = True,
-                             lse: torch.Tensor | None = None) -> torch.Tensor:
+                             max_rank_v: int, window: int | None = None,
+                             prefix: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                             ) -> torch.Tensor:
     """Causal attention of every prefill request of a step in one launch.
 
     Args:
@@ -173,26 +193,30 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
             request's visible context (rows ``cu_k[n] .. cu_k[n+1]``; its last
             ``q_len`` rows are the chunk itself); query head ``h`` uses key head
             ``h // (H / num_key_heads)``. bf16/fp16 (float32 on CPU).
-        values: ``[S, Rv]`` value latents of the same rows (any float dtype).
-        heads: ``[H, 3]`` int32 from :func:`head_table`.
+        values: ``[S, Dv]`` values of the same rows (any float dtype): value
+            latents, or rebuilt values of every KV head side by side.
+        heads: ``[H, 3]`` int32 per query head: the first column of its values
+            in ``values``, their width ``r_v``, and its first output column
+            (:func:`head_table`).
         cu_q, cu_k: ``[N + 1]`` int32 cumulative query / key counts.
         max_q_len: Longest chunk (host int; sets the grid).
         scale: Softmax scale.
         out: ``[T, out_width]`` output (any float dtype, last dim contiguous):
             head ``h`` writes its ``r_v`` columns at ``heads[h, 2]``.
-        max_rank_v: Largest ``r_v`` of the plan.
+        max_rank_v: Largest ``r_v`` of ``heads``.
         window: Sliding window (query at position ``p`` sees ``t > p - window``),
             or ``None``.
-        causal: ``False``: every query sees all of its request's keys.
-        lse: ``[T, H]`` float32 for each row's log-sum-exp (natural log of
-            ``sum_t exp(scale * q . k_t)``; ``-inf`` where no key is visible),
-            or ``None``.
+        prefix: ``(keys, values, cu)``: keys that precede each request's
+            context and that every one of its queries sees (rows ``cu[n] ..
+            cu[n+1]``, laid out as ``keys`` / ``values``): the token-adaptive
+            latent history, rebuilt, ahead of the exact tokens. Not with a
+            window.
 
     Returns:
         ``out``.
 
     Raises:
-        ValueError: mismatched shapes.
+        ValueError: mismatched shapes, or a prefix with a window.
     """
     t, num_heads, dk = query.shape
     s, nkh, dk_k = keys.shape
@@ -200,9 +224,13 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         raise ValueError(f"shapes do not match: query {tuple(query.shape)}, keys "
                          f"{tuple(keys.shape)}, values {tuple(values.shape)}, out "
                          f"{tuple(out.shape)}")
+    if prefix is not None and (window is not None or prefix[0].shape[1:] != keys.shape[1:]
+                               or prefix[1].shape[0] != prefix[0].shape[0]):
+        raise ValueError("a prefix needs no window and keys shaped as the context's")
     n = cu_q.shape[0] - 1
     if t == 0 or n == 0:
         return out
+    pk, pv, cu_p = prefix if prefix is not None else (keys, values, cu_k)
     dt = keys.dtype
     dv = pow2(max_rank_v)
     block_m, block_n = prefill_tiles(dk, dv, keys.element_size(), query.device.type == "cuda")
@@ -211,11 +239,13 @@ def latent_prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: to
         query, query.stride(0), query.stride(1),
         keys, keys.stride(0), keys.stride(1),
         values, values.stride(0),
-        out, out.stride(0), out if lse is None else lse, 0 if lse is None else lse.stride(0),
-        heads, cu_q, cu_k,
+        pk, pk.stride(0), pk.stride(1),
+        pv, pv.stride(0),
+        out, out.stride(0),
+        heads, cu_q, cu_k, cu_p,
         float(scale) * LOG2E, int(window or 0), dk, num_heads // nkh,
         DK=pow2(dk), DV=dv, BLOCK_M=block_m, BLOCK_N=block_n,
-        WINDOW=window is not None, DT=TL_DTYPES[dt], CAUSAL=causal, LSE=lse is not None,
+        WINDOW=window is not None, DT=TL_DTYPES[dt], PREFIX=prefix is not None,
         num_warps=4 if dv <= 64 else 8, num_stages=2,
     )
     return out

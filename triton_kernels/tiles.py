@@ -176,6 +176,32 @@ def load_latent(cache_ptr, row_off, valid, col_off, r, par_base, scale_off, zero
 
 
 @triton.jit
+def load_nibbles(cache_ptr, row_off, valid, col_off, r, par, scale_off, zero_off,
+                 DT: tl.constexpr, HALF: tl.constexpr, ALIGNED: tl.constexpr,
+                 RMULT: tl.constexpr):
+    """4-bit per-token codes (one scale/zero pair per row) split by nibble:
+    ``(even, odd, scale, zero)``. ``even``/``odd`` ``[N, HALF]`` in ``DT``:
+    the centred codes ``code - 8`` of channels ``2j`` (low nibble of byte ``j``)
+    and ``2j + 1`` (high nibble), read as one row of ``HALF`` contiguous bytes
+    and never interleaved; ``scale`` and ``zero + 8 * scale`` ``[N]`` float32,
+    so that latent = ``code * scale + zero`` after the dot (:func:`load_latent`'s
+    ``POST`` algebra; invalid rows get zero parameters). ``row_off``/``col_off``
+    in bytes; ``r`` (a multiple of 8 and of ``RMULT``) codes are stored, bytes
+    past ``r / 2`` read as code 0."""
+    rows = cache_ptr + row_off
+    j = tl.arange(0, HALF)
+    rb = r // 2
+    if RMULT // 2 > 1:
+        rb = tl.multiple_of(rb, RMULT // 2)
+    x = tl.load(rows[:, None] + col_off + j[None, :],
+                mask=valid[:, None] & (j[None, :] < rb), other=0).to(tl.int32)
+    even = codes_f32(x & 15, 8).to(DT)
+    odd = codes_f32(x >> 4, 8).to(DT)
+    sc, ze = load_pair(rows, valid, par, scale_off, zero_off, ALIGNED)
+    return even, odd, sc, ze + 8 * sc
+
+
+@triton.jit
 def group_row(gt_ptr, num_groups, g):
     """Head group ``g``'s row of the group table (int32 ``[8, num_groups]``,
     :class:`vllm_lowrank.triton_kernels.decode_prep.Prepared`): ``(k_off, v_off, r_k,

@@ -153,32 +153,50 @@ def test_kernel_against_float64_loop():
     assert err < TOL, float(err)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_wide_value_latents(causal):
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_wide_value_latents(with_prefix):
     """J-LRD's value rank 768 on 8 KV heads of 128 (the ``lossless`` preset on a
     Llama-3-8B shape; on an H100 its first launch asked for 262,144 bytes of
-    shared memory, over the limit) against a float64 reference, with and
-    without the causal mask."""
+    shared memory, over the limit) against a float64 reference; with a prefix,
+    a second key source that every query sees ahead of the causal context (the
+    token-adaptive latent history; 0 rows for one request, 45 for the other),
+    against the softmax over both sources."""
     g = torch.Generator().manual_seed(11)
     plan = LayerPlan(AttentionShape(32 * 128, 32, 8, 128), 8, (768,), (768,))
     cu_q = torch.tensor([0, 5, 37], dtype=torch.int32)
     cu_k = torch.tensor([0, 70, 150], dtype=torch.int32)
+    cu_p = torch.tensor([0, 0, 45], dtype=torch.int32)
     q = torch.randn(37, 32, 128, generator=g)
     k = torch.randn(150, 8, 128, generator=g)
     v = torch.randn(150, 768, generator=g)
+    pk = torch.randn(45, 8, 128, generator=g)
+    pv = torch.randn(45, 768, generator=g)
     out = torch.full((37, plan.out_width), float("nan"), device=DEV, dtype=DTYPE)
+    prefix = (pk.to(DEV, DTYPE), pv.to(DEV, DTYPE), cu_p.to(DEV)) if with_prefix else None
     pre.latent_prefill_attention(q.to(DEV, DTYPE), k.to(DEV, DTYPE), v.to(DEV, DTYPE),
                                  pre.head_table(plan, DEV), cu_q.to(DEV), cu_k.to(DEV), 32,
-                                 128 ** -0.5, out, max_rank_v=768, causal=causal)
+                                 128 ** -0.5, out, max_rank_v=768, prefix=prefix)
     ref = torch.empty(37, 32, 768, dtype=torch.float64)
     for n in range(2):
         qa, qb, ka, kb = (int(x) for x in (cu_q[n], cu_q[n + 1], cu_k[n], cu_k[n + 1]))
-        keys = k[ka:kb].double().repeat_interleave(4, dim=1)  # [S, 32, 128]
+        pa, pb = (int(cu_p[n]), int(cu_p[n + 1])) if with_prefix else (0, 0)
+        keys = torch.cat((pk[pa:pb], k[ka:kb])).double().repeat_interleave(4, dim=1)
+        vals = torch.cat((pv[pa:pb], v[ka:kb])).double()
         s = torch.einsum("qhd,shd->hqs", q[qa:qb].double(), keys) * 128 ** -0.5
-        if causal:
-            ctx = (kb - ka) - (qb - qa)
-            visible = torch.arange(kb - ka)[None, :] <= ctx + torch.arange(qb - qa)[:, None]
-            s = s.masked_fill(~visible, float("-inf"))
-        ref[qa:qb] = torch.einsum("hqs,sr->qhr", torch.softmax(s, -1), v[ka:kb].double())
+        ctx = keys.shape[0] - (qb - qa)
+        visible = torch.arange(keys.shape[0])[None, :] <= ctx + torch.arange(qb - qa)[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        ref[qa:qb] = torch.einsum("hqs,sr->qhr", torch.softmax(s, -1), vals)
     err = (out.double().cpu() - ref.view(37, -1)).norm() / ref.norm()
     assert err < TOL, float(err)
+
+
+def test_prefix_needs_no_window():
+    """A prefix with a sliding window is refused before any launch."""
+    plan = LayerPlan(AttentionShape(4 * 16, 4, 2, 16), 1, (8, 8), (8, 8))
+    q, k, v = torch.zeros(3, 4, 16), torch.zeros(5, 2, 16), torch.zeros(5, 16)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="window"):
+        pre.latent_prefill_attention(q, k, v, pre.head_table(plan, "cpu"), cu, cu, 3, 1.0,
+                                     torch.zeros(3, plan.out_width), max_rank_v=8, window=4,
+                                     prefix=(k, v, cu))

@@ -283,3 +283,19 @@ def test_context_keys_in_bf16_match_a_float64_loop(with_transform):
         assert got.dtype == dtype and got.shape == want.shape
         err = ((got.double() - want).abs() / scale).max().item()
         assert err < tol, (dtype, err)
+
+
+@pytest.mark.parametrize("slot_bytes", [312, 2808, 30, 6])
+def test_gather_slots_reads_the_same_bytes_in_words(slot_bytes):
+    """``gather_slots`` (8- or 4-byte words where they divide the slot, bytes
+    otherwise) returns exactly the slots byte indexing returns, also from a
+    cache that is a strided view (every other block of a larger buffer)."""
+    from vllm_lowrank.attention.latent_attention import gather_slots
+
+    g = torch.Generator().manual_seed(slot_bytes)
+    raw = torch.randint(0, 256, (12, 1, 4, slot_bytes), dtype=torch.uint8, generator=g)
+    for cache in (raw, raw[::2]):
+        blocks = torch.randint(0, cache.shape[0], (3, 5), generator=g)
+        offsets = torch.randint(0, 4, (3, 5), generator=g)
+        got = gather_slots(cache, blocks, offsets)
+        assert got.dtype == torch.uint8 and torch.equal(got, cache[blocks, 0, offsets])

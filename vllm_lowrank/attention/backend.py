@@ -290,7 +290,7 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
 
     block_size = kv_cache.shape[2]
     blocks = block_table[batch.key_req, batch.key_pos // block_size].long()
-    lat = kv_cache[blocks, 0, batch.key_pos % block_size]
+    lat = ops.gather_slots(kv_cache, blocks, batch.key_pos % block_size)
     if layout is not None:
         lat = torch.cat(layout.decode(lat), dim=-1)
     lat = lat.to(query.dtype)  # once, for the keys' rebuild and the values

@@ -163,6 +163,26 @@ def flat_ranges(starts: torch.Tensor, lens: torch.Tensor
     return req, torch.arange(total) - cu[:-1][req] + starts[req], cu
 
 
+def gather_slots(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor
+                 ) -> torch.Tensor:
+    """Slots ``cache[blocks, 0, offsets]`` of a paged cache ``[num_blocks, 1,
+    block_size, C]``: ``[*blocks.shape, C]``. A uint8 cache is read in the
+    widest words that divide its slots (4 or 8 bytes), so that the index
+    kernel moves one word per thread rather than one byte: the same bytes.
+
+    Args:
+        blocks, offsets: int64 block ids and offsets within the block, one
+            shape.
+    """
+    if cache.dtype == torch.uint8:
+        for word in (torch.int64, torch.int32):
+            size = word.itemsize
+            if cache.stride(-1) == 1 and cache.storage_offset() % size == 0 and all(
+                    n % size == 0 for n in (cache.shape[-1], *cache.stride()[:-1])):
+                return cache.view(word)[blocks, 0, offsets].view(torch.uint8)
+    return cache[blocks, 0, offsets]
+
+
 def gather_latents(
     kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, layout=None,
     start: int = 0,
@@ -189,7 +209,7 @@ def gather_latents(
     lo, hi = start - start % g, max(-(-length // g) * g, start)
     pos = torch.arange(lo, hi, device=kv_cache.device)
     blocks = block_table[:, pos // block_size].long()  # [B, L]
-    rows = kv_cache[blocks, 0, (pos % block_size)[None, :].expand_as(blocks)]
+    rows = gather_slots(kv_cache, blocks, (pos % block_size)[None, :].expand_as(blocks))
     if layout is None:
         return rows
     k, v = layout.decode(rows)
@@ -246,6 +266,29 @@ def context_keys(plan: LayerPlan, k_up: torch.Tensor, rope: RopeTable, lat: torc
         return keys
     return torch.cat([_group_keys(plan, g, k_up, rope, lat, positions, False, transform)[0]
                       .to(dtype) for g in range(plan.num_groups)], dim=1)
+
+
+def context_values(plan: LayerPlan, v_up: torch.Tensor, lat_v: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values of every KV head rebuilt from flat value latents (the batched
+    prefill of token-adaptive layers): head group ``g``'s
+    ``c_v[g] B_v[g]`` (Palu, Chang et al. 2024, eq. 3: ``V = X A_v B_v``).
+
+    Args:
+        v_up: ``[Rv, num_kv_heads * head_dim]`` float32 block-diagonal value
+            up-projection.
+        lat_v: ``[S, Rv]`` value latents (any float dtype).
+        dtype: Of the GEMM (float32 accumulation on the tensor cores for
+            16-bit types) and of the result.
+
+    Returns:
+        ``[S, num_kv_heads * head_dim]`` in ``dtype``.
+    """
+    lat_v = lat_v.to(dtype)
+    gw = plan.group_width
+    parts = [lat_v[:, off:off + r] @ v_up[off:off + r, g * gw:(g + 1) * gw].to(dtype)
+             for g, (off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks))]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _flash_cpu(q, k, v, causal: bool, scale: float):

@@ -19,7 +19,10 @@ values (lazy approximation). For a step whose first new token is at position
 which equals one softmax over ``E U L``. The latent part's output lives in the
 value latent space (``[.., sum_i r_v]``); :func:`values_up` lifts it with
 ``B_v`` to per-head values before the merge, so in this mode ``o_proj`` is the
-model's own (not folded with ``B_v``).
+model's own (not folded with ``B_v``). The batched GPU prefill
+(:func:`prefill_batched`) takes the other route to the same softmax: it
+rebuilds the latent history's keys and values per KV head and attends them and
+the exact set in one kernel call, no merge.
 
 Shapes: the exact cache is ``[num_blocks, 1, block_size, slot_bytes]`` uint8;
 each slot starts with ``[k | v]`` (post-RoPE keys; model dtype or int8), then,
@@ -192,7 +195,7 @@ def read_exact(exact_cache: torch.Tensor, slot: ExactSlot, block_table: torch.Te
     block_size = exact_cache.shape[2]
     pos = positions.clamp(0, block_table.shape[1] * block_size - 1)
     blocks = torch.gather(block_table.long(), 1, pos // block_size)
-    return slot.decode(exact_cache[blocks, 0, pos % block_size])
+    return slot.decode(latent.gather_slots(exact_cache, blocks, pos % block_size))
 
 
 def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -532,13 +535,19 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
                     block_table: torch.Tensor, exact_cache: torch.Tensor,
                     exact_block_table: torch.Tensor, spans: PrefillSpans, out: torch.Tensor,
                     *, exact: ExactSlot, layout=None, transform=None) -> torch.Tensor:
-    """Every prefill chunk of a step in two varlen kernel calls, no loop over
-    requests: the latent history (gathered, dequantized, keys rebuilt and
-    rotated once; every query of a chunk sees all of it) and the exact set
-    (causal), each with its log-sum-exp
-    (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`), then
-    :func:`values_up` and :func:`merge`. The same result as :func:`prefill` per
-    request, up to the precision of the query dtype (the kernels' operands).
+    """Every prefill chunk of a step in one varlen kernel call, no loop over
+    requests. The latent history is gathered and dequantized once, and its
+    keys and values are rebuilt and the keys rotated
+    (:func:`~vllm_lowrank.attention.latent_attention.context_keys`,
+    :func:`~vllm_lowrank.attention.latent_attention.context_values`); the
+    causal kernel attends them as a prefix that every query sees, ahead of
+    the exact set (sinks, recent tokens, the chunk)
+    (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`). So
+    one softmax covers both parts (no merge), and the score and value work per
+    query head is that of a ``head_dim`` head rather than of the value
+    latent's width. The same result as :func:`prefill` per request, up to the
+    precision of the query dtype (the rebuilt keys and values and the
+    kernel's operands).
 
     Args:
         query: ``[T, H, d]`` post-RoPE queries of the chunks, in request order.
@@ -552,33 +561,24 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     """
     from vllm_lowrank.triton_kernels import prefill as kernel
 
-    t, h, d = query.shape
-    lat_out = torch.zeros(t, plan.out_width, dtype=torch.float32, device=query.device)
-    lat_lse = torch.full((t, h), float("-inf"), dtype=torch.float32, device=query.device)
+    _, _, d = query.shape
+    nkh, dt = plan.shape.num_kv_heads, query.dtype
+    prefix = None
     if spans.lat_key_pos.numel():
         bs = kv_cache.shape[2]
-        rows = kv_cache[block_table[spans.lat_req, spans.lat_pos // bs].long(), 0,
-                        spans.lat_pos % bs]
+        rows = latent.gather_slots(kv_cache, block_table[spans.lat_req, spans.lat_pos // bs].long(),
+                                   spans.lat_pos % bs)
         lat = torch.cat(layout.decode(rows), dim=-1) if layout is not None else rows
         if spans.lat_keep is not None:
             lat = lat[spans.lat_keep]
-        lat = lat.to(query.dtype)  # once, for the keys' rebuild and the values
-        keys = latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
-                                   transform, dtype=query.dtype)
-        kernel.latent_prefill_attention(
-            query, keys, lat[:, plan.k_width:],
-            kernel.head_table(plan, query.device), spans.cu_q,
-            spans.cu_lat, spans.max_q_len, scale, lat_out, max_rank_v=max(plan.v_ranks),
-            causal=False, lse=lat_lse)
+        lat = lat.to(dt)  # once, for both rebuilds
+        prefix = (latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
+                                      transform, dtype=dt),
+                  latent.context_values(plan, v_up, lat[:, plan.k_width:], dtype=dt),
+                  spans.cu_lat)
     eb = exact_cache.shape[2]
-    k, v = exact.decode(exact_cache[exact_block_table[spans.ex_req, spans.ex_pos // eb].long(),
-                                    0, spans.ex_pos % eb])
-    ex_out = torch.empty(t, h * d, dtype=torch.float32, device=query.device)
-    ex_lse = torch.empty(t, h, dtype=torch.float32, device=query.device)
-    kernel.latent_prefill_attention(
-        query, k.view(-1, plan.shape.num_kv_heads, d).to(query.dtype), v.to(query.dtype),
-        _exact_head_table(plan, query.device), spans.cu_q, spans.cu_ex, spans.max_q_len, scale,
-        ex_out, max_rank_v=d, lse=ex_lse)
-    merged = merge(values_up(plan, v_up, lat_out), lat_lse, ex_out.view(t, h, d), ex_lse)
-    out.copy_(merged.reshape(t, -1))
-    return out
+    k, v = exact.decode(latent.gather_slots(
+        exact_cache, exact_block_table[spans.ex_req, spans.ex_pos // eb].long(), spans.ex_pos % eb))
+    return kernel.latent_prefill_attention(
+        query, k.view(-1, nkh, d).to(dt), v.to(dt), _exact_head_table(plan, query.device),
+        spans.cu_q, spans.cu_ex, spans.max_q_len, scale, out, max_rank_v=d, prefix=prefix)
