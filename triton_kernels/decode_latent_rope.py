@@ -170,7 +170,7 @@ def latent_rope_decode_kernel(
     V_POST: tl.constexpr = QUANT and V_QG == 0
     # 4-bit per-token values: the low and the high nibbles of the code bytes (the
     # even and the odd channels) go to two dots, so no tile is interleaved
-    V_SPLIT: tl.constexpr = V_POST and V_BITS == 4
+    V_SPLIT: tl.constexpr = V_POST and V_BITS == 4 and VC >= 32  # each dot's N >= 16
     if V_SPLIT:
         acc = tl.full([HG_PAD, VC // 2], 0.0, tl.float32)
         acc_hi = tl.full([HG_PAD, VC // 2], 0.0, tl.float32)

@@ -1186,20 +1186,25 @@ def equivariant_k_up(plan, g, neox):
     return k_up
 
 
-@pytest.mark.parametrize("group_size,kr,vr,neox,bits,kct,span,window,splits", [
-    (4, (56,), (40,), True, None, None, None, None, 1),          # one group, 4 key chunks
-    (2, (40, 16), (24, 64), False, None, None, None, None, 3),   # gptj, uneven ranks, split
-    (4, (64,), (48,), True, (8, 4), None, (4, 17), None, 2),     # packed per token, TALE span
-    (4, (56,), (40,), True, (4, 4), 16, (16, 17), None, 2),      # per-channel keys (KIVI), span
-    (2, (48, 32), (32, 48), True, (2, 3), 16, (32, 17), None, 1),  # 2-bit keys per channel
-    (2, (48, 32), (32, 48), True, (3, 2), None, (16, 1), 60, 1),   # 3-bit keys, window
+@pytest.mark.parametrize("group_size,kr,vr,neox,bits,kct,span,window,splits,vc", [
+    (4, (56,), (40,), True, None, None, None, None, 1, None),          # one group, 4 key chunks
+    (2, (40, 16), (24, 64), False, None, None, None, None, 3, None),   # gptj, uneven ranks, split
+    (4, (64,), (48,), True, (8, 4), None, (4, 17), None, 2, None),     # packed per token, TALE span
+    (4, (56,), (40,), True, (4, 4), 16, (16, 17), None, 2, None),      # per-channel keys (KIVI), span
+    (2, (48, 32), (32, 48), True, (2, 3), 16, (32, 17), None, 1, None),  # 2-bit keys per channel
+    (2, (48, 32), (32, 48), True, (3, 2), None, (16, 1), 60, 1, None),   # 3-bit keys, window
+    # 4-bit values in one program (32 value channels and more): the low and the
+    # high nibbles in two dots (value rank 88; ranks 40 and 24 in two groups)
+    (4, (56,), (88,), True, (4, 4), 16, (16, 17), None, 2, 128),
+    (2, (48, 32), (40, 24), True, (8, 4), None, (4, 17), None, 1, 64),
 ])
 @pytest.mark.filterwarnings("error::RuntimeWarning")
-def test_latent_rope(group_size, kr, vr, neox, bits, kct, span, window, splits):
+def test_latent_rope(group_size, kr, vr, neox, bits, kct, span, window, splits, vc):
     """``mode="latent_rope"`` (absorbed queries, latent pairs turned by the RoPE
     table) equals the float64 key-rebuild reference (rebuild, RoPE, softmax) on
-    a RoPE-equivariant ``k_up``, for every cache format the 8x recipe uses; the
-    torch pre_rope path agrees too."""
+    a RoPE-equivariant ``k_up``, for every cache format the 8x recipe uses and
+    ``vc`` value channels per program (``None``: the default); the torch
+    pre_rope path agrees too."""
     from vllm_lowrank.attention.latent_attention import decode_attention
 
     plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=group_size, k_ranks=kr,
@@ -1221,7 +1226,7 @@ def test_latent_rope(group_size, kr, vr, neox, bits, kct, span, window, splits):
     assert dec.triton_kernel(plan, layout, "latent_rope", cache, 32) == "latent_rope"
     out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
                    sink=sink, recent=recent, window=window, return_lse=True,
-                   mode="latent_rope")
+                   mode="latent_rope", config=dec.KernelConfig(value_chunk=vc) if vc else None)
     ref, ref_lse = span_reference(plan, k_up, rope, 0.2, q, gather(kd, bt, lens, page),
                                   gather(vd, bt, lens, page), lens, in_span(sink, recent, window))
     assert rel_err(out, ref) < TOL32
