@@ -513,21 +513,22 @@ def prefill_spans(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_dec
         ex_req=dev(rows[e_req]), ex_pos=dev(e_pos), cu_ex=dev(cu_ex, torch.int32))
 
 
-_EXACT_HEADS: dict = {}
+_KV_HEADS: dict = {}
 
 
-def _exact_head_table(plan: LayerPlan, device) -> torch.Tensor:
+def _kv_head_table(plan: LayerPlan, device) -> torch.Tensor:
     """The varlen kernel's head table
-    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`'s format) for the
-    exact part: query head ``h`` reads KV head ``h // qpk``'s ``head_dim`` values
-    and writes ``h * d``; built once per plan and device."""
+    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`'s format) for values
+    per KV head (the exact tokens', and the latent history's rebuilt): query
+    head ``h`` reads KV head ``h // qpk``'s ``head_dim`` values and writes
+    ``h * d``; built once per plan and device."""
     key = (plan, str(device))
-    if key not in _EXACT_HEADS:
+    if key not in _KV_HEADS:
         s = plan.shape
         d, qpk = s.head_dim, s.queries_per_kv
-        _EXACT_HEADS[key] = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
+        _KV_HEADS[key] = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
                                          dtype=torch.int32, device=device)
-    return _EXACT_HEADS[key]
+    return _KV_HEADS[key]
 
 
 def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope,
@@ -580,5 +581,5 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     k, v = exact.decode(latent.gather_slots(
         exact_cache, exact_block_table[spans.ex_req, spans.ex_pos // eb].long(), spans.ex_pos % eb))
     return kernel.latent_prefill_attention(
-        query, k.view(-1, nkh, d).to(dt), v.to(dt), _exact_head_table(plan, query.device),
+        query, k.view(-1, nkh, d).to(dt), v.to(dt), _kv_head_table(plan, query.device),
         spans.cu_q, spans.cu_ex, spans.max_q_len, scale, out, max_rank_v=d, prefix=prefix)
