@@ -106,7 +106,7 @@ class RopeTable:
         Triton launch (:func:`vllm_lowrank.triton_kernels.rope.rotate_keys`,
         float32 math rounded once to ``keys``' dtype); elsewhere torch, each
         product rounded to ``keys``' dtype (float32, or bf16/fp16 keys)."""
-        if keys.is_cuda and keys.stride(-1) == 1 and keys.is_contiguous():
+        if keys.is_cuda and keys.is_contiguous():
             from vllm_lowrank.triton_kernels.rope import rotate_keys
 
             return rotate_keys(keys, positions, self.cos, self.sin, self.rotary_dim, self.neox)

@@ -527,7 +527,7 @@ def _kv_head_table(plan: LayerPlan, device) -> torch.Tensor:
         s = plan.shape
         d, qpk = s.head_dim, s.queries_per_kv
         _KV_HEADS[key] = torch.tensor([(h // qpk * d, d, h * d) for h in range(s.num_heads)],
-                                         dtype=torch.int32, device=device)
+                                      dtype=torch.int32, device=device)
     return _KV_HEADS[key]
 
 
@@ -567,8 +567,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     prefix = None
     if spans.lat_key_pos.numel():
         bs = kv_cache.shape[2]
-        rows = latent.gather_slots(kv_cache, block_table[spans.lat_req, spans.lat_pos // bs].long(),
-                                   spans.lat_pos % bs)
+        blocks = block_table[spans.lat_req, spans.lat_pos // bs].long()
+        rows = latent.gather_slots(kv_cache, blocks, spans.lat_pos % bs)
         lat = torch.cat(layout.decode(rows), dim=-1) if layout is not None else rows
         if spans.lat_keep is not None:
             lat = lat[spans.lat_keep]
@@ -578,8 +578,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
                   latent.context_values(plan, v_up, lat[:, plan.k_width:], dtype=dt),
                   spans.cu_lat)
     eb = exact_cache.shape[2]
-    k, v = exact.decode(latent.gather_slots(
-        exact_cache, exact_block_table[spans.ex_req, spans.ex_pos // eb].long(), spans.ex_pos % eb))
+    blocks = exact_block_table[spans.ex_req, spans.ex_pos // eb].long()
+    k, v = exact.decode(latent.gather_slots(exact_cache, blocks, spans.ex_pos % eb))
     return kernel.latent_prefill_attention(
         query, k.view(-1, nkh, d).to(dt), v.to(dt), _kv_head_table(plan, query.device),
         spans.cu_q, spans.cu_ex, spans.max_q_len, scale, out, max_rank_v=d, prefix=prefix)
