@@ -124,6 +124,7 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
         enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        **({} if args.watermark is None else {"watermark": args.watermark}),
         attention_config={"backend": spec.get("backend", "TRITON_ATTN")},  # None: vLLM's choice
         ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
                         "gelu_and_mul_sparse": ["native"]},
@@ -161,13 +162,18 @@ def prefill_tokens_bound(batch: int, length: int, chunk: int) -> int:
     return -(-batch * length // chunk) + batch
 
 
-def _load(llm, prompts, max_tokens: int) -> tuple[float, int, float]:
+def _load(llm, prompts, max_tokens: int) -> dict:
     """Submit ``prompts`` at once, each asking for ``max_tokens``, and step the
-    engine until all finish: ``(seconds, peak, mean)``, the wall time and the
-    largest and the mean number of requests vLLM's scheduler held running after
-    a step: the concurrency it admitted, which its worst-case capacity figure
-    (``fit_seqs``) bounds from below. In process only (this script sets
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    engine until all finish. Returns ``wall_s``; ``peak_running`` and
+    ``mean_running``, the largest and the mean number of requests vLLM's
+    scheduler held running after a step (the concurrency it admitted, which its
+    worst-case capacity figure ``fit_seqs`` bounds from below);
+    ``queued_running``, the mean over the steps after which requests were still
+    waiting (``None`` if none were): the concurrency the KV memory sustains
+    while the queue is not empty; ``preemptions`` (requests vLLM preempted,
+    to be recomputed), ``steps`` and ``mixed_steps`` (steps that scheduled some
+    prefill tokens: not replayed from a decode-only CUDA graph). In process only
+    (this script sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     import torch
     from vllm import SamplingParams
 
@@ -176,14 +182,34 @@ def _load(llm, prompts, max_tokens: int) -> tuple[float, int, float]:
     sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
     for p in prompts:
         engine.add_request(f"r{next(_REQ)}", p, sp)
-    running = []
+    running, queued = [], []
+    counts = dict(preemptions=0, mixed_steps=0)
+    preempt, schedule = scheduler._preempt_request, scheduler.schedule
+
+    def counted_preempt(*a, **kw):
+        counts["preemptions"] += 1
+        return preempt(*a, **kw)
+
+    def counted_schedule(*a, **kw):
+        out = schedule(*a, **kw)
+        counts["mixed_steps"] += out.total_num_scheduled_tokens > len(out.num_scheduled_tokens)
+        return out
+
+    scheduler._preempt_request, scheduler.schedule = counted_preempt, counted_schedule
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
         running.append(len(scheduler.running))
+        if len(scheduler.waiting):
+            queued.append(running[-1])
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, max(running), sum(running) / len(running)
+    wall = time.perf_counter() - t0
+    del scheduler._preempt_request, scheduler.schedule  # the bound methods again
+    return dict(wall_s=wall, peak_running=max(running),
+                mean_running=sum(running) / len(running),
+                queued_running=sum(queued) / len(queued) if queued else None,
+                steps=len(running), **counts)
 
 
 def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
@@ -353,12 +379,12 @@ def run_one(args) -> list[dict]:
         # (H200, benchmarks/README.md, "Quantize-on-write").
         _load(llm, _prompts(2, 64, 99), 4)
         _load(llm, _prompts(min(16, args.load_prompts), args.load_len, 98), 4)
-        t, peak, mean = _load(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
+        got = _load(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
         rows.append(dict(base, kv_gib=args.equal_memory, kv_tokens=cap,
-                         fit_seqs=cap // per_seq, peak_running=peak,
-                         mean_running=round(mean, 1),
-                         out_tok_s=round(args.load_prompts * args.load_out / t, 1),
-                         wall_s=round(t, 2)))
+                         fit_seqs=cap // per_seq,
+                         **{k: round(v, 2) if isinstance(v, float) else v
+                            for k, v in got.items()},
+                         out_tok_s=round(args.load_prompts * args.load_out / got["wall_s"], 1)))
     return rows
 
 
@@ -385,6 +411,8 @@ def main() -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="vLLM's per-request prefill chunk (0: vLLM's default, or the "
                         "plugin's for token-adaptive settings)")
+    p.add_argument("--watermark", type=float, default=None,
+                   help="vLLM's --watermark (default: vLLM's, or what the plugin sets)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
@@ -465,9 +493,13 @@ def main() -> None:
             if ref and "out_tok_s" in r:
                 r["tok_s_vs_stock"] = round(r["out_tok_s"] / ref["out_tok_s"], 2)
                 r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
+                if r.get("queued_running") and ref.get("queued_running"):
+                    r["queued_vs_stock"] = round(r["queued_running"] / ref["queued_running"], 2)
         print(_table(load_rows, ["config", "startup_s", "kv_gib", "kv_tokens", "fit_seqs",
                                  "fit_vs_stock", "peak_running", "mean_running",
-                                 "out_tok_s", "tok_s_vs_stock", "wall_s", "error"]))
+                                 "queued_running", "queued_vs_stock", "preemptions",
+                                 "steps", "mixed_steps", "out_tok_s", "tok_s_vs_stock",
+                                 "wall_s", "error"]))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ its target; :func:`apply` refuses to patch twice and logs what it replaced.
   process starts; gives a preset its measured KV block size when
   ``--block-size`` is not set, and the token-adaptive mode a per-request
   prefill chunk (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`) when
-  ``--long-prefill-token-threshold`` is not set. From the CLI a problem is one line on stderr and exit code 2;
+  ``--long-prefill-token-threshold`` is not set, and an admission watermark
+  (:data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK`) when ``--watermark``
+  is not. From the CLI a problem is one line on stderr and exit code 2;
   from Python it is a :class:`~vllm_lowrank.config.LowRankConfigError`.
 """
 
@@ -39,7 +41,7 @@ from vllm_lowrank.config import (
     keys_help,
     parse_config_text,
 )
-from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+from vllm_lowrank.format.exact import PREEMPTION_WATERMARK, PREFILL_CHUNK_TOKENS
 from vllm_lowrank.presets import get_preset
 
 logger = logging.getLogger("vllm.lowrank")
@@ -167,6 +169,11 @@ def _create_engine_config(original, self, *args, **kwargs):
                     "per request (long_prefill_token_threshold; bounds the exact blocks each "
                     "request holds; --long-prefill-token-threshold overrides)",
                     PREFILL_CHUNK_TOKENS)
+    if cfg.enabled and cfg.token_adaptive and not self.watermark:
+        self.watermark = PREEMPTION_WATERMARK
+        logger.info("vllm-lowrank: token-adaptive mode: admission watermark %.2f (keeps KV "
+                    "blocks free for running requests: a preempted request recomputes in "
+                    "prefill chunks; --watermark overrides)", PREEMPTION_WATERMARK)
     if cfg.enabled and cfg.preset is not None and self.block_size is None:
         self.block_size = get_preset(cfg.preset).block_size
         if self.block_size is not None:

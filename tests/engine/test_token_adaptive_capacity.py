@@ -19,15 +19,17 @@ from conftest import make_llm
 pytestmark = pytest.mark.slow
 
 
-def _capacity(model_path, compression=None, **kwargs) -> tuple[int, int, float, int]:
+def _capacity(model_path, compression=None, **kwargs) -> tuple[int, int, float, int, float]:
     """``(KV tokens, long_prefill_token_threshold, maximum concurrency,
-    max_concurrent_batches)`` of an engine (block size 32, 2,048 tokens)."""
+    max_concurrent_batches, watermark)`` of an engine (block size 32, 2,048
+    tokens)."""
     from vllm_lowrank.metrics import kv_capacity_tokens
 
     llm = make_llm(model_path, compression, block_size=32, **kwargs)
     cfg = llm.llm_engine.vllm_config
     out = (kv_capacity_tokens(cfg.cache_config), cfg.scheduler_config.long_prefill_token_threshold,
-           cfg.cache_config.kv_cache_max_concurrency, cfg.max_concurrent_batches)
+           cfg.cache_config.kv_cache_max_concurrency, cfg.max_concurrent_batches,
+           cfg.scheduler_config.watermark)
     del llm
     gc.collect()
     return out
@@ -45,23 +47,27 @@ def _estimated(model_path, compression: dict, batches: int) -> dict:
 
 
 def test_token_adaptive_capacity_holds_under_default_scheduler_limits(model_path):
-    from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+    from vllm_lowrank.format.exact import PREEMPTION_WATERMARK, PREFILL_CHUNK_TOKENS
 
-    stock, threshold, stock_concurrency, batches = _capacity(model_path)
-    assert threshold == 0  # stock vLLM: no per-request cap
+    stock, threshold, stock_concurrency, batches, watermark = _capacity(model_path)
+    assert threshold == 0 and watermark == 0.0  # stock vLLM: no per-request cap, no watermark
     config = {"mode": "lowrank", "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
               "token_adaptive": True, "sink_tokens": 32, "recent_tokens": 128}
-    capped, threshold, concurrency, _ = _capacity(model_path, config)
+    capped, threshold, concurrency, _, watermark = _capacity(model_path, config)
     assert threshold == PREFILL_CHUNK_TOKENS
+    assert watermark == PREEMPTION_WATERMARK
     # the estimate's worst-case concurrency is the one vLLM computes for these engines
     info = _estimated(model_path, config, batches)
     assert info["admitted_sequences"] == pytest.approx(concurrency, abs=0.01)
     assert info["stock_admitted_sequences"] == pytest.approx(stock_concurrency, abs=0.01)
     # and below the bytes' count: the reservation for the window and the chunk in flight
     assert info["admitted_sequences"] < info["sequences"]
-    # a user's explicit chunk cap wins; 2,048 (the model length) is the old behaviour
-    uncapped, threshold, _, _ = _capacity(model_path, config, long_prefill_token_threshold=2048)
-    assert threshold == 2048
+    # a user's explicit chunk cap and watermark win; 2,048 (the model length) is the old
+    # behaviour
+    uncapped, threshold, _, _, watermark = _capacity(model_path, config,
+                                                     long_prefill_token_threshold=2048,
+                                                     watermark=0.25)
+    assert threshold == 2048 and watermark == 0.25
     # per request at 2,048 tokens: 4-bit latents (~1/13 of a float32 K+V slot) plus
     # exact blocks for 32 sinks, the 129-token window and the chunk in flight
     assert capped / stock >= 2.0, (capped, stock)

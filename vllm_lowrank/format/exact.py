@@ -35,6 +35,19 @@ prefill time at 8 x 32k for the ``8x`` allocation on an H100 (benchmarks/README.
 prefills in whole-budget chunks."""
 
 
+PREEMPTION_WATERMARK = 0.1
+"""vLLM's admission watermark (``--watermark``: the fraction of KV blocks kept
+free when admitting waiting or preempted requests) that the token-adaptive
+mode sets when the user did not. vLLM admits a request when its prompt fits and
+preempts (to recompute) when running requests outgrow the cache; in this mode a
+recompute prefills in :data:`PREFILL_CHUNK_TOKENS`-token chunks, each
+rebuilding the request's latent history, and holds its blocks for that many
+steps, so preemptions cascade. 256 requests of 1,024 + 1,024 tokens at 8 GiB of
+KV cache (``alloc-8x-re``, Llama-3-8B shape, H200): 902 preemptions and 1,698
+output tokens/s without a watermark, 55 and 3,201 with 0.1 (stock vLLM 2,766);
+128 requests, which fit without preemption, are admitted alike
+(benchmarks/README.md, "Under overload")."""
+
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
     """:class:`ExactTokens` of the token-adaptive mode: sink and recent tokens
     rounded up to whole blocks of ``block_size`` tokens (their blocks are stored
