@@ -196,16 +196,18 @@ def _load(llm, prompts, max_tokens: int) -> dict:
         return out
 
     scheduler._preempt_request, scheduler.schedule = counted_preempt, counted_schedule
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        running.append(len(scheduler.running))
-        if len(scheduler.waiting):
-            queued.append(running[-1])
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    del scheduler._preempt_request, scheduler.schedule  # the bound methods again
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            running.append(len(scheduler.running))
+            if len(scheduler.waiting):
+                queued.append(running[-1])
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        del scheduler._preempt_request, scheduler.schedule  # the class's methods again
     return dict(wall_s=wall, peak_running=max(running),
                 mean_running=sum(running) / len(running),
                 queued_running=sum(queued) / len(queued) if queued else None,
