@@ -45,9 +45,9 @@ rebuilding the request's latent history, and holds its blocks for that many
 steps, so preemptions cascade. 256 requests of 1,024 + 1,024 tokens at 8 GiB of
 KV cache (``alloc-8x-re``, Llama-3-8B shape, H200): 902 preemptions and 1,698
 output tokens/s without a watermark, 55 and 3,201 with 0.1 (stock vLLM: 2,764
-tokens/s beside the default);
-128 requests, which fit without preemption, are admitted alike
-(benchmarks/README.md, "Under overload")."""
+tokens/s beside the default); 128 requests, which fit without preemption, are
+admitted alike (benchmarks/README.md, "Under overload")."""
+
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
     """:class:`ExactTokens` of the token-adaptive mode: sink and recent tokens
