@@ -22,6 +22,8 @@ Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile
   tokens plus ``--load-out`` output tokens submitted at once: the sequences that
   fit (vLLM's worst-case capacity: KV tokens / tokens per sequence), the peak
   and mean number of requests it ran at once, and the output tokens per second.
+  ``stock-all-memory`` is the exception: stock with the KV memory vLLM sizes,
+  every request at once, the load's ceiling for a cache with stock's attention.
 
 Prints a table per measurement and writes every row to ``--json``.
 """
@@ -42,6 +44,11 @@ from vllm_lowrank.presets import PRESETS  # noqa: E402
 
 CONFIGS = {
     "stock": {},
+    # stock vLLM with the KV memory vLLM sizes at --gpu-memory-utilization, not
+    # --equal-memory: in the load, every request fits at once. The load's reference
+    # for a cache as fast as stock's with unlimited room (no compression can beat
+    # it but by attending faster than stock's bf16 kernel)
+    "stock-all-memory": {"all_memory": True},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
     # SVD of the dummy weights: speed and memory are real, accuracy is not)
     # what `--kv-compression lowrank` alone serves (presets.DEFAULT_PRESET)
@@ -371,6 +378,8 @@ def run_one(args) -> list[dict]:
         kv_bytes = int(args.equal_memory * 2**30)
         per_seq = args.load_len + args.load_out
         t0 = time.perf_counter()
+        if CONFIGS[name].get("all_memory"):
+            kv_bytes = None
         llm = _engine(args, name, per_seq + 16, args.max_num_seqs, kv_bytes)
         base["startup_s"] = round(time.perf_counter() - t0, 1)
         cap = _capacity(llm)
@@ -382,7 +391,7 @@ def run_one(args) -> list[dict]:
         _load(llm, _prompts(2, 64, 99), 4)
         _load(llm, _prompts(min(16, args.load_prompts), args.load_len, 98), 4)
         got = _load(llm, _prompts(args.load_prompts, args.load_len, 7), args.load_out)
-        rows.append(dict(base, kv_gib=args.equal_memory, kv_tokens=cap,
+        rows.append(dict(base, kv_gib=args.equal_memory if kv_bytes else "all", kv_tokens=cap,
                          fit_seqs=cap // per_seq,
                          **{k: round(v, 2) if isinstance(v, float) else v
                             for k, v in got.items()},
