@@ -53,10 +53,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import WEIGHT_CACHE, cached_for, pow2, pow2_divisor
+from .decode_prep import WEIGHT_CACHE, cached_for, interpreting, pow2, pow2_divisor
 from .decode_wide import PER_LAYER_ARGS
 from .tiles import (add_combine, group_row, load_f16_param, load_latent, load_nibbles,
-                    max_combine, share_half, share_offsets, split_tiles)
+                    max_combine, prefetch_l2, share_half, share_offsets, split_tiles)
+
+PREFETCH_LINES = tl.constexpr(4)
+"""128-byte lines of each slot that a per-channel-key tile asks L2 to fetch for
+the next tile (``min(128 k, slot bytes - 1)``, so any slot up to 512 bytes is
+covered whole: the ~8x storage's slots are about 320). One tile ahead beat two
+and four (H200, benchmarks/README.md, "An L2 prefetch of the next tile")."""
 
 
 @triton.jit
@@ -104,7 +110,7 @@ def latent_rope_decode_kernel(
     V_QG: tl.constexpr, ALIGNED: tl.constexpr, OFF_MULT: tl.constexpr,
     RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
     SPLIT: tl.constexpr, WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr,
+    K_CHAN: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid ``(n_splits, num_groups * n_vc, B)``: split ``s`` of sequence ``b``
     for the ``HG`` query heads of head group ``g = pid(1) // n_vc`` and value
@@ -120,8 +126,11 @@ def latent_rope_decode_kernel(
     parameter stream, :func:`.tiles.load_channel_keys`). ``OFF_MULT``,
     ``RANK_MULT``, ``SLOT_MULT``: powers of two that divide every group's code
     offset, every rank, and the slot and block strides (alignment hints,
-    checked on the host). Other arguments as
-    :func:`.decode_wide.wide_decode_kernel`."""
+    checked on the host). ``PREFETCH`` (per-channel keys, GPU only): each tile
+    first asks L2 for the slots of the next tile of its split
+    (:func:`.tiles.prefetch_l2`), whose loads then wait on L2 rather than HBM
+    (the kernel runs one program per SM and stalls on its global loads). Other
+    arguments as :func:`.decode_wide.wide_decode_kernel`."""
     s = tl.program_id(0)
     n_vc = tl.num_programs(1) // num_groups
     g = tl.program_id(1) // n_vc
@@ -196,6 +205,13 @@ def latent_rope_decode_kernel(
             blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
             base = cache_ptr
             row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        if PREFETCH:  # K_CHAN: the next tile lies in one block too
+            if t + 1 < t_hi:
+                pn = p0 + BLOCK_N
+                blk_n = tl.load(bt_row + pn // PAGE).to(tl.int64)
+                lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * 128, s_tok - 1)
+                prefetch_l2(cache_ptr + blk_n * s_blk + (pn % PAGE) * s_tok
+                            + (i * s_tok)[:, None] + lines[None, :])
         um = pm[:, None] & valid[None, :]
         re, im = _pair_codes(base, row[None, :], k_off, lp, um, K_BITS)
         if K_CHAN:  # base: the group's first slot
@@ -378,4 +394,5 @@ def launch(plan, args: tuple, common: dict, value_chunk: int, num_splits: int,
         RANK_MULT=common["RANK_MULT"], SLOT_MULT=pow2_divisor(s_tok, s_blk),
         SPLIT=common["SPLIT"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
         LSE=common["LSE"], K_CHAN=common["K_CHAN"],
+        PREFETCH=common["K_CHAN"] and not interpreting(),
         num_warps=common["num_warps"], num_stages=common["num_stages"])

@@ -202,6 +202,16 @@ def load_nibbles(cache_ptr, row_off, valid, col_off, r, par, scale_off, zero_off
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Hint the L2 cache to fetch the line of every address in ``ptrs`` (PTX
+    ``prefetch.global.L2``: no result, no fault on any address; the returned
+    zeros only keep the call). GPU only: the Triton interpreter cannot run
+    inline PTX, so callers guard it with a constexpr."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                     [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def group_row(gt_ptr, num_groups, g):
     """Head group ``g``'s row of the group table (int32 ``[8, num_groups]``,
     :class:`vllm_lowrank.triton_kernels.decode_prep.Prepared`): ``(k_off, v_off, r_k,
