@@ -62,8 +62,8 @@ PREFETCH_LINES = tl.constexpr(4)
 """128-byte lines of each slot that a per-channel-key tile asks L2 to fetch for
 the next tile (``min(128 k, slot bytes - 1)``, so any slot up to 512 bytes is
 covered whole: the ~8x storage's are 400, every layer's padded to the largest).
-One tile ahead beat two
-and four (H200, benchmarks/README.md, "An L2 prefetch of the next tile")."""
+One tile ahead beat two and four (H200, benchmarks/README.md, "An L2 prefetch
+of the next tile")."""
 
 
 @triton.jit
