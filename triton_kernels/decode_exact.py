@@ -224,7 +224,7 @@ def exact_merge_decode(plan, scale: float, query: torch.Tensor,
         sink, recent: ``S`` and ``W``: the exact set is positions ``< S`` and
             ``>= max(S, seq_len - 1 - W)``.
         lat_up, lat_lse: The latent span's outputs lifted to head space,
-            ``[B, H, d]`` float32 with unit stride in ``d``
+            ``[B, H, d]`` float32 or the model dtype, with unit stride in ``d``
             (:func:`~vllm_lowrank.attention.token_adaptive.values_up`), and their
             ``[B, H]`` natural-log log-sum-exp (``-inf``: empty).
         out: ``[B, H * d]`` output (any float dtype, unit stride in its last

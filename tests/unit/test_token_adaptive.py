@@ -234,6 +234,35 @@ def test_all_exact_when_recent_covers_the_context():
     assert torch.allclose(out.view(8, 16).double(), (w @ v)[:, 0], rtol=1e-5, atol=1e-6)
 
 
+def test_values_up_in_a_16_bit_dtype_matches_float64():
+    """The fused decode lifts the latent outputs with 16-bit GEMMs: per query
+    head, ``o_i B_v[g][:, j]`` in bfloat16 (returned as bfloat16) matches a
+    float64 loop to bfloat16's precision, for two head groups of unequal ranks;
+    float32 (the torch path's dtype) matches it to float32's."""
+    torch.manual_seed(3)
+    shape = AttentionShape(hidden_size=256, num_heads=8, num_kv_heads=4, head_dim=32)
+    plan = LayerPlan(shape, 2, (16, 24), (40, 24))
+    v_up = make_v_up(plan)
+    lat = torch.randn(5, plan.out_width)
+    d, qpk = shape.head_dim, shape.queries_per_kv
+    ref = torch.zeros(5, shape.num_heads, d, dtype=torch.float64)
+    col = 0
+    for g, (off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        for hi in range(plan.heads_per_group):
+            i = g * plan.heads_per_group + hi
+            j = i // qpk
+            o = lat[:, col + hi * r:col + (hi + 1) * r].double()
+            ref[:, i] = o @ v_up[off:off + r, j * d:(j + 1) * d].double()
+        col += plan.heads_per_group * r
+    got16 = tale.values_up(plan, v_up, lat, torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert (got16.double() - ref).norm() / ref.norm() < 1e-2
+    got32 = tale.values_up(plan, v_up, lat)
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_merge_equals_one_softmax():
     torch.manual_seed(1)
     s = torch.randn(3, 10, dtype=torch.float64)

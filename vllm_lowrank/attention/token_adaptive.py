@@ -198,21 +198,31 @@ def read_exact(exact_cache: torch.Tensor, slot: ExactSlot, block_table: torch.Te
     return slot.decode(latent.gather_slots(exact_cache, blocks, pos % block_size))
 
 
-def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Lift value-latent outputs ``[N, out_width]`` to ``[N, H, d]`` float32:
+def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Lift value-latent outputs ``[N, out_width]`` to ``[N, H, d]`` in ``dtype``:
     query head ``i`` of head group ``g`` reading KV head ``j`` gets
     ``o_i B_v[g][:, j]`` (Palu eq. 6 without the fold into ``o_proj``).
 
     Args:
         v_up: ``[Rv, kv_width]`` float32 block-diagonal value up-projection.
+        dtype: Of the GEMMs' operands and result (float32 accumulation): float32
+            for the torch path; the fused CUDA decode passes the model dtype,
+            which takes the tensor cores (a 16-bit ``B_v`` is cached per
+            ``v_up``) and rounds the latent part once more, as the layer's
+            output is rounded anyway.
     """
     s = plan.shape
     d, qpk, gs, hg = s.head_dim, s.queries_per_kv, plan.group_size, plan.heads_per_group
     n = out.shape[0]
+    if dtype != v_up.dtype:
+        from vllm_lowrank.triton_kernels.decode_prep import WEIGHT_CACHE, cached_for
+
+        v_up = cached_for(WEIGHT_CACHE, v_up, ("values_up", dtype), lambda: v_up.to(dtype))
     parts, col = [], 0
     for g, (v_off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
         # one GEMM per group, batched over its KV heads, N * qpk rows each
-        o = out[:, col:col + hg * r].float().view(n, gs, qpk * r).transpose(0, 1)
+        o = out[:, col:col + hg * r].to(dtype).view(n, gs, qpk * r).transpose(0, 1)
         b = v_up[v_off:v_off + r, g * gs * d:(g + 1) * gs * d].view(r, gs, d).transpose(0, 1)
         up = torch.bmm(o.reshape(gs, n * qpk, r), b)  # [G, N * qpk, d]
         parts.append(up.view(gs, n, qpk, d).transpose(0, 1).reshape(n, hg, d))
@@ -396,7 +406,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:
             return decode_exact.exact_merge_decode(
                 plan, scale, query, exact_cache, exact, exact_block_table, seq_lens,
-                sink, recent, values_up(plan, v_up, lat), lat_lse, out)
+                sink, recent, values_up(plan, v_up, lat, query.dtype), lat_lse, out)
     ex, ex_lse = exact_attention(query[:, None], exact_cache, exact, exact_block_table,
                                  seq_lens, 1, sink, recent, scale, window)
     merged = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
