@@ -72,7 +72,12 @@ PREP_CACHE: OrderedDict = OrderedDict()
 WEIGHT_CACHE: OrderedDict = OrderedDict()
 ROPE_CHECK: OrderedDict = OrderedDict()
 SM_COUNTS: dict = {}
-CACHE_SIZE = 256
+CACHE_SIZE = 1024
+"""Entries per cache, least recently used evicted first. ``WEIGHT_CACHE`` holds
+three entries per RoPE-equivariant token-adaptive layer (the absorption in
+float32 and in the model dtype, and the 16-bit ``B_v`` of
+``token_adaptive.values_up``): 240 for an 80-layer model, and an evicted entry
+is rebuilt in every eager (mixed prefill) step."""
 
 
 def cache_put(cache: OrderedDict, key, value):
