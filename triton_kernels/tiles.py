@@ -4,7 +4,8 @@
   scale/zero pairs (:func:`load_latent`; the slot format of
   :class:`vllm_lowrank.format.latent.SlotLayout`), dequantized to the dot dtype;
 - the key transforms applied to rebuilt keys before RoPE (key bias, QK-norm);
-- the split-K merge of partial outputs by their log-sum-exp (:func:`reduce_splits_kernel`).
+- the split-K merge of partial outputs by their log-sum-exp (:func:`reduce_splits_kernel`);
+- an L2 prefetch hint for the next tile's slots (:func:`prefetch_l2`).
 
 Only builtins of ``triton.language`` are used inside the kernels (no ``tl.max`` /
 ``tl.sum`` / ``tl.zeros`` / ``tl.cdiv``, which are themselves ``@triton.jit``
