@@ -375,11 +375,9 @@ def run_one(args) -> list[dict]:
             b, length = shapes[-1]
             _profile(llm, _prompts(b, length, 77), os.path.join(args.profile, f"{name}.txt"))
     else:
-        kv_bytes = int(args.equal_memory * 2**30)
+        kv_bytes = None if CONFIGS[name].get("all_memory") else int(args.equal_memory * 2**30)
         per_seq = args.load_len + args.load_out
         t0 = time.perf_counter()
-        if CONFIGS[name].get("all_memory"):
-            kv_bytes = None
         llm = _engine(args, name, per_seq + 16, args.max_num_seqs, kv_bytes)
         base["startup_s"] = round(time.perf_counter() - t0, 1)
         cap = _capacity(llm)

@@ -94,7 +94,6 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     print(f"{'layer':>8} {'shape':>8} {'kernel file':>24} {'call us':>8} {'kernel us':>9} "
           f"{'rel':>8}", flush=True)
-    kept = dlr.launch
     for ranks in args.ranks.split(","):
         rk, rv = (int(x) for x in ranks.split("/"))
         found = [x for x in layers if x[0].k_ranks == (rk,) and x[0].v_ranks == (rv,)]
@@ -119,7 +118,7 @@ def main() -> None:
                     print(f"{ranks:>8} {shape:>8} {label:>24} {call:8.1f} {kernel_us(fn):9.1f} "
                           f"{rel:8.1e}", flush=True)
                 finally:
-                    dlr.launch = kept
+                    dlr.launch = launches["kept"]
             del prob
             torch.cuda.empty_cache()
 
