@@ -13,6 +13,11 @@ asynchronous warpgroup MMAs (``wgmma.mma_async``, Hopper's tensor-core path)
 and of ``mma.sync`` (the Ampere-style path) in the PTX, and ptxas' registers
 per thread and spill bytes (``ptxas -v``, the ptxas Triton ships).
 
+``--loads`` also lists each compiled kernel's global tensor loads
+(:func:`global_loads`: bytes per thread and access, and whether the software
+pipeliner copies them ahead), and ``--bits "K V"`` gives every layer of an
+allocation those bits (``gpu_serving.py``'s ``alloc-8x-re`` serves 4/4).
+
 Use it to look at a kernel change's register pressure before spending GPU time
 on timing it. The figures come from this machine's Triton, which may differ
 from the GPU machine's (3.6 there, ``../shared/gpu-vllm/README.md``): the
@@ -21,6 +26,10 @@ timings stay the GPU's.
     .venv/bin/python -P benchmarks/kernel_resources.py --only "4x (" "8x"
     .venv/bin/python -P benchmarks/kernel_resources.py --only "4x (" \\
         --variant '{"wide": true, "heads_per_program": 4, "block_n": 64}'
+    .venv/bin/python -P benchmarks/kernel_resources.py --only "8x rope" --bits "4 4" \\
+        --loads --variant '{"num_warps": 8, "num_stages": 2, "value_chunk": 512}'
+
+Run it without ``TRITON_INTERPRET`` set (the test suite sets it on CPU).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -105,6 +115,36 @@ def describe(compiled) -> str:
             f"{ptxas_resources(ptx)}")
 
 
+LOAD_RE = re.compile(r"(tt\.load|ttg\.async_copy_global_to_local) .*?: "
+                     r"tensor<([0-9x]+)x!tt\.ptr<(\w+)>, (#\w+)")
+BLOCKED_RE = re.compile(r"^(#\w+) = #ttg\.blocked<\{sizePerThread = \[([0-9, ]+)\].*?"
+                        r"order = \[([0-9, ]+)\]", re.M)
+ELEMENT_BYTES = {"i8": 1, "i16": 2, "f16": 2, "bf16": 2, "i32": 4, "f32": 4, "i64": 8}
+
+
+def global_loads(ttgir: str) -> list[dict]:
+    """The tensor loads from global memory in a compiled kernel's TTGIR, each
+    once: ``shape`` (e.g. ``"32x256"``), ``dtype`` (``"i8"`` for packed
+    codes), ``vector_bytes`` (bytes one thread reads per access: the blocked
+    layout's elements per thread along its fastest dimension; 0 for other
+    layouts) and ``async`` (copied ahead into shared memory by the software
+    pipeliner, ``cp.async``; Triton does so only for accesses of 4 bytes or
+    more)."""
+    layouts = {name: ([int(x) for x in spt.split(",")], [int(x) for x in order.split(",")])
+               for name, spt, order in BLOCKED_RE.findall(ttgir)}
+    seen, out = set(), []
+    for op, shape, dtype, layout in LOAD_RE.findall(ttgir):
+        spt, order = layouts.get(layout, ([0], [0]))
+        row = {"shape": shape, "dtype": dtype,
+               "vector_bytes": spt[order[0]] * ELEMENT_BYTES.get(dtype, 0),
+               "async": op.startswith("ttg.async")}
+        key = tuple(row.values())
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
 def compiled_since(fn, before: set) -> list:
     """Kernels of the JIT function ``fn`` compiled since ``before`` (its cache keys)."""
     out = []
@@ -123,6 +163,11 @@ def main() -> None:
                    help="recommended settings whose label contains one of these (default all)")
     p.add_argument("--variant", action="append", default=None,
                    help="a KernelConfig as JSON (repeatable); default: the sweep's variants")
+    p.add_argument("--bits", default=None, metavar="\"K V\"",
+                   help="key and value bits of every layer of an allocation (e.g. \"4 4\", "
+                        "as gpu_serving.py's alloc-8x-re serves); default the allocation's")
+    p.add_argument("--loads", action="store_true",
+                   help="also list each kernel's global tensor loads (global_loads)")
     args = p.parse_args()
     driver.set_active(CompileOnlyDriver())
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -138,7 +183,14 @@ def main() -> None:
     rope = da.llama3_rope(1024, "cpu")
     print(f"triton {triton.__version__}, target sm_90; per variant: MMA instructions in the "
           "PTX | ptxas registers and spills")
-    for label, cfg, layers in da.selected_settings(args.only):
+    settings = da.selected_settings(args.only)
+    if args.bits:
+        kb, vb = (int(x) for x in args.bits.split())
+        settings = [(label, *da.recommended_layers(
+            raw, [(k, v, kb, vb) for k, v, _, _ in profile] if profile else None))
+            for label, raw, profile in da.RECOMMENDED
+            if not args.only or any(o in label for o in args.only)]
+    for label, cfg, layers in settings:
         plan, layout, _ = max(layers, key=lambda x: x[2])  # an allocation's most common layer
         length = 300
         prob = da.setting_problem(cfg, plan, layout, 2, length, "cpu")
@@ -167,6 +219,10 @@ def main() -> None:
                     continue
             for ck in compiled_since(fn, before):
                 print(f"{label}: {fn.__name__} {v or 'default'}: {describe(ck)}", flush=True)
+                if args.loads:
+                    for ld in global_loads(ck.asm["ttgir"]):
+                        print(f"    load {ld['shape']} {ld['dtype']} {ld['vector_bytes']} B/thread"
+                              f" {'async' if ld['async'] else 'sync'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import triton
 from . import decode_latent_rope, decode_packed
 from .decode_kernels import decode_grid_kernel, decode_persistent_kernel
 from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, WEIGHT_CACHE, Prepared, cached_for,
-                          interpreting, key_weights, pow2, prepare, rope_is_rotation, sm_count)
+                          interpreting, key_weights, pow2, pow2_divisor, prepare,
+                          rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _latent_rope_config, _packed_config, _wide_config, choose_num_splits,
                      wide_heads_per_program)
@@ -59,6 +60,11 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
     (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
      weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
     chunk_outer = (cfg.chunk_outer is not False) and hpp > 1 and not common["K_NORM"]
+    # Alignment hints for float caches only: they vectorize the latent loads,
+    # 1.12-1.13x on the 16-bit J-LRD setting; on packed caches they made the
+    # 4x preset 7-8 % slower (more spills) and the others 1-2 % faster (H200,
+    # benchmarks/README.md, "Alignment the compiler can see").
+    quant = common["QUANT"]
     wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
         n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
         weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args, common["SHARE"],
@@ -71,7 +77,10 @@ def _launch_wide(plan, prep: Prepared, args: tuple, common: dict, dflt: dict,
         ALIGNED=common["ALIGNED"], SPLIT=common["SPLIT"], K_BIAS=common["K_BIAS"],
         K_NORM=common["K_NORM"], WINDOW=common["WINDOW"], SPAN=common["SPAN"],
         LSE=common["LSE"], K_CHAN=common["K_CHAN"], KCT=common["KCT"],
-        CHUNK_OUTER=chunk_outer, num_warps=common["num_warps"],
+        CHUNK_OUTER=chunk_outer, OFF_MULT=1 if quant else common["OFF_MULT"],
+        RANK_MULT=1 if quant else common["RANK_MULT"],
+        SLOT_MULT=1 if quant else common["SLOT_MULT"],
+        num_warps=common["num_warps"],
         num_stages=common["num_stages"])
 
 
@@ -577,6 +586,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         BLOCK_N=block_n, PAGE=kv_cache.shape[2], DT=TL_DTYPES[dt_torch],
         QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
         ALIGNED=aligned, SPLIT=split, OFF_MULT=off_mult, RANK_MULT=rank_mult,
+        SLOT_MULT=pow2_divisor(kv_cache.stride(2), kv_cache.stride(0)),
         NUM_CLS=len(prep.classes), K_BIAS=k_bias, K_NORM=k_norm, WINDOW=use_window,
         SPAN=use_span, LSE=bool(return_lse), K_CHAN=chan,
         KCT=layout.k_channel_tokens if chan else 1, SHARE=layout.k_share_bytes if chan else 1,

@@ -130,8 +130,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, load_pair,
-                    max_combine, group_row, split_tiles, transform_keys)
+from .tiles import (add_combine, group_row, key_bias, known_multiple, load_channel_keys,
+                    load_latent, load_pair, max_combine, split_tiles, transform_keys)
 
 # ----------------------------------------------------------------------------------
 # Device code
@@ -249,7 +249,8 @@ def _attend_chunk(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr,
-    SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr,
+    SPLIT: tl.constexpr, OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr,
+    SLOT_MULT: tl.constexpr, GPP: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
@@ -270,6 +271,11 @@ def _attend_chunk(
     dequantize the tiles (measured on an H200: post-scaling the values in the
     pre-RoPE kernel was 5-15 % slower, at 255 registers).
 
+    ``OFF_MULT``, ``RANK_MULT``, ``SLOT_MULT``: powers of two that divide every
+    group offset, every rank, and the slot and block strides (host-checked;
+    :func:`.tiles.known_multiple` makes them visible to the compiler, which then
+    vectorizes the code loads and copies them a tile ahead).
+
     Per-channel keys (``K_CHAN``, KIVI sec. 3.2; pre-RoPE, ``GPP = 1``): the
     key tile is dequantized with its group's per-channel scale/zero pairs
     (:func:`.tiles.load_channel_keys`: ``KCT`` positions per group, ``SHARE``
@@ -288,27 +294,27 @@ def _attend_chunk(
     if OFF_MULT > 1:
         # Offsets are sums of ranks (multiples of 8): lets the compiler emit
         # 16-byte vector loads / cp.async for the latent rows.
-        k_off = tl.multiple_of(k_off, OFF_MULT)
-        v_off = tl.multiple_of(v_off, OFF_MULT)
+        k_off = known_multiple(k_off, OFF_MULT)
+        v_off = known_multiple(v_off, OFF_MULT)
     if RANK_MULT > 1:
         # Every rank is a multiple of RANK_MULT (host-checked; 8 for float caches):
         # the rank masks are then constant over RANK_MULT channels (packed: over
         # RANK_MULT * bits / 8 bytes), which keeps the masked loads vectorized.
-        rk = tl.multiple_of(rk, RANK_MULT)
-        rv = tl.multiple_of(rv, RANK_MULT)
+        rk = known_multiple(rk, RANK_MULT)
+        rv = known_multiple(rv, RANK_MULT)
     if GPP > 1:
         k_off1 = tl.load(gt_ptr + 0 * num_groups + g + 1)
         kpar1 = tl.load(gt_ptr + 4 * num_groups + g + 1)
         if OFF_MULT > 1:
-            k_off1 = tl.multiple_of(k_off1, OFF_MULT)
+            k_off1 = known_multiple(k_off1, OFF_MULT)
     if GPP > 2:
         k_off2 = tl.load(gt_ptr + 0 * num_groups + g + 2)
         k_off3 = tl.load(gt_ptr + 0 * num_groups + g + 3)
         kpar2 = tl.load(gt_ptr + 4 * num_groups + g + 2)
         kpar3 = tl.load(gt_ptr + 4 * num_groups + g + 3)
         if OFF_MULT > 1:
-            k_off2 = tl.multiple_of(k_off2, OFF_MULT)
-            k_off3 = tl.multiple_of(k_off3, OFF_MULT)
+            k_off2 = known_multiple(k_off2, OFF_MULT)
+            k_off3 = known_multiple(k_off3, OFF_MULT)
     # Value latents of the GPP groups are one contiguous row segment of
     # GPP * RV_PAD channels (packed: with V_QG > 0 their scale/zero pairs are
     # contiguous too, and the host passes V_QG = RV_PAD for one pair per group in
@@ -451,7 +457,8 @@ def _attend_chunk(
             pos = p0 + i
             valid = pos < seq_len
         blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        row = tl.multiple_of(blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok,
+                             SLOT_MULT)  # [BLOCK_N]
         if TRANS:
             sc = tl.full([BLOCK_N, HG_PAD], 0.0, tl.float32)
         else:
@@ -629,7 +636,8 @@ def _dispatch(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
+    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
@@ -648,7 +656,8 @@ def _dispatch(
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
             kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+            GPP,
             K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 1:
         if cls == 1:
@@ -659,7 +668,8 @@ def _dispatch(
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+                GPP,
                 K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 2:
         if cls == 2:
@@ -670,7 +680,8 @@ def _dispatch(
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+                GPP,
                 K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
     if NUM_CLS > 3:
         if cls == 3:
@@ -681,7 +692,8 @@ def _dispatch(
                 po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
                 kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
                 MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+                GPP,
                 K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
 
 
@@ -699,7 +711,8 @@ def decode_grid_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
+    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
@@ -718,7 +731,8 @@ def decode_grid_kernel(
         po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
         kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
         MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+        GPP,
         NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
 
 
@@ -737,7 +751,8 @@ def decode_persistent_kernel(
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
+    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
@@ -764,6 +779,7 @@ def decode_persistent_kernel(
             po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
             kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
             MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, GPP,
+            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
+            GPP,
             NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
         idx = tl.atomic_add(counter_ptr, 1)

@@ -49,8 +49,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import (add_combine, key_bias, load_channel_keys, load_latent, max_combine,
-                    group_row, split_tiles, transform_keys)
+from .tiles import (add_combine, group_row, key_bias, known_multiple, load_channel_keys,
+                    load_latent, max_combine, split_tiles, transform_keys)
 
 
 PER_LAYER_ARGS = ("k_scale_off", "k_zero_off", "v_scale_off", "v_zero_off", "share_off",
@@ -134,6 +134,7 @@ def wide_decode_kernel(
     SPLIT: tl.constexpr, K_BIAS: tl.constexpr, K_NORM: tl.constexpr,
     WINDOW: tl.constexpr, SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, CHUNK_OUTER: tl.constexpr,
+    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
 ):
     """Grid ``(n_splits, num_kv_heads / HPP, B)``: split ``s`` of sequence ``b``
     for ``HPP`` KV heads (a divisor of ``G``) of one head group, rebuilt one after the
@@ -149,13 +150,21 @@ def wide_decode_kernel(
     when that is > 0). ``K_CHAN``: per-channel keys over groups of ``KCT``
     positions, parameters in ``share`` bytes per slot from ``share_off``
     (:func:`.tiles.load_channel_keys`; ``rk_total``: key channels of the
-    layer)."""
+    layer). ``OFF_MULT``, ``RANK_MULT``, ``SLOT_MULT``: powers of two that
+    divide every group's offsets, every rank, and the slot and block strides
+    (host-checked alignment, as in :func:`.decode_kernels.decode_grid_kernel`)."""
     s = tl.program_id(0)
     kv0 = tl.program_id(1) * HPP  # first KV head of the program
     b = tl.program_id(2)
     g = kv0 // G
     jj0 = kv0 % G  # its index in head group g
     k_off, v_off, rk, rv, kpar, vpar, ocol = group_row(gt_ptr, num_groups, g)
+    if OFF_MULT > 1:  # alignment (host-checked) that vectorizes the latent loads
+        k_off = known_multiple(k_off, OFF_MULT)
+        v_off = known_multiple(v_off, OFF_MULT)
+    if RANK_MULT > 1:
+        rk = known_multiple(rk, RANK_MULT)
+        rv = known_multiple(rv, RANK_MULT)
 
     seq_len = tl.load(seq_lens_ptr + b)
     first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
@@ -210,7 +219,8 @@ def wide_decode_kernel(
         valid = pos < end  # rows from the end on are never loaded (null blocks)
         last = tl.minimum(p0 + BLOCK_N, end) - 1
         blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok  # [BLOCK_N]
+        row = tl.multiple_of(blk * s_blk + (pos % PAGE).to(tl.int64) * s_tok,
+                             SLOT_MULT)  # [BLOCK_N]
         rm = valid[:, None] & pvalid[None, :]
         ci = tl.load(cos_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
         si = tl.load(sin_ptr + pos[:, None] * s_rope + pair[None, :], mask=rm, other=0.0)
@@ -290,7 +300,8 @@ def wide_decode_kernel(
         pr = tl.exp2(sc - m_new[:, None])
         l_i = l_i * alpha + tl.reduce(pr, 1, add_combine)
         cv, _, _ = load_latent(cache_ptr, row, valid, v_off, rv, vpar, v_scale_off,
-                               v_zero_off, DT, QUANT, V_BITS, RV_PAD, V_QG, ALIGNED, 1, False)
+                               v_zero_off, DT, QUANT, V_BITS, RV_PAD, V_QG, ALIGNED, RANK_MULT,
+                               False)
         acc = tl.dot(pr.to(DT), cv, acc * alpha[:, None])
         m_i = m_new
 

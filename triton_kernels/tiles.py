@@ -5,7 +5,8 @@
   :class:`vllm_lowrank.format.latent.SlotLayout`), dequantized to the dot dtype;
 - the key transforms applied to rebuilt keys before RoPE (key bias, QK-norm);
 - the split-K merge of partial outputs by their log-sum-exp (:func:`reduce_splits_kernel`);
-- an L2 prefetch hint for the next tile's slots (:func:`prefetch_l2`).
+- an L2 prefetch hint for the next tile's slots (:func:`prefetch_l2`);
+- alignment the compiler can see in values read from memory (:func:`known_multiple`).
 
 Only builtins of ``triton.language`` are used inside the kernels (no ``tl.max`` /
 ``tl.sum`` / ``tl.zeros`` / ``tl.cdiv``, which are themselves ``@triton.jit``
@@ -210,6 +211,20 @@ def prefetch_l2(ptrs):
     inline PTX, so callers guard it with a constexpr."""
     return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
                                      [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def known_multiple(x, M: tl.constexpr):
+    """``x`` (an int32 scalar that the host has checked to be a multiple of
+    ``M``) as ``x // M * M``: the same value, which the compiler's alignment
+    analysis sees as a multiple of ``M``. ``tl.multiple_of`` on a value loaded
+    from memory (the group table's offsets and ranks) leaves no trace in the
+    compiled kernel; through this form the loads addressed from ``x`` are
+    vectorized and the software pipeliner copies them asynchronously
+    (``cp.async``), which it does only for loads of 32 bits or more per thread
+    (Triton 3.6, sm_90; benchmarks/README.md, "Alignment the compiler can
+    see")."""
+    return x // M * M
 
 
 @triton.jit
