@@ -1191,6 +1191,10 @@ def equivariant_k_up(plan, g, neox):
     (2, (40, 16), (24, 64), False, None, None, None, None, 3, None),   # gptj, uneven ranks, split
     (4, (64,), (48,), True, (8, 4), None, (4, 17), None, 2, None),     # packed per token, TALE span
     (4, (56,), (40,), True, (4, 4), 16, (16, 17), None, 2, None),      # per-channel keys (KIVI), span
+    # 4-byte aligned slots and offsets (76 and 100 bytes), as the served ~8x
+    # storage's 400: the aligned code loads (tiles.known_multiple)
+    (4, (64,), (48,), True, (4, 4), 16, (16, 17), None, 2, None),
+    (2, (48, 32), (40, 24), True, (4, 4), 16, (16, 17), None, 1, None),
     (2, (48, 32), (32, 48), True, (2, 3), 16, (32, 17), None, 1, None),  # 2-bit keys per channel
     (2, (48, 32), (32, 48), True, (3, 2), None, (16, 1), 60, 1, None),   # 3-bit keys, window
     # 4-bit values in one program (32 value channels and more): the low and the
