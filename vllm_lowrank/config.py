@@ -162,6 +162,11 @@ class LowRankConfig:
             float16 scale/zero: half the bytes, +0.0 % perplexity on the
             embedded model when the whole cache is stored so; see
             :class:`~vllm_lowrank.format.exact.ExactSlot`).
+        admission_watermark: The token-adaptive mode's admission watermark
+            (vLLM's ``--watermark``): ``None`` sets
+            :data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK` (0.1) when
+            the engine's own is 0 (its default); a number sets that one, ``0``
+            none. A nonzero ``--watermark`` wins over both.
         k_quant: ``"token"`` (per-token scale/zero, Palu) or ``"channel"``
             (per-channel scale/zero over groups of ``k_channel_tokens`` tokens,
             KIVI sec. 3.2). ``"channel"`` needs quantized keys and
@@ -250,6 +255,13 @@ class LowRankConfig:
     exact_bits: Annotated[ExactBits, _key(
         "storage of the exact tokens' keys and values: `16` (model dtype) or `8` (int8 per "
         "token and head, float16 scale/zero: half their bytes)")] = 16
+    admission_watermark: Annotated[float | None, _key(
+        "token-adaptive mode: vLLM's admission watermark (`--watermark`, the fraction of KV "
+        "blocks kept free when admitting requests), `0 <= admission_watermark < 1`; `null`: "
+        "0.1 unless `--watermark` is given (see \"Token-adaptive mode\"); `0` turns it off",
+        refused="admission_watermark={value} is out of range: it is a fraction of the KV "
+                "blocks, 0 <= admission_watermark < 1 (0: no watermark)",
+        ge=0.0, lt=1.0, allow_inf_nan=False, strict=True)] = None
     k_quant: Annotated[KQuantAxis, _key(
         "quantized keys: `token` (per-token scale/zero, Palu) or `channel` (per-channel "
         "scale/zero over groups of `k_channel_tokens` tokens, KIVI; needs `token_adaptive`, "
@@ -316,8 +328,9 @@ class LowRankConfig:
         kwargs = expand_preset(raw)
         if "ranks" in kwargs and kwargs["ranks"] is not None:
             kwargs["ranks"] = _parse_ranks(kwargs["ranks"])
-        if "rank_fraction" in kwargs:
-            kwargs["rank_fraction"] = _number("rank_fraction", kwargs["rank_fraction"])
+        for key in ("rank_fraction", "admission_watermark"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = _number(key, kwargs[key])
         for key, value in kwargs.items():
             # JSON numbers are exact: 16.0 is not the integer 16 (pydantic's lax
             # mode would take it, and its strict mode does not apply to choices)
@@ -360,6 +373,11 @@ class LowRankConfig:
             raise LowRankConfigError(
                 f"exact_bits={self.exact_bits} sets how the token-adaptive mode stores its "
                 "exact sink and recent tokens; add \"token_adaptive\": true or drop exact_bits")
+        if self.admission_watermark is not None and not self.token_adaptive:
+            raise LowRankConfigError(
+                f"admission_watermark={self.admission_watermark} sets the token-adaptive "
+                "mode's admission watermark; add \"token_adaptive\": true or drop it (vLLM's "
+                "own --watermark applies to any engine)")
         if self.token_adaptive and self.method == "post_rope":
             raise LowRankConfigError(
                 "token_adaptive is not supported with method=\"post_rope\" (its queries "
@@ -428,8 +446,10 @@ def _refusal(error: Mapping[str, Any]) -> LowRankConfigError:
         return LowRankConfigError(f"{key} must be {what}, got {value!r:.40}")
     if kind in ("less_than_equal", "less_than") and key != "rank_fraction":
         default = getattr(LowRankConfig, key)
-        return LowRankConfigError(f"{key}={value} is too large; at most {ctx.get('le')} is "
-                                  f"accepted (default {default})")
+        bound = f"at most {ctx['le']} is accepted" if "le" in ctx else \
+            f"it must be below {ctx.get('lt')}"
+        return LowRankConfigError(f"{key}={value} is too large; {bound} (default "
+                                  f"{'none' if default is None else default})")
     if extra.get("refused"):
         return LowRankConfigError(extra["refused"].format(value=value))
     return LowRankConfigError(f"{key}={value!r:.40}: {error['msg']}")

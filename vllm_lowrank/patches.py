@@ -18,7 +18,8 @@ its target; :func:`apply` refuses to patch twice and logs what it replaced.
   ``--block-size`` is not set, and the token-adaptive mode a per-request
   prefill chunk (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`) when
   ``--long-prefill-token-threshold`` is not set, and an admission watermark
-  (:data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK`) when ``--watermark``
+  (the config's ``admission_watermark``, by default
+  :data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK`) when ``--watermark``
   is not. From the CLI a problem is one line on stderr and exit code 2;
   from Python it is a :class:`~vllm_lowrank.config.LowRankConfigError`.
 """
@@ -170,10 +171,14 @@ def _create_engine_config(original, self, *args, **kwargs):
                     "request holds; --long-prefill-token-threshold overrides)",
                     PREFILL_CHUNK_TOKENS)
     if cfg.enabled and cfg.token_adaptive and not self.watermark:
-        self.watermark = PREEMPTION_WATERMARK
-        logger.info("vllm-lowrank: token-adaptive mode: admission watermark %.2f (keeps KV "
-                    "blocks free for running requests: a preempted request recomputes in "
-                    "prefill chunks; --watermark overrides)", PREEMPTION_WATERMARK)
+        watermark = PREEMPTION_WATERMARK if cfg.admission_watermark is None \
+            else cfg.admission_watermark
+        if watermark:
+            self.watermark = watermark
+            logger.info("vllm-lowrank: token-adaptive mode: admission watermark %.2f (keeps "
+                        "KV blocks free for running requests: a preempted request recomputes "
+                        "in prefill chunks; a nonzero --watermark overrides, "
+                        "\"admission_watermark\": 0 turns it off)", watermark)
     if cfg.enabled and cfg.preset is not None and self.block_size is None:
         self.block_size = get_preset(cfg.preset).block_size
         if self.block_size is not None:

@@ -92,6 +92,10 @@ def test_deprecated_cli_flags_warn(capsys, argv, dest, value, old, new):
     ({"k_quant": "channel", "k_bits": 4}, "needs k_bits < 16 and token_adaptive"),
     ({"k_quant": "channel", "token_adaptive": True}, "needs k_bits < 16 and token_adaptive"),
     ({"k_channel_tokens": 0}, "k_channel_tokens=0 must be >= 1"),
+    ({"admission_watermark": 0.1}, "add \"token_adaptive\": true or drop it"),
+    ({"token_adaptive": True, "admission_watermark": -0.1}, "0 <= admission_watermark < 1"),
+    ({"token_adaptive": True, "admission_watermark": 1}, "it must be below 1.0"),
+    ({"token_adaptive": True, "admission_watermark": "0.1"}, "must be a number"),
 ])
 def test_bad_values_name_the_problem(raw, fragment):
     with pytest.raises(LowRankConfigError, match=fragment):

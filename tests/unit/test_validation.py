@@ -22,6 +22,7 @@ import torch
 from vllm_lowrank import patches
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.config import LowRankConfig
+from vllm_lowrank.format.exact import PREEMPTION_WATERMARK
 
 MAX_MODEL_LEN = 512
 
@@ -146,6 +147,28 @@ ENGINE_CASES = [
                          ids=[c[0] for c in ENGINE_CASES])
 def test_engine_config_refusals(capsys, model_path, compression, fragment):
     assert fragment in _refused(capsys, lambda: _engine_config(model_path, compression))
+
+
+@pytest.mark.parametrize("compression,engine,expected", [
+    ({}, {}, PREEMPTION_WATERMARK),                            # the mode's default
+    ({"admission_watermark": 0}, {}, 0.0),                     # turned off
+    ({"admission_watermark": 0.25}, {}, 0.25),
+    ({"admission_watermark": 0.25}, {"watermark": 0.3}, 0.3),  # a nonzero --watermark wins
+    ({"admission_watermark": 0}, {"watermark": 0.3}, 0.3),
+])
+def test_token_adaptive_admission_watermark(model_path, compression, engine, expected):
+    """The scheduler's watermark in the engine config of a token-adaptive
+    engine: 0.1 by default, the config's ``admission_watermark`` when given (an
+    explicit ``--watermark 0`` cannot be told from vLLM's default 0), and a
+    nonzero engine ``watermark`` over both."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    patches.apply()
+    args = EngineArgs(model=model_path, dtype="float32", max_model_len=MAX_MODEL_LEN, **engine,
+                      additional_config={"kv_compression": {
+                          "mode": "lowrank", "token_adaptive": True, "sink_tokens": 32,
+                          "recent_tokens": 128, **compression}})
+    assert args.create_engine_config().scheduler_config.watermark == expected
 
 
 # ------------------------------------------------------------------ artifacts
