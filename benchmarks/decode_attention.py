@@ -1109,12 +1109,16 @@ def sequence_ratio(cfg, plan, layout, length):
     return length * 2 * 2 * KV_HEADS * HEAD_DIM / stored
 
 
-def selected_settings(only=None):
+def selected_settings(only=None, bits=None):
     """``(label, config, layers)`` (:func:`recommended_layers`) of each
     :data:`RECOMMENDED` setting whose label contains one of ``only`` (all
-    when ``None``)."""
+    when ``None``); ``bits`` ``(key, value)``: every layer of an allocation at
+    those bits instead of its own (``gpu_serving.py``'s ``alloc-8x-re`` serves
+    4/4: a config cannot give bits per layer)."""
     for label, raw, profile in RECOMMENDED:
         if not only or any(o in label for o in only):
+            if bits and profile:
+                profile = [(k, v, *bits) for k, v, _, _ in profile]
             yield (label, *recommended_layers(raw, profile))
 
 

@@ -183,14 +183,8 @@ def main() -> None:
     rope = da.llama3_rope(1024, "cpu")
     print(f"triton {triton.__version__}, target sm_90; per variant: MMA instructions in the "
           "PTX | ptxas registers and spills")
-    settings = da.selected_settings(args.only)
-    if args.bits:
-        kb, vb = (int(x) for x in args.bits.split())
-        settings = [(label, *da.recommended_layers(
-            raw, [(k, v, kb, vb) for k, v, _, _ in profile] if profile else None))
-            for label, raw, profile in da.RECOMMENDED
-            if not args.only or any(o in label for o in args.only)]
-    for label, cfg, layers in settings:
+    bits = tuple(int(x) for x in args.bits.split()) if args.bits else None
+    for label, cfg, layers in da.selected_settings(args.only, bits):
         plan, layout, _ = max(layers, key=lambda x: x[2])  # an allocation's most common layer
         length = 300
         prob = da.setting_problem(cfg, plan, layout, 2, length, "cpu")

@@ -32,10 +32,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import decode_attention as da  # noqa: E402
-from allocations import ALLOC_8X_SMOLLM2  # noqa: E402
 
 from vllm_lowrank.attention import token_adaptive as tale  # noqa: E402
-from vllm_lowrank.presets import PRESETS  # noqa: E402
 from vllm_lowrank.triton_kernels import decode_latent_rope as dlr  # noqa: E402
 
 KERNEL = "latent_rope_decode_kernel"
@@ -87,9 +85,7 @@ def main() -> None:
     if args.values_up_float32:
         lift = tale.values_up
         tale.values_up = lambda plan, v_up, out, dtype=None: lift(plan, v_up, out)
-    profile = [(k, v, kb, vb) for k, v, _, _ in ALLOC_8X_SMOLLM2]
-    cfg, layers = da.recommended_layers(
-        {**PRESETS["8x"].settings, "method": "rope_equivariant"}, profile)
+    _, cfg, layers = next(da.selected_settings(["8x rope_equivariant"], (kb, vb)))
     rope = da.llama3_rope(40000, "cuda")
     print(torch.cuda.get_device_name())
     print(f"{'layer':>8} {'shape':>8} {'kernel file':>24} {'call us':>8} {'kernel us':>9} "
