@@ -25,6 +25,10 @@ Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile
   ``stock-all-memory`` is the exception: stock with the KV memory vLLM sizes,
   every request at once, the load's ceiling for a cache with stock's attention.
 
+A plugin config named ``CONFIG@no-latent-kernel`` or ``CONFIG@no-decode``
+(:data:`ABLATIONS`) runs with part of its decode replaced by zeroing its output:
+wrong tokens, for a bound on what faster decode kernels could give.
+
 Prints a table per measurement and writes every row to ``--json``.
 """
 
@@ -120,10 +124,68 @@ def model_dir(name: str, **overrides) -> str:
     return dst
 
 
+ABLATIONS = ("no-latent-kernel", "no-decode")
+"""Suffixes ``CONFIG@ABLATION`` that time a plugin config with part of its decode
+replaced by zeroing that part's output (its tokens are wrong by design; the
+timing bounds what a faster kernel could give):
+
+- ``no-latent-kernel``: the RoPE-equivariant latent kernel
+  (:func:`vllm_lowrank.triton_kernels.decode_latent_rope.launch`); every other
+  kernel of the decode (absorbed queries, exact part, merge, split reduce) runs;
+- ``no-decode``: the whole token-adaptive decode call
+  (:func:`vllm_lowrank.attention.token_adaptive.decode`); the model, the cache
+  writes and the prefill run."""
+
+
+def _spec(name: str) -> dict:
+    """The :data:`CONFIGS` entry of ``name`` (``CONFIG`` or ``CONFIG@ABLATION``).
+
+    Raises:
+        SystemExit: an unknown config or ablation (names the known ones).
+    """
+    base, _, ablation = name.partition("@")
+    if base not in CONFIGS or (ablation and ablation not in ABLATIONS):
+        raise SystemExit(f"unknown config {name!r}: choose from {sorted(CONFIGS)}, optionally "
+                         f"with @{'/@'.join(ABLATIONS)}")
+    if ablation:
+        from vllm_lowrank.presets import expand
+
+        settings = expand(CONFIGS[base].get("compression", {}))
+        needs = ("method", "rope_equivariant") if ablation == "no-latent-kernel" else \
+            ("token_adaptive", True)
+        if settings.get(needs[0]) != needs[1]:
+            raise SystemExit(f"{name!r}: @{ablation} applies to plugin configs with "
+                             f"{needs[0]}={needs[1]!r} only")
+    return CONFIGS[base]
+
+
+def _ablate(name: str) -> None:
+    """Apply ``name``'s ablation (:data:`ABLATIONS`) in this process, before its
+    engine starts (the engine runs in process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    ablation = name.partition("@")[2]
+    if ablation == "no-latent-kernel":
+        from vllm_lowrank.attention import decode_path
+        from vllm_lowrank.triton_kernels import decode_latent_rope
+
+        def zero_outputs(plan, args, common, value_chunk, num_splits, bsz):
+            for t in args[24:27]:  # po, plse, out (launch's argument tuple)
+                t.zero_()
+        decode_latent_rope.launch = zero_outputs
+        # the start-up agreement check would refuse the zeroed kernel
+        decode_path.self_check = lambda *a, **k: 0.0
+    elif ablation == "no-decode":
+        from vllm_lowrank.attention import token_adaptive
+
+        def zero_decode(*a, out, **k):
+            return out.zero_()
+        token_adaptive.decode = zero_decode
+
+
 def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
     from vllm import LLM
 
-    spec = CONFIGS[name]
+    spec = _spec(name)
+    _ablate(name)
     kw = dict(
         model=model_dir(args.model, max_position_embeddings=max(8192, max_model_len)),
         load_format="dummy",
@@ -375,7 +437,7 @@ def run_one(args) -> list[dict]:
             b, length = shapes[-1]
             _profile(llm, _prompts(b, length, 77), os.path.join(args.profile, f"{name}.txt"))
     else:
-        kv_bytes = None if CONFIGS[name].get("all_memory") else int(args.equal_memory * 2**30)
+        kv_bytes = None if _spec(name).get("all_memory") else int(args.equal_memory * 2**30)
         per_seq = args.load_len + args.load_out
         t0 = time.perf_counter()
         llm = _engine(args, name, per_seq + 16, args.max_num_seqs, kv_bytes)
@@ -439,12 +501,14 @@ def main() -> None:
     if args.one:
         print("ROWS " + json.dumps(run_one(args)), flush=True)
         os._exit(0)  # vLLM's engine threads may otherwise delay the exit
+    for name in args.configs.split(","):
+        _spec(name)  # unknown names fail here, before any engine starts
     modes = ["shapes"] if args.shapes else []
     if args.equal_memory:
         modes.append("load")
     rows = []
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    if not args.no_prebuild and any("compression" in CONFIGS[n]
+    if not args.no_prebuild and any("compression" in _spec(n)
                                     for n in args.configs.split(",")):
         # the CUDA extension builds once (about 1.5 min on a fresh machine),
         # outside every engine's time
