@@ -1271,3 +1271,37 @@ def test_latent_rope_refuses_other_bases():
     with pytest.raises(ValueError, match="not a multiple of the per-channel key group"):
         run(plan, k_up, make_rope(32), q, slots.view(nblk, 1, page, -1), bt, lens,
             layout=layout, mode="latent_rope")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_serving_ablation_zeroes_the_latent_kernels_outputs(monkeypatch, splits):
+    """``benchmarks/gpu_serving.py``'s ``CONFIG@no-latent-kernel`` replaces this
+    kernel's launch by zeroing positions 24-26 of its argument tuple (the split
+    partials and LSEs, the output). Through the real call those are the outputs:
+    the NaN-poisoned output comes back zero (one split: written directly; three:
+    the reduce of zero partials) with a finite LSE."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+    from vllm_lowrank.attention import decode_path
+    from vllm_lowrank.triton_kernels import decode_latent_rope
+
+    sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_serving imports its neighbours
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_serving",
+                                                      REPO / "benchmarks" / "gpu_serving.py")
+        serving = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(serving)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    monkeypatch.setattr(decode_latent_rope, "launch", decode_latent_rope.launch)  # restored
+    monkeypatch.setattr(decode_path, "self_check", decode_path.self_check)
+    serving._ablate("alloc-8x-re@no-latent-kernel")
+    plan, _, lens, bt, nblk, page, g = make_problem(group_size=4, k_ranks=(56,), v_ranks=(40,),
+                                                    seed=79)
+    cache = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
+    q = torch.randn(len(lens), 8, 32, generator=g)
+    out, lse = run(plan, equivariant_k_up(plan, g, True), make_rope(32), q, cache, bt, lens,
+                   mode="latent_rope", num_splits=splits, return_lse=True)
+    assert float(out.abs().max()) == 0.0
