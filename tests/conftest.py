@@ -23,6 +23,23 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 """The repository root."""
 
+
+def benchmark_module(name: str):
+    """``benchmarks/NAME.py`` loaded as a module (the scripts are not a package),
+    with ``benchmarks/`` on ``sys.path`` while it runs its imports (the scripts
+    import their neighbours, e.g. ``allocations``)."""
+    import importlib.util
+
+    folder = str(REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(folder)
+    return mod
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

@@ -1280,21 +1280,11 @@ def test_serving_ablation_zeroes_the_latent_kernels_outputs(monkeypatch, splits)
     partials and LSEs, the output). Through the real call those are the outputs:
     the NaN-poisoned output comes back zero (one split: written directly; three:
     the reduce of zero partials) with a finite LSE."""
-    import importlib.util
-    import sys
-
-    from conftest import REPO
+    from conftest import benchmark_module
     from vllm_lowrank.attention import decode_path
     from vllm_lowrank.triton_kernels import decode_latent_rope
 
-    sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_serving imports its neighbours
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_serving",
-                                                      REPO / "benchmarks" / "gpu_serving.py")
-        serving = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(serving)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    serving = benchmark_module("gpu_serving")
     monkeypatch.setattr(decode_latent_rope, "launch", decode_latent_rope.launch)  # restored
     monkeypatch.setattr(decode_path, "self_check", decode_path.self_check)
     serving._ablate("alloc-8x-re@no-latent-kernel")

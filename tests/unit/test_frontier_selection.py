@@ -3,16 +3,11 @@ any other string every setting whose name contains it."""
 
 from __future__ import annotations
 
-import importlib.util
-
-from conftest import REPO
+from conftest import benchmark_module
 
 
 def _frontier():
-    spec = importlib.util.spec_from_file_location("frontier", REPO / "benchmarks" / "frontier.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("frontier")
 
 
 def test_a_whole_name_selects_that_setting_alone():

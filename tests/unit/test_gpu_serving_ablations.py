@@ -5,28 +5,17 @@ The engines themselves run on the GPU machine only."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import benchmark_module
 from vllm_lowrank.attention import decode_path, token_adaptive
 from vllm_lowrank.triton_kernels import decode_latent_rope
 
 
 @pytest.fixture(scope="module")
 def serving():
-    sys.path.insert(0, str(REPO / "benchmarks"))  # gpu_serving imports its neighbours
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_serving",
-                                                      REPO / "benchmarks" / "gpu_serving.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    return benchmark_module("gpu_serving")
 
 
 def test_ablated_names_resolve_to_their_config(serving):
