@@ -1,7 +1,6 @@
 # Two entry points (see README): `make demo` and `make test`.
-# Tests run with `python -P` so the repository root is not on sys.path: the
-# folder `triton_kernels/` must never shadow the `triton_kernels` package vLLM
-# imports (ours installs as `vllm_lowrank.triton_kernels`).
+# Tests run with `python -P`: the repository root is not on sys.path, so the
+# tests import the installed package, as a user's process does.
 .PHONY: setup demo test test-fast lint-deploy
 
 setup:

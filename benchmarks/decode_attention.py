@@ -50,15 +50,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _bootstrap():
-    """Make ``vllm_lowrank`` and ``vllm_lowrank.triton_kernels`` importable from a
+    """Make ``vllm_lowrank`` and ``vllm_lowrank.kernels.triton`` importable from a
     plain checkout (``triton_kernels/`` is mapped into the package at install)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     try:
-        import vllm_lowrank.triton_kernels.decode  # noqa: F401
+        import vllm_lowrank.kernels.triton.decode  # noqa: F401
     except ModuleNotFoundError:
         spec = importlib.util.spec_from_file_location(
-            "vllm_lowrank.triton_kernels", ROOT / "triton_kernels" / "__init__.py",
+            "vllm_lowrank.kernels.triton", ROOT / "triton_kernels" / "__init__.py",
             submodule_search_locations=[str(ROOT / "triton_kernels")])
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
@@ -74,8 +74,8 @@ from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E4
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
-from vllm_lowrank.triton_kernels import schedule as lb  # noqa: E402
-from vllm_lowrank.triton_kernels.decode import (  # noqa: E402
+from vllm_lowrank.kernels.triton import schedule as lb  # noqa: E402
+from vllm_lowrank.kernels.triton.decode import (  # noqa: E402
     KernelConfig, choose_num_splits, latent_decode_attention)
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -247,8 +247,8 @@ def reference(plan, rope, p, scale, mode="pre_rope"):
 
 
 def _cuda_kernel_available() -> bool:
-    """True when the CUDA pre-RoPE decode kernel (vllm_lowrank.cuda_ext) builds here."""
-    from vllm_lowrank.triton_kernels import decode as dec
+    """True when the CUDA pre-RoPE decode kernel (vllm_lowrank.kernels.cuda.ext) builds here."""
+    from vllm_lowrank.kernels.triton import decode as dec
 
     why = dec._cuda_unavailable()
     if why:
@@ -258,11 +258,11 @@ def _cuda_kernel_available() -> bool:
 
 def _heuristic_splits(plan, p, kernel="triton"):
     """The split count latent_decode_attention picks by default for this case."""
-    from vllm_lowrank.triton_kernels import decode as dec
+    from vllm_lowrank.kernels.triton import decode as dec
 
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     if kernel == "cuda":
-        from vllm_lowrank import cuda_ext
+        from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
         warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
         return choose_num_splits(p["q"].shape[0], plan.num_groups, int(p["lens"].max()),
@@ -489,7 +489,7 @@ def grouping_rows(rope, shapes, ratio, sdpa, wide_sweep=False):
     wide-group kernel (one program per KV head, the rank in chunks).
     ``TFLOP/s``: key-rebuild multiply-adds (``8 * ratio * G * 128^2`` per token,
     x2) per second; ``rel`` against the float32 torch path."""
-    from vllm_lowrank.triton_kernels import decode as dec
+    from vllm_lowrank.kernels.triton import decode as dec
 
     shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
@@ -666,20 +666,6 @@ def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
             ref = reference(plan, rope, p, scale, mode="post_rope")
             t, err, rel = run_case(plan, rope, p, mode="post_rope", ref=ref)
             cases = [("triton", t, rel)]
-            if bits is not None:
-                try:
-                    from vllm_lowrank import cuda_ext
-
-                    def fn():
-                        return cuda_ext.post_rope_decode(p["q_lat"], p["cache"], p["bt"],
-                                                         p["lens"], length, plan, p["layout"],
-                                                         scale)
-                    o = fn()
-                    rel_c = ((o - ref).norm() / ref.norm()).item()
-                    t_c, _ = time_graph(fn)
-                    cases.append(("cuda 3-kernel", t_c, rel_c))
-                except RuntimeError as exc:
-                    print(f"cuda_ext unavailable: {exc}")
             for path, tt, rr in cases:
                 gbs = nbytes / tt / 1e3
                 line = (f"{name:>7} {ratio:>5} {qname:>5} {path:>13} {tt:8.1f} "
@@ -764,7 +750,7 @@ the ``2x`` preset (ratio 1.0, K8/V4) first."""
 
 PACKED_SWEEP_LAUNCHES = [(32, 1, 3), (64, 2, 2), (64, 2, 3), (128, 4, 3), (128, 8, 2)]
 """``(BLOCK_N, warps, stages)`` of the packed kernel's sweep, each with the
-heuristic split (:data:`~vllm_lowrank.triton_kernels.launch.PACKED_CONFIG`'s
+heuristic split (:data:`~vllm_lowrank.kernels.triton.launch.PACKED_CONFIG`'s
 programs per SM) and explicit splits: the fastest launches of an H200 sweep of
 ``BLOCK_N`` 32 / 64 / 128 x 1 / 2 / 4 / 8 warps x 2-4 stages, and the earlier
 default ``(128, 8, 2)``."""
@@ -1086,7 +1072,7 @@ def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
 
 def setting_kernel(cfg, plan, layout, rope, p):
     """The latent kernel :func:`latent_decode_attention` picks for this layer."""
-    from vllm_lowrank.triton_kernels import decode as dec
+    from vllm_lowrank.kernels.triton import decode as dec
 
     mode = "post_rope" if cfg.method == "post_rope" else "latent_rope" \
         if cfg.method == "rope_equivariant" else "pre_rope"
@@ -1229,7 +1215,7 @@ def compiled_resources():
     """Registers and spills per thread of every decode kernel variant compiled in
     this process (triton's compiled-kernel metadata; empty where the running
     triton does not expose it)."""
-    from vllm_lowrank.triton_kernels import (decode_exact, decode_kernels, decode_packed,
+    from vllm_lowrank.kernels.triton import (decode_exact, decode_kernels, decode_packed,
                                              decode_wide)
 
     out = []

@@ -130,7 +130,7 @@ replaced by zeroing that part's output (its tokens are wrong by design; the
 timing bounds what a faster kernel could give):
 
 - ``no-latent-kernel``: the RoPE-equivariant latent kernel
-  (:func:`vllm_lowrank.triton_kernels.decode_latent_rope.launch`); every other
+  (:func:`vllm_lowrank.kernels.triton.decode_latent_rope.launch`); every other
   kernel of the decode (absorbed queries, exact part, merge, split reduce) runs;
 - ``no-decode``: the whole token-adaptive decode call
   (:func:`vllm_lowrank.attention.token_adaptive.decode`); the model, the cache
@@ -165,7 +165,7 @@ def _ablate(name: str) -> None:
     ablation = name.partition("@")[2]
     if ablation == "no-latent-kernel":
         from vllm_lowrank.attention import decode_path
-        from vllm_lowrank.triton_kernels import decode_latent_rope
+        from vllm_lowrank.kernels.triton import decode_latent_rope
 
         def zero_outputs(plan, args, common, value_chunk, num_splits, bsz):
             for t in args[24:27]:  # po, plse, out (launch's argument tuple)
@@ -514,7 +514,7 @@ def main() -> None:
         # outside every engine's time
         t0 = time.time()
         subprocess.run([sys.executable, "-P", "-c",
-                        "from vllm_lowrank import cuda_ext; cuda_ext.load()"], env=env)
+                        "from vllm_lowrank.kernels.cuda import ext as cuda_ext; cuda_ext.load()"], env=env)
         print(f"CUDA extension ready in {time.time() - t0:.0f} s", flush=True)
     for mode in modes:
         for name in args.configs.split(","):

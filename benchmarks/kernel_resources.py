@@ -4,7 +4,7 @@ compiled on a machine without a GPU.
 Triton compiles a kernel for a target named in a ``GPUTarget``; only the launch
 needs a device. This script makes Triton's active driver a stand-in that names
 an sm_90 (H100/H200) target and never launches, calls
-:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` on CPU
+:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` on CPU
 tensors shaped like a recommended setting's layer (``decode_attention.py``'s
 ``setting_problem``: Llama-3-8B attention, the preset's slot layout) with each
 launch variant of ``decode_attention.SETTINGS_SWEEP`` for the kernel that
@@ -172,10 +172,10 @@ def main() -> None:
     driver.set_active(CompileOnlyDriver())
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import decode_attention as da  # noqa: PLC0415 (after the driver: it imports the kernels)
-    from vllm_lowrank.triton_kernels import (decode_kernels, decode_latent_rope, decode_packed,
+    from vllm_lowrank.kernels.triton import (decode_kernels, decode_latent_rope, decode_packed,
                                              decode_wide)
-    from vllm_lowrank.triton_kernels.decode import KernelConfig, latent_decode_attention
-    from vllm_lowrank.triton_kernels.launch import PACKED_CONFIG
+    from vllm_lowrank.kernels.triton.decode import KernelConfig, latent_decode_attention
+    from vllm_lowrank.kernels.triton.launch import PACKED_CONFIG
 
     kernels = {"wide": decode_wide.wide_decode_kernel, "grid": decode_kernels.decode_grid_kernel,
                "packed": decode_packed.packed_decode_kernel,

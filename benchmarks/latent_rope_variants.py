@@ -1,7 +1,7 @@
 """The RoPE-equivariant latent decode kernel against copies of it, on a GPU.
 
 Times the token-adaptive decode call as the backend runs it on CUDA (latent
-span on :mod:`vllm_lowrank.triton_kernels.decode_latent_rope`, then
+span on :mod:`vllm_lowrank.kernels.triton.decode_latent_rope`, then
 ``values_up`` and the exact-merge kernel: ``decode_attention.setting_call``)
 and the latent kernel alone, for the kept kernel and for each ``--variant``:
 a copy of ``triton_kernels/decode_latent_rope.py`` with a change, whose
@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import decode_attention as da  # noqa: E402
 
 from vllm_lowrank.attention import token_adaptive as tale  # noqa: E402
-from vllm_lowrank.triton_kernels import decode_latent_rope as dlr  # noqa: E402
+from vllm_lowrank.kernels.triton import decode_latent_rope as dlr  # noqa: E402
 
 KERNEL = "latent_rope_decode_kernel"
 
@@ -42,7 +42,7 @@ KERNEL = "latent_rope_decode_kernel"
 def variant_launch(path: str):
     """The ``launch`` of a copy of ``decode_latent_rope.py`` at ``path`` (its
     relative imports resolved against the installed package)."""
-    src = pathlib.Path(path).read_text().replace("from .", "from vllm_lowrank.triton_kernels.")
+    src = pathlib.Path(path).read_text().replace("from .", "from vllm_lowrank.kernels.triton.")
     name = "_variant_" + pathlib.Path(path).stem
     tmp = pathlib.Path(path).with_name(name + ".py")
     tmp.write_text(src)  # Triton's JIT reads a kernel's source from its file

@@ -79,7 +79,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import decode_attention as da  # noqa: E402  (its _bootstrap: vllm_lowrank.triton_kernels)
+import decode_attention as da  # noqa: E402  (its _bootstrap: vllm_lowrank.kernels.triton)
 import peer_caches as pc  # noqa: E402
 
 from vllm_lowrank.presets import PRESETS  # noqa: E402

@@ -192,7 +192,7 @@ def test_rope_equivariant_layers_decode_with_absorbed_queries(model):
     latent kernel in every layer (after its start-up self-check against the torch
     path, which rebuilds the keys), inside CUDA graphs, and its float32 tokens
     and log-probabilities equal the eager engine's."""
-    from vllm_lowrank.triton_kernels.decode import TRITON_KERNELS
+    from vllm_lowrank.kernels.triton.decode import TRITON_KERNELS
 
     setting = SETTINGS["rope-equivariant-tale"]
     graphs = probe(model, setting, dtype="float32")

@@ -1,6 +1,6 @@
-"""CUDA-only tests: the dequant + latent-matmul extension (``csrc/``) against
-``SlotLayout.decode`` + float64 torch, and the compiled Triton decode kernel at
-serving shapes (bf16). Skipped without a CUDA device.
+"""CUDA-only tests: the CUDA extension (``vllm_lowrank/kernels/cuda``) and the
+compiled Triton decode kernels at serving shapes (bf16), against float64 / the
+float32 torch path. Skipped without a CUDA device.
 
     python -m pytest tests/kernels/test_gpu_kernels.py -q -m gpu
 """
@@ -50,61 +50,8 @@ def _gather(rows, bt, lens, page):
     return out
 
 
-CASES = [
-    ((64,) * 8, (64,) * 8, (8, 4), None),
-    ((32, 64, 16, 128, 8, 24, 40, 48), (16, 128, 64, 8, 32, 24, 48, 40), (4, 4), None),
-    ((64,) * 8, (32,) * 8, (3, 2), 8),
-    ((8, 16, 8, 24, 8, 16, 8, 24), (16,) * 8, (3, 3), None),  # odd byte offsets
-    ((256 // 2,) * 8, (128,) * 8, (2, 8), 16),
-]
-
-
-@pytest.mark.parametrize("k_ranks,v_ranks,bits,qgroup", CASES)
-def test_cuda_scores_and_pv(k_ranks, v_ranks, bits, qgroup):
-    from vllm_lowrank import cuda_ext
-
-    lens = [1, 17, 300, 1029]
-    plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(k_ranks, v_ranks, bits,
-                                                                 qgroup, lens)
-    hg = plan.heads_per_group
-    qw = max(k_ranks)
-    q = torch.randn(len(lens), plan.shape.num_heads, qw, device="cuda", generator=g)
-    max_len = max(lens)
-    scores = cuda_ext.latent_scores(q, cache, bt, lens_t, max_len, plan, layout, 0.3)
-    kl, vl = _gather(kd, bt, lens_t, page), _gather(vd, bt, lens_t, page)
-    p = torch.softmax(scores, -1)
-    out = cuda_ext.latent_pv(p, cache, bt, lens_t, plan, layout)
-    for b, n in enumerate(lens):
-        assert torch.isinf(scores[b, :, n:]).all()
-        ref_o = torch.zeros(plan.out_width, dtype=torch.float64, device="cuda")
-        for gi, (ko, vo) in enumerate(zip(plan.k_offsets(), plan.v_offsets())):
-            rk, rv = k_ranks[gi], v_ranks[gi]
-            qg = q[b, gi * hg:(gi + 1) * hg, :rk].double()
-            ref_s = 0.3 * qg @ kl[b][:, ko:ko + rk].T  # [hg, n]
-            got = scores[b, gi * hg:(gi + 1) * hg, :n].double()
-            assert (got - ref_s).abs().max() < 1e-4 * (1 + ref_s.abs().max())
-            pg = p[b, gi * hg:(gi + 1) * hg, :n].double()
-            ref_o[hg * vo:hg * (vo + rv)] = (pg @ vl[b][:, vo:vo + rv]).flatten()
-        assert ((out[b].double() - ref_o).norm() / ref_o.norm()) < 1e-5
-
-
-def test_post_rope_decode_composition_matches_triton():
-    from vllm_lowrank import cuda_ext
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
-
-    lens = [100, 2049, 513]
-    plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(
-        (64,) * 8, (64,) * 8, (8, 4), None, lens, seed=3)
-    q = torch.randn(len(lens), 32, 64, device="cuda", generator=g)
-    a = cuda_ext.post_rope_decode(q, cache, bt, lens_t, max(lens), plan, layout, 0.125)
-    b = latent_decode_attention(plan, None, None, 0.125, q, cache, bt, lens_t, max(lens),
-                                layout=layout, mode="post_rope")
-    # Triton computes with tf32 dots on float32 queries.
-    assert ((a - b).norm() / a.norm()) < 5e-3
-
-
 def test_missing_extension_message(monkeypatch):
-    from vllm_lowrank import cuda_ext
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     monkeypatch.setattr(cuda_ext, "_EXT", None)
     monkeypatch.setattr(cuda_ext, "_SOURCES", ("does_not_exist.cu",))
@@ -121,7 +68,7 @@ def test_triton_decode_serving_shape_bf16(ratio, quant):
     BLOCK_N=64 / 4-warp bf16 variant)."""
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.attention.rope import RopeTable
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
@@ -172,7 +119,7 @@ def test_triton_decode_uneven_ranks_bf16(lpt):
     """High-spread ranks (rank classes 16..128 in one launch), default launch
     parameters, plain grid and LPT persistent grid."""
     from vllm_lowrank.attention.latent_attention import decode_attention
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     ranks = (16, 16, 32, 32, 64, 64, 128, 128)
     lens = [3000, 17, 1200, 4096]
@@ -189,7 +136,7 @@ def test_triton_decode_uneven_ranks_bf16(lpt):
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
 def test_triton_post_rope_serving_shape_bf16(ratio):
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
@@ -221,7 +168,7 @@ def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
     8/4-bit per-token sides on the packed kernel (ratio 1.0 K8/V4: the ``2x``
     preset), grouped scales and 3/2-bit codes on the grid kernel; against float64
     on the decoded latents."""
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
@@ -244,7 +191,7 @@ def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
 
 
 # ----------------------------------------------------------------------------------
-# CUDA pre-RoPE decode kernel (csrc/latent_decode.cu) against float64
+# CUDA pre-RoPE decode kernel (vllm_lowrank/kernels/cuda/latent_decode.cu) against float64
 # ----------------------------------------------------------------------------------
 def _rope_table(neox, mscale=1.0, max_pos=8192):
     from vllm_lowrank.attention.rope import RopeTable
@@ -319,10 +266,10 @@ CUDA_DECODE_CASES = [
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_cuda_pre_rope_decode_matches_float64(r_k, r_v, page, neox, splits, dtype, mscale,
                                               return_lse):
-    """csrc/latent_decode.cu through latent_decode_attention(backend="cuda"):
+    """vllm_lowrank/kernels/cuda/latent_decode.cu through latent_decode_attention(backend="cuda"):
     random latents, ragged lengths (tail tiles, a one-token sequence, a split
     longer than a sequence), shuffled block tables, NaN-poisoned output."""
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     lens = [1, 17, 300, 1029, 4000, 33]
     plan, k_up, cache, bt, lens_t, q = _cuda_problem(r_k, r_v, lens, page, dtype,
@@ -351,8 +298,8 @@ def test_cuda_pre_rope_decode_matches_float64(r_k, r_v, page, neox, splits, dtyp
 def test_cuda_pre_rope_decode_is_the_default_path(monkeypatch):
     """backend="auto" takes the CUDA kernel in its scope and Triton outside it
     (uneven ranks across groups), with the same results."""
-    from vllm_lowrank import cuda_ext
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     calls = []
     real = cuda_ext.latent_decode_pre_rope
@@ -374,7 +321,7 @@ def test_cuda_pre_rope_decode_is_the_default_path(monkeypatch):
 
 
 def test_cuda_pre_rope_decode_refuses_out_of_scope():
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     lens = [100]
     plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 5)
@@ -409,7 +356,7 @@ def wide_case(dev, group_size, ratio, quant, lens, seed=7, kct=None):
     ``kct`` tokens, every group complete, 32-token blocks)."""
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.attention.rope import RopeTable
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention, needs_wide
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention, needs_wide
 
     g = torch.Generator(device=dev).manual_seed(seed)
     ng, r = 8 // group_size, int(ratio * group_size * 128)
@@ -487,7 +434,7 @@ def test_wide_kernel_compiles_once_for_layers_of_different_ranks():
     per-channel keys share the value tile (``RV_PAD`` 512), the slot strides'
     divisibility and alignment; they differ in the parameter bytes per slot
     (64 and 48), which compiled a second variant before."""
-    from vllm_lowrank.triton_kernels.decode_wide import wide_decode_kernel
+    from vllm_lowrank.kernels.triton.decode_wide import wide_decode_kernel
 
     lens = [4000, 1, 777, 2500]
     assert wide_case("cuda", 8, 0.5, (4, 4), lens, kct=32) < 1e-2

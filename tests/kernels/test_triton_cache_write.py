@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from vllm_lowrank.attention.latent_attention import scatter_rows  # noqa: E402
 from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
-from vllm_lowrank.triton_kernels.cache_write import supports, write_packed_latents  # noqa: E402
+from vllm_lowrank.kernels.triton.cache_write import supports, write_packed_latents  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEV = torch.device("cuda" if ON_GPU else "cpu")
@@ -79,7 +79,7 @@ def _slots(g, n, blocks, page):
 @pytest.mark.parametrize("staged", [True, False])
 def test_exact_write_matches_torch_encode(dtype, staged):
     from vllm_lowrank.format.exact import ExactSlot
-    from vllm_lowrank.triton_kernels.cache_write import supports_exact, write_exact_slots
+    from vllm_lowrank.kernels.triton.cache_write import supports_exact, write_exact_slots
 
     rk = 48
     # room for a wider staged latent than this layer's, and padding to a latent slot
@@ -126,7 +126,7 @@ def test_key_group_write_matches_torch(name, dtype):
     ``token_adaptive.write_key_groups`` is the reference."""
     from vllm_lowrank.attention import token_adaptive as tale
     from vllm_lowrank.format.exact import ExactSlot
-    from vllm_lowrank.triton_kernels.cache_write import supports_key_groups, write_key_groups
+    from vllm_lowrank.kernels.triton.cache_write import supports_key_groups, write_key_groups
 
     k_ranks, v_ranks, bits, grp, page, epage = KEY_GROUPS[name]
     layout = SlotLayout(k_ranks, v_ranks, bits, 4, k_channel_tokens=grp)

@@ -28,10 +28,10 @@ from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
-import vllm_lowrank.triton_kernels.decode as dec  # noqa: E402
-import vllm_lowrank.triton_kernels.launch as launch_params  # noqa: E402
-import vllm_lowrank.triton_kernels.schedule as sched  # noqa: E402
-from vllm_lowrank.triton_kernels.decode_prep import rank_classes  # noqa: E402
+import vllm_lowrank.kernels.triton.decode as dec  # noqa: E402
+import vllm_lowrank.kernels.triton.launch as launch_params  # noqa: E402
+import vllm_lowrank.kernels.triton.schedule as sched  # noqa: E402
+from vllm_lowrank.kernels.triton.decode_prep import rank_classes  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 # float32 caches: exact float32 under the interpreter; tf32 tensor-core dots on GPUs.
@@ -320,7 +320,7 @@ def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, win
     uniform ranks takes by default, and it matches the float64 reference on the
     decoded latents (codes shifted far from zero: the zero points carry a large
     offset that the post-dot correction must cancel exactly)."""
-    from vllm_lowrank.triton_kernels import decode_packed
+    from vllm_lowrank.kernels.triton import decode_packed
 
     plan, k_up, lens, bt, nblk, page, g = make_problem(
         group_size=group_size, k_ranks=(kr,) * (4 // group_size),
@@ -360,7 +360,7 @@ def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, win
 def test_packed_post_rope_kernel_scope():
     """Calls outside the packed kernel's scope say why; forcing it there is a
     ValueError naming the reason, and ``packed=False`` takes the grid kernel."""
-    from vllm_lowrank.triton_kernels import decode_packed
+    from vllm_lowrank.kernels.triton import decode_packed
 
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(32,) * 4, v_ranks=(32,) * 4)
     ok = SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4)
@@ -482,7 +482,7 @@ def test_split_heuristic():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_ext_clear_error_without_cuda():
-    from vllm_lowrank import cuda_ext
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     with pytest.raises(RuntimeError, match="CUDA device"):
         cuda_ext.load()
@@ -910,7 +910,7 @@ def test_wide_heads_per_program(bsz, groups, g, qpk, rv_pad, hpp):
     """The wide kernel's KV heads per program: a divisor of the group size
     whose query heads fill at most one 16-row tile, with enough sequences and
     a value accumulator of at most 16 K float32."""
-    from vllm_lowrank.triton_kernels.launch import wide_heads_per_program
+    from vllm_lowrank.kernels.triton.launch import wide_heads_per_program
 
     assert wide_heads_per_program(bsz, groups, g, qpk, rv_pad) == hpp
 
@@ -1282,7 +1282,7 @@ def test_serving_ablation_zeroes_the_latent_kernels_outputs(monkeypatch, splits)
     the reduce of zero partials) with a finite LSE."""
     from conftest import benchmark_module
     from vllm_lowrank.attention import decode_path
-    from vllm_lowrank.triton_kernels import decode_latent_rope
+    from vllm_lowrank.kernels.triton import decode_latent_rope
 
     serving = benchmark_module("gpu_serving")
     monkeypatch.setattr(decode_latent_rope, "launch", decode_latent_rope.launch)  # restored

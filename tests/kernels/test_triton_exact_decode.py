@@ -1,5 +1,5 @@
 """The token-adaptive decode kernel (exact part and merge in one launch,
-``triton_kernels/decode_exact.py``, after ``token_adaptive.values_up``) against
+``vllm_lowrank/kernels/triton/decode_exact.py``, after ``token_adaptive.values_up``) against
 the torch functions it replaces (``token_adaptive.exact_attention``, ``merge``;
 those are checked against a float64 loop in ``tests/unit/test_token_adaptive.py``).
 
@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from vllm_lowrank.attention import token_adaptive as tale  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.format.exact import ExactSlot  # noqa: E402
-from vllm_lowrank.triton_kernels import decode_exact  # noqa: E402
+from vllm_lowrank.kernels.triton import decode_exact  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEV = torch.device("cuda" if ON_GPU else "cpu")

@@ -25,7 +25,7 @@ from vllm_lowrank.attention import latent_attention as ops  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
-import vllm_lowrank.triton_kernels.prefill as pre  # noqa: E402
+import vllm_lowrank.kernels.triton.prefill as pre  # noqa: E402
 
 import test_triton_decode as problems  # noqa: E402  (shared problem builders)
 

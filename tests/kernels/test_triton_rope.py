@@ -1,4 +1,4 @@
-"""The Triton RoPE of rebuilt keys (``triton_kernels/rope.py``) against a float64
+"""The Triton RoPE of rebuilt keys (``vllm_lowrank/kernels/triton/rope.py``) against a float64
 rotation and the torch path of ``RopeTable.rotate_``.
 
 Without CUDA the kernel runs under ``TRITON_INTERPRET=1`` (``conftest.py``) in
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
-from vllm_lowrank.triton_kernels.rope import rotate_keys  # noqa: E402
+from vllm_lowrank.kernels.triton.rope import rotate_keys  # noqa: E402
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEV = torch.device("cuda" if ON_GPU else "cpu")

@@ -10,7 +10,7 @@ import torch
 
 from conftest import benchmark_module
 from vllm_lowrank.attention import decode_path, token_adaptive
-from vllm_lowrank.triton_kernels import decode_latent_rope
+from vllm_lowrank.kernels.triton import decode_latent_rope
 
 
 @pytest.fixture(scope="module")

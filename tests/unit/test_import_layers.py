@@ -21,7 +21,7 @@ LAYERS = (
     ("inputs", "presets", "config", "compat"),
     ("metrics",),
     ("format", "factorization"),
-    ("cuda_ext", "csrc", "triton_kernels"),
+    ("kernels",),
     ("attention",),
     ("calibration",),
     ("models",),
@@ -29,19 +29,15 @@ LAYERS = (
      "estimate"),
     ("cli", "plugin"),
 )
-"""Top-level units of ``vllm_lowrank`` (modules or sub-packages), lowest first;
-``triton_kernels/`` installs as ``vllm_lowrank.triton_kernels``."""
+"""Top-level units of ``vllm_lowrank`` (modules or sub-packages), lowest first."""
 
 
 def _module_files() -> dict[str, pathlib.Path]:
     files = {}
-    for base, prefix in (("vllm_lowrank", "vllm_lowrank"),
-                         ("triton_kernels", "vllm_lowrank.triton_kernels"),
-                         ("csrc", "vllm_lowrank.csrc")):
-        for path in (ROOT / base).rglob("*.py"):
-            rel = path.relative_to(ROOT / base).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            files[".".join([prefix, *parts])] = path
+    for path in (ROOT / "vllm_lowrank").rglob("*.py"):
+        rel = path.relative_to(ROOT / "vllm_lowrank").with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        files[".".join(["vllm_lowrank", *parts])] = path
     return files
 
 
@@ -122,5 +118,5 @@ def test_the_checks_see_cycles_and_upward_imports():
     assert _cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "vllm_lowrank.attention.backend" in graph["vllm_lowrank.attention.layer"]
-    assert "vllm_lowrank.triton_kernels.tiles" in graph["vllm_lowrank.triton_kernels.decode"]
+    assert "vllm_lowrank.kernels.triton.tiles" in graph["vllm_lowrank.kernels.triton.decode"]
     assert not any("vllm_lowrank.plugin" in deps for deps in graph.values())

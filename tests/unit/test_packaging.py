@@ -1,11 +1,9 @@
-"""Installation shape: the plugin entry point, and no top-level triton_kernels."""
+"""Installation shape: the plugin entry point, every sub-package installed, the
+CUDA sources shipped as package data."""
 
 import importlib.metadata as md
-import os
-import subprocess
-import sys
+import tomllib
 
-import vllm_lowrank
 from conftest import REPO
 
 
@@ -14,27 +12,28 @@ def test_general_plugin_entry_point():
     assert eps and eps[0].value == "vllm_lowrank.plugin:register"
 
 
-def test_triton_kernels_is_namespaced(tmp_path):
-    # vLLM imports OpenAI's `triton_kernels`; ours must live under vllm_lowrank.
-    code = ("import importlib.util, vllm_lowrank.triton_kernels as t;"
-            "s = importlib.util.find_spec('triton_kernels');"
-            "print(t.__name__, s.origin if s else None)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out[0] == "vllm_lowrank.triton_kernels"
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(vllm_lowrank.__file__)))
-    assert out[1] == "None" or not os.path.abspath(out[1]).startswith(repo + os.sep)
+def _setuptools() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
 def test_every_subpackage_is_installed():
-    """pyproject's explicit package list names every sub-package of the source
-    tree (a missing one installs in an editable checkout but not from a wheel or
-    a Docker build)."""
-    import tomllib
+    """Packages are found, not listed or mapped (no ``package-dir`` alias), and
+    every folder of the source tree that holds Python modules is a package that
+    the finder installs (a folder without ``__init__.py`` works in an editable
+    checkout but is missing from a wheel or a Docker build)."""
+    from setuptools import find_packages
 
-    root = REPO
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
-    found = {".".join(p.parent.relative_to(root).parts)
-             for p in (root / "vllm_lowrank").rglob("__init__.py")}
-    assert found - {"vllm_lowrank"} and found <= listed, sorted(found - listed)
+    cfg = _setuptools()
+    assert "package-dir" not in cfg
+    assert cfg["packages"] == {"find": {"include": ["vllm_lowrank*"]}}
+    found = set(find_packages(str(REPO), include=["vllm_lowrank*"]))
+    folders = {".".join(p.parent.relative_to(REPO).parts)
+               for p in (REPO / "vllm_lowrank").rglob("*.py")}
+    assert "vllm_lowrank.kernels.triton" in folders
+    assert folders <= found, sorted(folders - found)
+
+
+def test_cuda_sources_are_package_data():
+    data = _setuptools()["package-data"]["vllm_lowrank.kernels.cuda"]
+    assert data == ["*.cu"]
+    assert list((REPO / "vllm_lowrank" / "kernels" / "cuda").glob("*.cu"))

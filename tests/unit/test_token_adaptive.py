@@ -282,7 +282,7 @@ def test_decode_with_the_fused_kernel_matches_reference():
     the merge run in the token-adaptive Triton kernel; same result as the
     float64 loop (without CUDA: both kernels in the Triton interpreter)."""
     pytest.importorskip("triton")
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)

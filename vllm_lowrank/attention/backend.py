@@ -12,7 +12,7 @@ path :mod:`vllm_lowrank.attention.decode_path` chose for the layer at start-up
 path, key bias / QK-norm and sliding windows included; the torch path for
 caches the kernels do not read: a raw 16-bit side in a packed slot), and
 all prefill chunks of a step run as one varlen Triton call
-(:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`) over
+(:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`) over
 keys rebuilt once per step; token-adaptive prefill runs per request.
 
 CUDA graphs: the builder reads host copies only (no device sync) and the
@@ -94,7 +94,7 @@ class LatentAttentionBackend(AttentionBackend):
 @dataclasses.dataclass
 class PrefillBatch:
     """The prefill requests of a step, flattened for one batched attention
-    call on CUDA (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`).
+    call on CUDA (:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`).
 
     Request ``n`` (the ``n``-th prefill request, batch row ``num_decodes + n``)
     attends its visible context: positions ``first_key[n] .. seq_len[n] - 1``
@@ -271,7 +271,7 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
     dequantized when packed), rebuild and rotate their keys
     (:func:`~vllm_lowrank.attention.latent_attention.context_keys`, in the
     query dtype), attend with
-    :func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`.
+    :func:`~vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`.
 
     Args:
         query: ``[T, H, d]`` the prefill tokens' queries (post-RoPE mode:
@@ -286,7 +286,7 @@ def batched_prefill(plan, k_up: torch.Tensor, rope, scale: float, query: torch.T
         :func:`~vllm_lowrank.attention.latent_attention.prefill_attention` per
         request, up to the precision of the query dtype.
     """
-    from vllm_lowrank.triton_kernels import prefill as kernel
+    from vllm_lowrank.kernels.triton import prefill as kernel
 
     block_size = kv_cache.shape[2]
     blocks = block_table[batch.key_req, batch.key_pos // block_size].long()

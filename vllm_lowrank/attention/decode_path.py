@@ -3,19 +3,19 @@
 Three implementations compute the same decode attention from the latent cache:
 
 - ``cuda``: the mma.sync kernel of ``csrc/latent_decode.cu``
-  (:func:`vllm_lowrank.cuda_ext.latent_decode_pre_rope`), for per-KV-head groups
+  (:func:`vllm_lowrank.kernels.cuda.ext.latent_decode_pre_rope`), for per-KV-head groups
   with one rank per layer and 16-bit latents
-  (:func:`~vllm_lowrank.triton_kernels.decode.cuda_path_blocker` says why not);
-- ``triton``: :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention`
+  (:func:`~vllm_lowrank.kernels.triton.decode.cuda_path_blocker` says why not);
+- ``triton``: :func:`~vllm_lowrank.kernels.triton.decode.latent_decode_attention`
   (any grouping, uneven ranks, packed 8/4/3/2-bit per-token sides, per-channel
   keys, key bias /
   QK-norm, sliding windows, the token-adaptive span; groups whose key tile does
   not fit one program run its wide-group variant,
-  :mod:`vllm_lowrank.triton_kernels.decode_wide`; post-RoPE latents packed at
+  :mod:`vllm_lowrank.kernels.triton.decode_wide`; post-RoPE latents packed at
   8/4 bits per token with uniform ranks, the ``2x`` preset's format, run
-  :mod:`vllm_lowrank.triton_kernels.decode_packed`; layers whose key bases
+  :mod:`vllm_lowrank.kernels.triton.decode_packed`; layers whose key bases
   commute with RoPE, :meth:`~vllm_lowrank.attention.layer.LatentAttention.decode_mode`
-  ``"latent_rope"``, run :mod:`vllm_lowrank.triton_kernels.decode_latent_rope`);
+  ``"latent_rope"``, run :mod:`vllm_lowrank.kernels.triton.decode_latent_rope`);
 - ``torch``: :func:`~vllm_lowrank.attention.latent_attention.decode_attention`
   (every cache format, every device; on CUDA slower and never captured in a
   CUDA graph).
@@ -52,8 +52,8 @@ compiled wrongly is off by order 1."""
 class DecodePath(NamedTuple):
     """Which implementation decodes a layer, and why.
 
-    ``name``: ``"cuda"`` (the CUDA kernel of :mod:`vllm_lowrank.cuda_ext`),
-    ``"triton"`` (:mod:`vllm_lowrank.triton_kernels.decode`) or ``"torch"``
+    ``name``: ``"cuda"`` (the CUDA kernel of :mod:`vllm_lowrank.kernels.cuda.ext`),
+    ``"triton"`` (:mod:`vllm_lowrank.kernels.triton.decode`) or ``"torch"``
     (:func:`~vllm_lowrank.attention.latent_attention.decode_attention`, which
     runs on CUDA tensors too, slower, and cannot be captured in a CUDA graph).
     """
@@ -66,9 +66,9 @@ _LOGGED_PATHS: set = set()
 
 
 def fused_decode():
-    """:func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention`
+    """:func:`~vllm_lowrank.kernels.triton.decode.latent_decode_attention`
     (imported on first CUDA use only)."""
-    from vllm_lowrank.triton_kernels.decode import latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     return latent_decode_attention
 
@@ -92,7 +92,7 @@ def self_check(layer, backend: str, dtype: torch.dtype, device: torch.device,
     in ``dtype``; the kernel attends the first two alone and all four (the
     wide-group kernel runs one KV head per program for the first batch and
     several for the second:
-    :func:`~vllm_lowrank.triton_kernels.launch.wide_heads_per_program`).
+    :func:`~vllm_lowrank.kernels.triton.launch.wide_heads_per_program`).
 
     Args:
         layer: The :class:`~vllm_lowrank.attention.layer.LatentAttention`.
@@ -159,7 +159,7 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
                        block_size: int, window: int | None, max_model_len: int) -> DecodePath:
     """The one place that decides a layer's decode path (once per layer, at
     start-up, before any CUDA graph is captured): the CUDA kernel where
-    :func:`~vllm_lowrank.triton_kernels.decode.cuda_path_blocker` admits the
+    :func:`~vllm_lowrank.kernels.triton.decode.cuda_path_blocker` admits the
     layer and the extension builds, else the Triton kernel (its wide-group
     variant where a head group's key tile is too large for one program) where
     :func:`fused_supports` the cache format, else the torch path. A fused
@@ -180,7 +180,7 @@ def choose_decode_path(layer, dtype: torch.dtype, device: torch.device,
     """
     if device.type != "cuda":
         return DecodePath("torch", "not on a CUDA device")
-    from vllm_lowrank.triton_kernels import decode as dec
+    from vllm_lowrank.kernels.triton import decode as dec
 
     if not fused_supports(layer.layout):
         return _logged(layer, DecodePath(
@@ -279,7 +279,7 @@ def graph_safe_decode(vllm_config, device: torch.device) -> bool:
     fused GPU kernel (:func:`decode_path`: no host sync, fixed launch shapes for
     a fixed batch), so decode steps may be captured in CUDA graphs. Token-
     adaptive layers qualify too: their exact part is one fixed-grid Triton
-    launch per batch (:mod:`vllm_lowrank.triton_kernels.decode_exact`; with a
+    launch per batch (:mod:`vllm_lowrank.kernels.triton.decode_exact`; with a
     sliding window a fixed-shape torch computation,
     :func:`~vllm_lowrank.attention.token_adaptive.exact_attention`) and their
     per-channel key groups are written without a host sync in decode steps

@@ -43,7 +43,7 @@ torch's CPU flash kernel, no score matrix in memory). Prefill reads the keys
 and values back from the cache, exactly as decode will, so prompt
 log-probabilities measure the compressed model. On CUDA the backend
 (:mod:`vllm_lowrank.attention.backend`) sends decode to the fused kernels of
-:mod:`vllm_lowrank.triton_kernels` where the layer's cache format allows
+:mod:`vllm_lowrank.kernels.triton` where the layer's cache format allows
 (the torch path otherwise), and all prefill chunks of a step to one varlen
 kernel call over keys rebuilt here (:func:`context_keys`).
 """
@@ -101,7 +101,7 @@ def write_latents(
 ) -> None:
     """Scatter this step's latents into their paged slots (quantize-on-write
     when ``layout`` is given: on CUDA one Triton launch,
-    :func:`vllm_lowrank.triton_kernels.cache_write.write_packed_latents`, for
+    :func:`vllm_lowrank.kernels.triton.cache_write.write_packed_latents`, for
     packed sides; else :meth:`SlotLayout.encode` and :func:`scatter_rows`).
 
     Args:
@@ -116,7 +116,7 @@ def write_latents(
     n = slot_mapping.shape[0]
     k_rows, v_rows = k_latent[:n].reshape(n, -1), v_latent[:n].reshape(n, -1)
     if layout is not None and kv_cache.is_cuda:
-        from vllm_lowrank.triton_kernels import cache_write
+        from vllm_lowrank.kernels.triton import cache_write
 
         if cache_write.supports(layout):
             cache_write.write_packed_latents(kv_cache, k_rows, v_rows, slot_mapping, layout)

@@ -158,7 +158,7 @@ class LatentAttention(Attention):
           is complex-linear per RoPE frequency in every head group, with RoPE
           over the whole head, no key bias or QK-norm (both act on rebuilt
           keys) and a cache format in the kernel's scope
-          (:func:`vllm_lowrank.triton_kernels.decode_latent_rope.blocker`):
+          (:func:`vllm_lowrank.kernels.triton.decode_latent_rope.blocker`):
           queries absorbed, latent pairs turned;
         - ``"pre_rope"``: everything else (keys rebuilt, then RoPE). A
           ``rope_equivariant`` layer lands here when its factors lost the
@@ -169,7 +169,7 @@ class LatentAttention(Attention):
             mode = "post_rope" if self.post_rope else "pre_rope"
             if mode == "pre_rope" and self.rope_equivariant and self.key_transform() is None \
                     and self._rotary.rotary_dim == self.plan.shape.head_dim:
-                from vllm_lowrank.triton_kernels.decode_latent_rope import absorption, blocker
+                from vllm_lowrank.kernels.triton.decode_latent_rope import absorption, blocker
 
                 sink = self.exact.sink if self.exact is not None else 0
                 if blocker(self.plan, self.layout, window=self.sliding_window, sink=sink) is None:

@@ -103,11 +103,11 @@ class RopeTable:
     def rotate_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE of ``keys [B, L, G, head_dim]`` at ``positions [L]``, in place
         (returns ``keys``): computed against the float32 tables. On CUDA one
-        Triton launch (:func:`vllm_lowrank.triton_kernels.rope.rotate_keys`,
+        Triton launch (:func:`vllm_lowrank.kernels.triton.rope.rotate_keys`,
         float32 math rounded once to ``keys``' dtype); elsewhere torch, each
         product rounded to ``keys``' dtype (float32, or bf16/fp16 keys)."""
         if keys.is_cuda and keys.is_contiguous():
-            from vllm_lowrank.triton_kernels.rope import rotate_keys
+            from vllm_lowrank.kernels.triton.rope import rotate_keys
 
             return rotate_keys(keys, positions, self.cos, self.sin, self.rotary_dim, self.neox)
         keys_rh = self.rotate_half(keys)

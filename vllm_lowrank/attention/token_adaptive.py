@@ -49,7 +49,7 @@ def write_exact(exact_cache: torch.Tensor, slot: ExactSlot, key: torch.Tensor,
     """Scatter ``key``/``value`` ``[T, kv_width]`` (keys post-RoPE) into their
     slots, stored as ``slot`` says; negative slots (padding) are skipped. On
     CUDA int8 slots take one Triton launch
-    (:func:`vllm_lowrank.triton_kernels.cache_write.write_exact_slots`), else
+    (:func:`vllm_lowrank.kernels.triton.cache_write.write_exact_slots`), else
     :meth:`ExactSlot.encode` and a scatter.
 
     Args:
@@ -57,7 +57,7 @@ def write_exact(exact_cache: torch.Tensor, slot: ExactSlot, key: torch.Tensor,
             key quantization, :func:`write_key_groups`), or ``None``.
     """
     if exact_cache.is_cuda:
-        from vllm_lowrank.triton_kernels import cache_write
+        from vllm_lowrank.kernels.triton import cache_write
 
         if cache_write.supports_exact(slot):
             cache_write.write_exact_slots(exact_cache, slot, key, value, slot_mapping, staged)
@@ -98,11 +98,11 @@ def key_group_ends(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, key_gr
 def fused_key_groups(kv_cache: torch.Tensor, layout, slot: ExactSlot) -> bool:
     """Whether :func:`write_key_groups` takes the Triton kernel for this cache
     (CUDA, and a layout and slot in
-    :func:`vllm_lowrank.triton_kernels.cache_write.supports_key_groups`): it
+    :func:`vllm_lowrank.kernels.triton.cache_write.supports_key_groups`): it
     then needs no ``ends``."""
     if not kv_cache.is_cuda:
         return False
-    from vllm_lowrank.triton_kernels import cache_write
+    from vllm_lowrank.kernels.triton import cache_write
 
     return cache_write.supports_key_groups(layout, slot)
 
@@ -128,7 +128,7 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
     cache. Run after this step's tokens were written to both caches.
 
     On CUDA one Triton launch does it for any step size
-    (:func:`vllm_lowrank.triton_kernels.cache_write.write_key_groups`: tokens
+    (:func:`vllm_lowrank.kernels.triton.cache_write.write_key_groups`: tokens
     that end no group return at once). The torch path: steps of at most
     :data:`GRAPH_SAFE_TOKENS` tokens run without a host sync and with fixed
     shapes (CUDA graphs capture them): every token is treated as a group end,
@@ -150,7 +150,7 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot: Ex
             (:func:`key_group_ends`), or ``None``.
     """
     if fused_key_groups(kv_cache, layout, slot):
-        from vllm_lowrank.triton_kernels import cache_write
+        from vllm_lowrank.kernels.triton import cache_write
 
         cache_write.write_key_groups(kv_cache, exact_cache, slot, slot_mapping, exact_slots,
                                      layout)
@@ -216,7 +216,7 @@ def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor,
     d, qpk, gs, hg = s.head_dim, s.queries_per_kv, plan.group_size, plan.heads_per_group
     n = out.shape[0]
     if dtype != v_up.dtype:
-        from vllm_lowrank.triton_kernels.decode_prep import WEIGHT_CACHE, cached_for
+        from vllm_lowrank.kernels.triton.decode_prep import WEIGHT_CACHE, cached_for
 
         v_up = cached_for(WEIGHT_CACHE, v_up, ("values_up", dtype), lambda: v_up.to(dtype))
     parts, col = [], 0
@@ -370,7 +370,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
     recent`` plus the exact set, merged.
 
     With a latent-span kernel, the exact part and the merge run in one Triton
-    kernel (:func:`vllm_lowrank.triton_kernels.decode_exact.exact_merge_decode`)
+    kernel (:func:`vllm_lowrank.kernels.triton.decode_exact.exact_merge_decode`)
     after :func:`values_up` where its ``blocker`` allows, else in torch
     (:func:`exact_attention`, :func:`values_up`, :func:`merge`).
 
@@ -401,7 +401,7 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
         lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
     else:
         lat, lat_lse = latent_decode(*args, mode=mode, **span)
-        from vllm_lowrank.triton_kernels import decode_exact
+        from vllm_lowrank.kernels.triton import decode_exact
 
         if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:
             return decode_exact.exact_merge_decode(
@@ -528,7 +528,7 @@ _KV_HEADS: dict = {}
 
 def _kv_head_table(plan: LayerPlan, device) -> torch.Tensor:
     """The varlen kernel's head table
-    (:func:`vllm_lowrank.triton_kernels.prefill.head_table`'s format) for values
+    (:func:`vllm_lowrank.kernels.triton.prefill.head_table`'s format) for values
     per KV head (the exact tokens', and the latent history's rebuilt): query
     head ``h`` reads KV head ``h // qpk``'s ``head_dim`` values and writes
     ``h * d``; built once per plan and device."""
@@ -553,7 +553,7 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     :func:`~vllm_lowrank.attention.latent_attention.context_values`); the
     causal kernel attends them as a prefix that every query sees, ahead of
     the exact set (sinks, recent tokens, the chunk)
-    (:func:`vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`). So
+    (:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`). So
     one softmax covers both parts (no merge), and the score and value work per
     query head is that of a ``head_dim`` head rather than of the value
     latent's width. The same result as :func:`prefill` per request, up to the
@@ -570,7 +570,7 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
     Returns:
         ``out``.
     """
-    from vllm_lowrank.triton_kernels import prefill as kernel
+    from vllm_lowrank.kernels.triton import prefill as kernel
 
     _, _, d = query.shape
     nkh, dt = plan.shape.num_kv_heads, query.dtype

@@ -43,7 +43,7 @@ output format is theirs (``[B, out_width]`` float32). Its first version ran at
 benchmarks/README.md, "Decode without a key rebuild").
 
 Host side: :func:`blocker` and :func:`launch`, called by
-:func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` with
+:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` with
 ``mode="latent_rope"``.
 """
 

@@ -105,7 +105,7 @@ Uneven ranks: groups are sorted into at most four rank classes (padded
 branch over kernels specialised per class, so a rank-16 group is not computed at
 rank 128. Work scheduling: the plain grid (split x group x sequence, the hardware
 block scheduler assigns programs), or the LPT persistent grid of
-:mod:`vllm_lowrank.triton_kernels.schedule` (ZACK sec. 5.3).
+:mod:`vllm_lowrank.kernels.triton.schedule` (ZACK sec. 5.3).
 
 Output: ``[B, out_width]`` float32, the column layout of
 :attr:`vllm_lowrank.factorization.plan.LayerPlan.out_width` (query heads in order,
@@ -121,7 +121,7 @@ softmax and the accumulators are float32. A float32 cache computes in float32
 
 The host side (preparation, launch parameters, the CUDA-kernel routing) is
 :mod:`.decode`; launch through
-:func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention`.
+:func:`~vllm_lowrank.kernels.triton.decode.latent_decode_attention`.
 """
 
 

@@ -793,3 +793,10 @@ template __global__ void latent_decode::decode_kernel<64, 64, __nv_bfloat16>(con
 template __global__ void latent_decode::decode_kernel<32, 32, __nv_bfloat16>(const latent_decode::Params);
 template __global__ void latent_decode::decode_kernel<128, 128, __nv_bfloat16>(const latent_decode::Params);
 #endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("latent_decode_config", &latent_decode_config,
+        "(warps, stages, smem bytes) of the pre-RoPE decode kernel for (r_k, r_v)");
+  m.def("latent_decode_pre_rope", &latent_decode_pre_rope,
+        "pre-RoPE decode attention over a bf16/fp16 latent cache (mma.sync)");
+}

@@ -4,7 +4,7 @@ r"""Fused paged decode attention over latent KV: the host side.
 plan, layout and device, cached) the group table, the packed key
 up-projection and the RoPE check, chooses the launch parameters and the split
 (:mod:`.launch`), and launches one of three kernels: the CUDA mma.sync kernel of
-:mod:`vllm_lowrank.cuda_ext` where the call is in its scope
+:mod:`vllm_lowrank.kernels.cuda.ext` where the call is in its scope
 (:func:`cuda_path_blocker`), else the Triton grid or persistent kernel of
 :mod:`.decode_kernels` (the math is described there), or, for head groups whose
 key tile does not fit one program, the wide-group kernel of :mod:`.decode_wide`
@@ -91,7 +91,7 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
                       layout=None, schedule=None, mode="pre_rope", config=None, out=None,
                       transform=None, window=None, sink=0, recent=0) -> str | None:
     """Why a :func:`latent_decode_attention` call cannot take the CUDA kernel
-    (:func:`vllm_lowrank.cuda_ext.latent_decode_pre_rope`), or ``None`` if it can.
+    (:func:`vllm_lowrank.kernels.cuda.ext.latent_decode_pre_rope`), or ``None`` if it can.
 
     Its scope: a CUDA device outside the Triton interpreter; ``pre_rope`` mode,
     default launch (no ``config``, no ``schedule``); an unquantized bf16/fp16 cache
@@ -99,7 +99,7 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
     queries of the same dtype; one KV head per group, ``head_dim`` 128, full
     rotary from a rotation table
     (:func:`rope_is_rotation`); one key rank and one value rank for all groups,
-    both in :data:`vllm_lowrank.cuda_ext.DECODE_RANKS`; at most 8 query heads per
+    both in :data:`vllm_lowrank.kernels.cuda.ext.DECODE_RANKS`; at most 8 query heads per
     group; no key transform, sliding window (shorter than ``max_seq_len``) or
     token-adaptive span; int32 block table and sequence lengths; ``out``
     contiguous float32 if given."""
@@ -135,7 +135,7 @@ def cuda_path_blocker(plan, rope, query, kv_cache, block_table, seq_lens, max_se
     for ok, why in checks:
         if not ok:
             return why
-    from vllm_lowrank.cuda_ext import DECODE_RANKS
+    from vllm_lowrank.kernels.cuda.ext import DECODE_RANKS
 
     if plan.k_ranks[0] not in DECODE_RANKS or plan.v_ranks[0] not in DECODE_RANKS:
         return f"ranks ({plan.k_ranks[0]}, {plan.v_ranks[0]}) not in {DECODE_RANKS}"
@@ -155,7 +155,7 @@ def _cuda_unavailable() -> str | None:
     """``None`` once the CUDA extension has loaded; else the build error (kept,
     and warned about once, so later calls fall back to Triton at no cost)."""
     if "error" not in _CUDA_STATE:
-        from vllm_lowrank import cuda_ext
+        from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
         try:
             cuda_ext.load()
@@ -171,7 +171,7 @@ def _cuda_unavailable() -> str | None:
 
 def _cuda_decode(plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens,
                  max_seq_len, num_splits, out, return_lse):
-    from vllm_lowrank import cuda_ext
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     weights = cached_for(WEIGHT_CACHE, k_up, ("cuda", plan, rope.neox, kv_cache.dtype),
                           lambda: cuda_ext.pack_key_weights_t(plan, k_up, rope.neox,
@@ -316,7 +316,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
         num_splits: Context splits per sequence and group (``None``: heuristic;
             1: no reduce pass).
         schedule: ``None`` for the plain grid; ``"lpt"`` or a
-            :class:`~vllm_lowrank.triton_kernels.schedule.DecodeSchedule` for the
+            :class:`~vllm_lowrank.kernels.triton.schedule.DecodeSchedule` for the
             longest-first persistent grid.
         mode: ``"pre_rope"`` (rebuild keys, RoPE), ``"post_rope"``, or
             ``"latent_rope"``: the same attention as ``pre_rope`` for a
@@ -351,7 +351,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
             runs the plain kernel.
         return_lse: Also return the log-sum-exp of the attended scores.
         backend: ``"auto"`` (default): the CUDA kernel of
-            :func:`vllm_lowrank.cuda_ext.latent_decode_pre_rope` when the call is
+            :func:`vllm_lowrank.kernels.cuda.ext.latent_decode_pre_rope` when the call is
             in its scope (see :func:`cuda_path_blocker`) and the extension builds,
             else this module's Triton kernel; ``"triton"``: always Triton;
             ``"cuda"``: the CUDA kernel, a ``ValueError`` naming the reason if
@@ -618,7 +618,7 @@ def latent_decode_attention(plan, k_up, rope, scale, query, kv_cache, block_tabl
     elif schedule is None:
         decode_grid_kernel[(num_splits, ng // gpp, bsz)](*args, **common)
     else:
-        from vllm_lowrank.triton_kernels.schedule import DecodeSchedule, build_lpt_schedule
+        from vllm_lowrank.kernels.triton.schedule import DecodeSchedule, build_lpt_schedule
 
         if not isinstance(schedule, DecodeSchedule):
             if schedule != "lpt":

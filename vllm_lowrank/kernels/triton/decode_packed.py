@@ -41,7 +41,7 @@ partial and output formats are theirs (output ``[B, out_width]`` float32, query
 heads in order, ``RV`` columns each).
 
 Host side: :func:`blocker` (why a call is out of scope) and :func:`launch`,
-called by :func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention`.
+called by :func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention`.
 """
 
 from __future__ import annotations

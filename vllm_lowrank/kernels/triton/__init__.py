@@ -1,7 +1,7 @@
-"""Triton kernels of vllm-lowrank (installed as ``vllm_lowrank.triton_kernels``).
+"""Triton kernels of vllm-lowrank (installed as ``vllm_lowrank.kernels.triton``).
 
 - :mod:`.decode` -- fused paged decode attention over latent KV:
-  :func:`~vllm_lowrank.triton_kernels.decode.latent_decode_attention` (pre-RoPE
+  :func:`~vllm_lowrank.kernels.triton.decode.latent_decode_attention` (pre-RoPE
   key rebuild with RoPE in registers, or post-RoPE latent scores; bf16/fp16/fp32
   or packed low-bit caches; split-K with a reduce; uneven ranks per head group):
   the host side; the kernels are in :mod:`.decode_kernels`, the cached
@@ -14,14 +14,14 @@
 - :mod:`.tiles` -- device helpers shared by both: packed latent loads, key
   transforms, the split-K merge.
 - :mod:`.prefill` -- varlen causal prefill of every chunk of a step in one launch
-  (:func:`~vllm_lowrank.triton_kernels.prefill.latent_prefill_attention`: rebuilt
+  (:func:`~vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`: rebuilt
   keys, value latents or rebuilt values, bottom-right causal mask, sliding
   windows, a prefix source every query sees: the token-adaptive history).
 - :mod:`.rope` -- RoPE of rebuilt keys in place, one launch
-  (:func:`~vllm_lowrank.triton_kernels.rope.rotate_keys`).
+  (:func:`~vllm_lowrank.kernels.triton.rope.rotate_keys`).
 - :mod:`.cache_write` -- quantize-on-write of packed latents into the paged
   cache, every token and quantization group of a step in one launch
-  (:func:`~vllm_lowrank.triton_kernels.cache_write.write_packed_latents`).
+  (:func:`~vllm_lowrank.kernels.triton.cache_write.write_packed_latents`).
 - :mod:`.schedule` -- longest-processing-time-first work lists for the persistent
   decode grid (ZACK sec. 5.3), built on the GPU.
 

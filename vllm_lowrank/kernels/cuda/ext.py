@@ -1,29 +1,20 @@
-"""CUDA kernels (``csrc/latent_dequant.cu``, ``csrc/latent_decode.cu``), built lazily.
+"""Build and load the CUDA extension (``latent_decode.cu`` beside this file), lazily.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, ``-gencode`` for the current GPU's architecture, e.g. ``sm_90`` on Hopper,
 ``sm_80`` on Ampere) into torch's extension cache, and reused afterwards. Nothing
 is built or imported at package import time.
 
-Kernels (quantized cache of :class:`vllm_lowrank.format.latent.SlotLayout`):
-
-- :func:`latent_scores` -- post-RoPE mode scores ``scale * q~ . deq(c_k)``, where no
-  RoPE sits between the latent and the product;
-- :func:`latent_pv` -- the value path ``sum_t p_t deq(c_v[t])`` (output stays in the
-  value latent space, as in the fused Triton kernel);
-- :func:`post_rope_decode` -- the two composed around a float32 softmax (a reference
-  decode path for the post-RoPE mode on a quantized cache);
 - :func:`latent_decode_pre_rope` -- fused pre-RoPE decode attention over a bf16/fp16
   latent cache on mma.sync tensor cores (key rebuild, RoPE, online softmax, value
-  product; the fast path of ``latent_decode_attention``, which dispatches to it).
+  product), for per-KV-head groups at 16 bits
+  (:class:`vllm_lowrank.attention.decoders.CudaDecoder`).
 
 Example::
 
-    from vllm_lowrank import cuda_ext
-    s = cuda_ext.latent_scores(q_lat, cache_u8, block_table, seq_lens, max_len,
-                               plan, layout, scale)       # [B, H, max_len]
-    o = cuda_ext.latent_pv(s.softmax(-1), cache_u8, block_table, seq_lens,
-                           plan, layout)                   # [B, out_width]
+    from vllm_lowrank.kernels.cuda import ext
+    ext.load()                               # builds on first use (RuntimeError if it cannot)
+    warps, stages, smem = ext.decode_config(64, 64)
 """
 
 from __future__ import annotations
@@ -36,18 +27,13 @@ import torch
 
 _EXT = None
 _NAME = "vllm_lowrank_cuda"
-_SOURCES = ("latent_dequant.cu", "latent_decode.cu")
+_SOURCES = ("latent_decode.cu",)
 
 
 def source_dir() -> Path:
-    """The CUDA sources: the installed ``vllm_lowrank.csrc`` package data (a
-    wheel or an editable checkout's ``csrc/``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm_lowrank.csrc")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(__file__).resolve().parents[1] / "csrc"
+    """The CUDA sources: this package's directory (package data in a wheel, the
+    checkout in an editable install)."""
+    return Path(__file__).resolve().parent
 
 
 def load(verbose: bool = False):
@@ -55,14 +41,14 @@ def load(verbose: bool = False):
 
     Raises:
         RuntimeError: no CUDA device, no CUDA toolkit (nvcc / CUDA_HOME), no ninja,
-            or the ``csrc/`` sources are missing; the message names the fix.
+            or the ``.cu`` sources are missing; the message names the fix.
     """
     global _EXT
     if _EXT is not None:
         return _EXT
     if not torch.cuda.is_available():
         raise RuntimeError(
-            "vllm_lowrank.cuda_ext needs a CUDA device (torch.cuda.is_available() is "
+            "vllm_lowrank.kernels.cuda.ext needs a CUDA device (torch.cuda.is_available() is "
             "False); on CPU use SlotLayout.decode with the torch path in "
             "vllm_lowrank.attention.latent_attention")
     if torch.version.cuda is None:
@@ -87,7 +73,7 @@ def load(verbose: bool = False):
     if missing:
         raise RuntimeError(
             f"CUDA sources {missing} not found under {src}: the package was installed "
-            "without its vllm_lowrank.csrc data; reinstall vllm-lowrank")
+            "without its vllm_lowrank.kernels.cuda data; reinstall vllm-lowrank")
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     try:
@@ -124,72 +110,10 @@ def build(arch: str, verbose: bool = False):
         extra_cuda_cflags=nvcc_flags(arch), extra_cflags=["-O3"], verbose=verbose)
 
 
-def group_table(plan, layout, side: str) -> torch.Tensor:
-    """int32 ``[num_groups, 6]`` rows ``(code byte offset, first scale/zero index,
-    rank, channels per scale/zero, first output column, 0)`` of ``side`` 'k' or 'v'."""
-    from vllm_lowrank.format.latent import packed_bytes
-
-    if side == "k":
-        ranks, groups, bits, off = plan.k_ranks, layout.k_groups, layout.k_bits, 0
-    else:
-        ranks, groups, bits, off = plan.v_ranks, layout.v_groups, layout.v_bits, \
-            layout.v_codes_offset
-    if tuple(ranks) != tuple(layout.k_ranks if side == "k" else layout.v_ranks):
-        raise ValueError("layout ranks do not match the plan")
-    rows, par = [], 0
-    hg = plan.heads_per_group
-    for r, q, vo in zip(ranks, groups, plan.v_offsets()):
-        rows.append([off, par, r, q, hg * vo if side == "v" else 0, 0])
-        off += packed_bytes(r, bits)
-        par += r // q
-    return torch.tensor(rows, dtype=torch.int32)
-
-
-_TABLES: dict = {}
-
-
-def _table(plan, layout, side, device):
-    key = (plan, layout.k_ranks, layout.v_ranks, layout.k_bits, layout.v_bits,
-           layout.k_groups, layout.v_groups, side, str(device))
-    t = _TABLES.get(key)
-    if t is None:
-        t = _TABLES[key] = group_table(plan, layout, side).to(device)
-    return t
-
-
-def latent_scores(q, kv_cache, block_table, seq_lens, max_seq_len, plan, layout, scale,
-                  tokens_per_block: int = 128):
-    """``[B, H, max_seq_len]`` float32 scores ``scale * q~[b, h, :r_k] . deq(c_k[b, t])``;
-    ``-inf`` at ``t >= seq_len``. ``q``: ``[B, H, >= max r_k]`` latent-basis queries."""
-    ext = load()
-    return ext.latent_scores(
-        q.float().contiguous(), kv_cache, block_table, seq_lens,
-        _table(plan, layout, "k", q.device), layout.k_bits, layout.k_scale_offset,
-        layout.k_zero_offset, plan.heads_per_group, int(max_seq_len), float(scale),
-        tokens_per_block)
-
-
-def latent_pv(p, kv_cache, block_table, seq_lens, plan, layout, tokens_per_block: int = 256):
-    """``[B, out_width]`` float32 ``sum_t p[b, h, t] deq(c_v[b, t])`` in the output
-    column layout of the plan (``p``: ``[B, H, >= max seq_len]``)."""
-    ext = load()
-    return ext.latent_pv(
-        p.float().contiguous(), kv_cache, block_table, seq_lens,
-        _table(plan, layout, "v", p.device), layout.v_bits, layout.v_scale_offset,
-        layout.v_zero_offset, plan.heads_per_group, plan.out_width, tokens_per_block)
-
-
-def post_rope_decode(q, kv_cache, block_table, seq_lens, max_seq_len, plan, layout, scale):
-    """Post-RoPE decode on a quantized cache: CUDA scores, float32 softmax, CUDA
-    value path. ``[B, out_width]`` float32."""
-    s = latent_scores(q, kv_cache, block_table, seq_lens, max_seq_len, plan, layout, scale)
-    return latent_pv(torch.softmax(s, dim=-1), kv_cache, block_table, seq_lens, plan, layout)
-
-
 DECODE_HEAD_DIM = 128
 DECODE_RANKS = (16, 32, 48, 64, 96, 128)
 """Key and value ranks with a compiled :func:`latent_decode_pre_rope` kernel (any
-pair; the list in ``csrc/latent_decode.cu``, ``LATENT_DECODE_RANKS``)."""
+pair; the list in ``vllm_lowrank/kernels/cuda/latent_decode.cu``, ``LATENT_DECODE_RANKS``)."""
 
 _DECODE_CFG: dict = {}
 
@@ -248,7 +172,7 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
     ``o[b, h] = sum_t softmax_t(scale * q[b, h] . R_t (c_k[t] @ B_k[g])) c_v[t]``
     over ``t < seq_lens[b]`` (``R_t``: RoPE at position ``t`` from ``rope``), in
     the value latent space: the contract of
-    :func:`vllm_lowrank.triton_kernels.decode.latent_decode_attention` for
+    :func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` for
     ``group_size == 1``, ``head_dim == 128``, full rotary, uniform ranks.
 
     Args:

@@ -230,7 +230,7 @@ def known_multiple(x, M: tl.constexpr):
 @triton.jit
 def group_row(gt_ptr, num_groups, g):
     """Head group ``g``'s row of the group table (int32 ``[8, num_groups]``,
-    :class:`vllm_lowrank.triton_kernels.decode_prep.Prepared`): ``(k_off, v_off, r_k,
+    :class:`vllm_lowrank.kernels.triton.decode_prep.Prepared`): ``(k_off, v_off, r_k,
     r_v, k_par, v_par, out_col)``: the key and value latents' offsets in a slot
     (elements, or bytes in a packed slot), the ranks, the first scale/zero pair
     of each side, the first output column."""
