@@ -4,28 +4,35 @@
 # pinned vLLM version (0.32.0, the version vllm-lowrank[cuda] requires) plus
 # this plugin and its CUDA extension, prebuilt for sm_80 (A100) and sm_90 (H100).
 #
-#   docker build -t vllm-lowrank:0.1.0-cuda .
+#   digest="$(docker buildx imagetools inspect vllm/vllm-openai:v0.32.0 \
+#       --format '{{json .Manifest.Digest}}' | tr -d '"')"
+#   docker build -t vllm-lowrank:0.1.0-cuda --build-arg BASE_DIGEST="$digest" .
 #   docker run --gpus all --ipc=host -p 8000:8000 -e VLLM_API_KEY="$(cat key)" \
 #       vllm-lowrank:0.1.0-cuda \
 #       MODEL --kv-compression lowrank --kv-compression-config '{"rank_fraction": 0.5}'
 #
+# The base image is pulled by digest: BASE_DIGEST (sha256:<64 hex digits>) is
+# required and has no default, because no digest of vllm/vllm-openai:v0.32.0
+# has been recorded in this repository yet (a build without it stops at once
+# with "BASE_DIGEST: required..."). The tag only names what the digest is of.
+#
 # Closed by default: the entry point (`vllm-lowrank-serve`, vllm_lowrank/serve_entry.py)
 # runs `vllm serve ARGS` only with an API key (VLLM_API_KEY, VLLM_API_KEY_FILE
-# naming a mounted Secret, or --api-key); without one it exits 2 before
-# binding a port (VLLM_LOWRANK_ALLOW_NO_API_KEY=1 opts out).
+# naming a mounted Secret, or --api-key) and then requires it on every route
+# but /health and /metrics; without one it exits 2 before binding a port
+# (VLLM_LOWRANK_ALLOW_NO_API_KEY=1 opts out).
 #
-# CPU demo image (deploy/overlays/cpu-demo), same file on vLLM's CPU release image:
+# CPU demo image (deploy/overlays/cpu-demo), same file on vLLM's CPU release image
+# (its digest from `docker buildx imagetools inspect` as above):
 #   docker build -t vllm-lowrank:0.1.0-cpu \
 #       --build-arg BASE_IMAGE=public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo \
+#       --build-arg BASE_DIGEST=sha256:<digest> \
 #       --build-arg VLLM_LOWRANK_EXTRAS=data --build-arg BUILD_CUDA_EXT=0 .
-#
-# In production pin the base image by digest as well as by tag, e.g.
-#   --build-arg BASE_TAG=v0.32.0@sha256:<digest>
-# (`docker buildx imagetools inspect vllm/vllm-openai:v0.32.0` prints it).
 ARG BASE_IMAGE=vllm/vllm-openai
 ARG BASE_TAG=v0.32.0
+ARG BASE_DIGEST
 
-FROM ${BASE_IMAGE}:${BASE_TAG} AS vllm-base
+FROM ${BASE_IMAGE}:${BASE_TAG}@${BASE_DIGEST:?required:--build-arg_BASE_DIGEST=sha256:DIGEST_of_the_base_image(see_the_Dockerfile_header)} AS vllm-base
 
 ############################ CUDA extension build #############################
 # A throw-away stage: nvcc and the CUDA headers, when the base (a CUDA runtime
@@ -47,8 +54,8 @@ ENV TORCH_CUDA_ARCH_LIST="8.0;8.9;9.0" \
     CUDA_HOME=/usr/local/cuda \
     MAX_JOBS=4 \
     DEBIAN_FRONTEND=noninteractive
-# The whole (small, see .dockerignore) context: csrc/ is absent from a clone
-# while it holds no sources, and COPY of a missing folder fails.
+# The whole (small, see .dockerignore) context (the CUDA sources live in
+# vllm_lowrank/kernels/cuda/, built in the stage below).
 COPY . /opt/vllm-lowrank/src/
 WORKDIR /opt/vllm-lowrank/src
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -60,8 +67,8 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
     && if [ "${BUILD_CUDA_EXT}" != "1" ]; then \
          echo "BUILD_CUDA_EXT=${BUILD_CUDA_EXT}: not building the CUDA extension"; exit 0; \
        fi \
-    && if ! compgen -G "csrc/*.cu" > /dev/null; then \
-         echo "csrc/ has no .cu sources: no CUDA extension to build"; exit 0; \
+    && if ! compgen -G "vllm_lowrank/kernels/cuda/*.cu" > /dev/null; then \
+         echo "vllm_lowrank/kernels/cuda/ has no .cu sources: no CUDA extension to build"; exit 0; \
        fi \
     && if ! python3 -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then \
          echo "torch in the base image has no CUDA (CPU base): no CUDA extension"; exit 0; \
@@ -74,7 +81,7 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
          && rm -rf /var/lib/apt/lists/*; \
        fi \
     && python3 -c "import os, sys; sys.path.insert(0, os.getcwd()); \
-from vllm_lowrank import cuda_ext; \
+from vllm_lowrank.kernels.cuda import ext as cuda_ext; \
 [cuda_ext.build(a.replace('.', ''), verbose=True) \
  for a in os.environ['TORCH_CUDA_ARCH_LIST'].split(';')]" \
     && ls -lR "${TORCH_EXTENSIONS_DIR}"
@@ -101,7 +108,7 @@ COPY --chown=root:root . /opt/vllm-lowrank/src
 # every installed distribution (torch, vllm, triton, ...) is pinned as a
 # constraint, so a dependency conflict fails the build instead of silently
 # replacing vLLM's torch. Editable (from /opt/vllm-lowrank/src, read-only to the
-# server's user) because vllm_lowrank.cuda_ext finds csrc/ next to the package.
+# server's user) because vllm_lowrank.kernels.cuda.ext finds its .cu sources next to it.
 RUN python3 -m pip list --format=freeze > /tmp/base-constraints.txt \
     && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir \
          --constraint /tmp/base-constraints.txt \
@@ -110,7 +117,7 @@ RUN python3 -m pip list --format=freeze > /tmp/base-constraints.txt \
     && python3 -c "import vllm, vllm_lowrank; print('vllm', vllm.__version__, 'vllm-lowrank', vllm_lowrank.__version__)"
 
 # Prebuilt CUDA extension modules (an empty folder on a CPU base or without
-# csrc/ sources). Owned by the server's user: torch's JIT takes a lock file in
+# .cu sources). Owned by the server's user: torch's JIT takes a lock file in
 # the build folder even when the build is up to date.
 COPY --from=cuda-ext --chown=10001:10001 /opt/vllm-lowrank/torch_extensions /opt/vllm-lowrank/torch_extensions
 

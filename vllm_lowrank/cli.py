@@ -13,13 +13,19 @@ Subcommands:
   calibration, per-layer ranks and bits, serving settings, bytes per token).
 
 ``MODEL`` is a Hugging Face folder or an embedded model alias
-(``smollm2-135m``, ``gemma3-270m``). Bad input prints one line and exits with status 2.
+(``smollm2-135m``, ``gemma3-270m``). Every subcommand checks its numbers (in
+argparse) and its paths (:func:`check_model`, :func:`check_output`) before it
+loads or converts anything; bad input prints one ``vllm-lowrank: error:`` line
+and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
 
 from vllm_lowrank.config import (
@@ -33,6 +39,17 @@ from vllm_lowrank.config import (
     parse_config_text,
 )
 
+MAX_KV_HEADS = 1024
+"""Largest ``--head-group-size`` / ``--tensor-parallel-size`` accepted."""
+MAX_BLOCK_SIZE = 1 << 16
+"""Largest KV block size accepted (vLLM's are 16 to 256 tokens)."""
+MAX_RATIO = 1000.0
+"""Largest ``allocate --compression`` accepted."""
+MAX_BYTES = float(1 << 40)
+"""Largest ``allocate --bytes-per-token`` accepted."""
+MAX_GIB = float(1 << 20)
+"""Largest ``estimate --kv-cache-gib`` accepted (1 PiB)."""
+
 
 def resolve_model(arg: str) -> str:
     """A model folder from a path or an embedded alias (converted on demand)."""
@@ -43,9 +60,102 @@ def resolve_model(arg: str) -> str:
     return arg
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model(arg: str) -> None:
+    """``MODEL`` of a subcommand, checked without loading weights: an embedded
+    alias, a folder whose ``config.json`` transformers reads, or (not a local
+    path) a Hugging Face Hub id whose config can be fetched.
+
+    Raises:
+        LowRankConfigError: none of these (a missing path, a file, a folder
+            without a readable ``config.json``), naming the fix.
+    """
+    from vllm_lowrank import embedded
+    from vllm_lowrank.inputs import MAX_CONFIG_BYTES, check_directory, check_regular_file
+
+    if arg in embedded.MODELS:
+        return
+    fix = (f"give a Hugging Face model folder (with config.json) or an embedded model "
+           f"({', '.join(sorted(embedded.MODELS))})")
+    if os.path.lexists(arg) or not _HUB_ID.fullmatch(arg):
+        check_directory(arg, "model", fix)
+        check_regular_file(os.path.join(arg, "config.json"), "model config", MAX_CONFIG_BYTES)
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(arg)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split())
+        raise LowRankConfigError(f"model {arg!r} cannot be read: {reason[:300]}; {fix}") from None
+
+
+def text_config(path: str):
+    """The text model's Hugging Face config of the model folder ``path`` (a
+    multimodal checkpoint's ``text_config``)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).get_text_config()
+
+
+def check_output(path: str) -> None:
+    """``--output`` of ``calibrate``/``allocate``: a new directory, an empty
+    one, or an artifact to replace, in a folder that can be written (the
+    artifact is written beside it, then renamed).
+
+    Raises:
+        LowRankConfigError: a file, a directory holding other files (writing
+            would delete them), or a folder that cannot be written.
+    """
+    from vllm_lowrank.calibration.artifact import MANIFEST
+    from vllm_lowrank.inputs import check_directory, check_writable_directory
+
+    if os.path.lexists(path):
+        check_directory(path, "--output")
+        if os.listdir(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise LowRankConfigError(
+                f"--output {path!r} is a directory with other files in it, not an artifact; "
+                "writing the artifact would replace it: give a new directory")
+    check_writable_directory(os.path.dirname(os.path.abspath(path)), "the folder of --output")
+
+
+def _number(kind: type, low: float, high: float, *, above: bool = False):
+    """An argparse ``type``: a finite ``kind`` (``int`` or ``float``) at least
+    ``low`` (more than it with ``above``) and at most ``high``; anything else
+    is one ``vllm-lowrank: error:`` line naming the flag and the range."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(value) and (value > low if above else value >= low)
+                and value <= high):
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: give {'more than' if above else 'at least'} "
+                f"{low:g} and at most {high:g}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``vllm-lowrank: error:`` line
+    (exit status 2), like every other refusal of the command line."""
+
+    def error(self, message: str):
+        print(f"vllm-lowrank: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _prepare(args) -> None:
     from vllm_lowrank import embedded
+    from vllm_lowrank.inputs import check_writable_directory
 
+    if args.cache_dir is not None:
+        check_writable_directory(args.cache_dir, "--cache-dir")
     path = embedded.prepare(args.name, args.cache_dir)
     if args.calibrate:
         from vllm_lowrank.calibration.cache import load_or_calibrate
@@ -117,6 +227,7 @@ def _calibration_text(args) -> tuple[list[str] | None, str | None]:
 
 def _calibrate(args) -> None:
     check_calibration_tokens(args.tokens, bool(args.text))
+    check_output(args.output)
     if args.rank_allocation is None:
         args.rank_allocation = "fisher" if args.method in LOSS_METHODS else "energy"
     from vllm_lowrank.calibration.calibrate import calibrate_model
@@ -136,7 +247,14 @@ def _calibrate(args) -> None:
                                    "rank_fraction": args.rank_fraction,
                                    "rank_allocation": args.rank_allocation,
                                    "head_group_size": args.head_group_size})
+    check_model(args.model)
     path = resolve_model(args.model)
+    text = text_config(path)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if args.head_group_size is not None and kv_heads % args.head_group_size:
+        raise LowRankConfigError(
+            f"--head-group-size {args.head_group_size} does not divide the model's {kv_heads} "
+            f"KV heads; give a divisor of {kv_heads}")
     artifact = calibrate_model(path, method=args.method,
                                group_size=args.head_group_size, num_tokens=args.tokens,
                                documents=documents, text_description=description,
@@ -158,17 +276,25 @@ def _allocate(args) -> None:
     from vllm_lowrank.calibration.allocate import budget_artifact, serving_config
     from vllm_lowrank.calibration.cache import load_or_calibrate
 
+    check_output(args.output)
     cfg = serving_config(parse_config_text(args.config) if args.config else {})
-    path = resolve_model(args.model)
-    if args.artifact == "auto":
-        artifact, _ = load_or_calibrate(path, cfg, device=args.device, dtype=args.dtype)
-    else:
+    artifact = None
+    if args.artifact != "auto":
+        from vllm_lowrank.inputs import check_directory
+
+        check_directory(args.artifact, "--artifact", "give a fisher artifact's directory "
+                        "(`vllm-lowrank calibrate --method fisher --output DIR`) or auto")
         artifact = art.load_artifact(args.artifact)
+    documents = _calibration_text(args)[0]
+    check_model(args.model)
+    path = resolve_model(args.model)
+    if artifact is None:
+        artifact, _ = load_or_calibrate(path, cfg, device=args.device, dtype=args.dtype)
     out, report = budget_artifact(
         path, artifact, cfg, ratio=args.compression, bytes_per_token=args.bytes_per_token,
         ppl_increase=None if args.ppl_increase is None else args.ppl_increase / 100,
         context=args.context, block_size=args.block_size, num_windows=args.windows,
-        choose_knobs=not args.fixed_knobs, documents=_calibration_text(args)[0],
+        choose_knobs=not args.fixed_knobs, documents=documents,
         device=args.device, dtype=args.dtype, bits_options=args.bits)
     out.save(args.output)
     serving = out.manifest["ranks"]["serving"]
@@ -184,13 +310,19 @@ def _perplexity(args) -> None:
     for text in args.text:  # a user's file is checked before any engine starts
         if text not in TEXTS:
             read_text_file(text, "evaluation text")
-    model = resolve_model(args.model)
     settings = [None] if not args.no_baseline else []
     for text in args.config:
         raw = parse_config_text(text)
         raw.setdefault("mode", "lowrank")
         LowRankConfig.from_dict(raw)
         settings.append(raw)
+    check_model(args.model)
+    model = resolve_model(args.model)
+    positions = getattr(text_config(model), "max_position_embeddings", None)
+    if positions is not None and args.window + 16 > positions:
+        raise LowRankConfigError(
+            f"--window {args.window} does not fit the model's {positions} positions "
+            f"(max_position_embeddings, 16 kept spare); give at most {positions - 16}")
     num_windows = max(1, args.tokens // args.window)
     rows = []
     base = {}
@@ -271,6 +403,10 @@ def describe_artifact(path: str) -> dict:
 
 
 def _inspect(args) -> None:
+    from vllm_lowrank.inputs import check_directory
+
+    check_directory(args.artifact, "artifact", "give the artifact's directory (what "
+                    "`vllm-lowrank calibrate` or `allocate` wrote with --output)")
     info = describe_artifact(args.artifact)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -302,6 +438,7 @@ def _estimate(args) -> None:
 
     given = parse_config_text(args.config) if args.config else {}
     cfg = LowRankConfig.from_dict({"mode": "lowrank", **given})
+    check_model(args.model)
     info = estimate(resolve_model(args.model), cfg, dtype=args.dtype,
                     kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
                     tensor_parallel_size=args.tensor_parallel_size, context=args.context,
@@ -330,7 +467,7 @@ def _estimate(args) -> None:
     print(f"GPU path   {info['gpu_path']}")
 
 
-def _deprecated_flag(parser, old: str, new: str, kind: type) -> None:
+def _deprecated_flag(parser, old: str, new: str, kind) -> None:
     """Accept ``old`` as a hidden alias of the option ``new`` (same destination),
     printing one warning line when it is used (one release, then removed)."""
 
@@ -345,7 +482,7 @@ def _deprecated_flag(parser, old: str, new: str, kind: type) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="vllm-lowrank", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("prepare-model", help="convert an embedded model once, print its folder")
@@ -359,11 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face folder or embedded alias")
     s.add_argument("--output", required=True, help="artifact directory to write")
     s.add_argument("--method", choices=METHODS, default=LowRankConfig.method)
-    s.add_argument("--head-group-size", type=int, default=None,
+    s.add_argument("--head-group-size", type=_number(int, 1, MAX_KV_HEADS), default=None,
                    help="KV heads per head group (default: all KV heads of a layer); the "
                         "artifact serves tensor-parallel sizes N whose KV heads "
                         "per TP rank (KV heads / N) are a multiple of it")
-    _deprecated_flag(s, "--group-size", "--head-group-size", int)
+    _deprecated_flag(s, "--group-size", "--head-group-size", _number(int, 1, MAX_KV_HEADS))
     s.add_argument("--tokens", type=int, default=LowRankConfig.calibration_tokens)
     s.add_argument("--rank-fraction", type=float, default=LowRankConfig.rank_fraction,
                    help="rank fraction whose rank allocation is recorded in the manifest "
@@ -382,20 +519,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--artifact", default="auto",
                    help="fisher artifact to start from (default: the cached default)")
     target = s.add_mutually_exclusive_group(required=True)
-    target.add_argument("--compression", type=float,
-                        help="compression ratio (16-bit K+V bytes / stored bytes)")
-    _deprecated_flag(target, "--ratio", "--compression", float)
-    target.add_argument("--bytes-per-token", type=float, help="bytes per token, all layers")
-    target.add_argument("--ppl-increase", type=float,
+    ratio = _number(float, 1, MAX_RATIO, above=True)
+    target.add_argument("--compression", type=ratio,
+                        help="compression ratio (16-bit K+V bytes / stored bytes), > 1")
+    _deprecated_flag(target, "--ratio", "--compression", ratio)
+    target.add_argument("--bytes-per-token", type=_number(float, 0, MAX_BYTES, above=True),
+                        help="bytes per token, all layers")
+    target.add_argument("--ppl-increase", type=_number(float, 0, 1000, above=True),
                         help="estimated perplexity increase in percent (objective budget)")
     s.add_argument("--config", default=None,
                    help="serving settings the allocation assumes (JSON or path): "
                         "token_adaptive, sink_tokens, recent_tokens, k_quant, "
                         "k_channel_tokens, quant_group_size, hadamard")
-    s.add_argument("--context", type=int, default=4096,
+    s.add_argument("--context", type=_number(int, 1, MAX_TOKENS), default=4096,
                    help="tokens per sequence that amortise the exact tokens")
-    s.add_argument("--block-size", type=int, default=32, help="vLLM KV block size")
-    s.add_argument("--windows", type=int, default=4, help="1024-token calibration windows")
+    s.add_argument("--block-size", type=_number(int, 1, MAX_BLOCK_SIZE), default=32,
+                   help="vLLM KV block size")
+    s.add_argument("--windows", type=_number(int, 1, MAX_TOKENS // 1024), default=4,
+                   help="1024-token calibration windows")
     s.add_argument("--bits", type=int, nargs="+", default=list(STORAGE_BITS),
                    choices=STORAGE_BITS, metavar="BITS",
                    help=f"code widths a side may be stored at (default: all of "
@@ -415,9 +556,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wikipedia (held out from calibration), bbc, shakespeare, code "
                         "(Python's standard library), or your own .txt / .jsonl file "
                         "(a \"text\" field per line); several allowed")
-    s.add_argument("--tokens", type=int, default=16384, help="tokens per text")
-    s.add_argument("--window", type=int, default=1024)
-    s.add_argument("--dtype", default="float32")
+    s.add_argument("--tokens", type=_number(int, 1, MAX_TOKENS), default=16384,
+                   help="tokens per text")
+    s.add_argument("--window", type=_number(int, 2, MAX_TOKENS), default=1024,
+                   help="tokens per window (at most the model's context)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--no-baseline", action="store_true")
     s.set_defaults(func=_perplexity)
 
@@ -426,15 +569,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", help="Hugging Face folder or embedded alias")
     s.add_argument("--config", default=None,
                    help="a --kv-compression-config (JSON or path); none: the default preset")
-    s.add_argument("--kv-cache-gib", "--gpu-memory-gib", dest="kv_cache_gib", type=float,
-                   default=1.0, help="KV cache memory per worker, GiB (vLLM's "
-                                     "kv_cache_memory_bytes; VLLM_CPU_KVCACHE_SPACE on CPU)")
+    s.add_argument("--kv-cache-gib", "--gpu-memory-gib", dest="kv_cache_gib",
+                   type=_number(float, 0, MAX_GIB, above=True), default=1.0,
+                   help="KV cache memory per worker, GiB (vLLM's kv_cache_memory_bytes; "
+                        "VLLM_CPU_KVCACHE_SPACE on CPU)")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    s.add_argument("--block-size", type=int, default=None,
+    s.add_argument("--block-size", type=_number(int, 1, MAX_BLOCK_SIZE), default=None,
                    help="KV block size (default: the preset's, else 16)")
-    s.add_argument("--tensor-parallel-size", type=int, default=1)
-    s.add_argument("--context", type=int, default=4096, help="tokens per sequence")
-    s.add_argument("--concurrent-batches", type=int, default=2,
+    s.add_argument("--tensor-parallel-size", type=_number(int, 1, MAX_KV_HEADS), default=1)
+    s.add_argument("--context", type=_number(int, 1, MAX_TOKENS), default=4096,
+                   help="tokens per sequence")
+    s.add_argument("--concurrent-batches", type=_number(int, 1, 64), default=2,
                    help="vLLM's batches in flight: 2 with async scheduling (its default on "
                         "CUDA), 1 without (CPU)")
     s.add_argument("--json", action="store_true")

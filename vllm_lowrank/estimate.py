@@ -18,11 +18,12 @@ sequences of ``context`` tokens that fit (latent slots plus exact slots).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 import torch
 
-from vllm_lowrank.config import LowRankConfig
+from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -67,8 +68,9 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         ``gpu_path`` (the preset's measured decode path, else where to read it).
 
     Raises:
-        LowRankConfigError: a setting the model cannot serve (as at start-up).
-        ValueError: unknown ``dtype``, or non-positive sizes.
+        LowRankConfigError: a setting the model cannot serve (as at start-up), an
+            unknown ``dtype``, or a size that is not a positive finite number
+            (a ``ValueError`` too).
     """
     from transformers import AutoConfig
 
@@ -81,11 +83,14 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     if block_size is None:
         block_size = (preset.block_size if preset is not None else None) or 16
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-    if kv_cache_gib <= 0 or block_size < 1 or context < 1 or tensor_parallel_size < 1 \
-            or concurrent_batches < 1 or max_num_batched_tokens < 1:
-        raise ValueError("kv_cache_gib, block_size, context, tensor_parallel_size, "
-                         "concurrent_batches and max_num_batched_tokens must be positive")
+        raise LowRankConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    sizes = dict(kv_cache_gib=kv_cache_gib, block_size=block_size, context=context,
+                 tensor_parallel_size=tensor_parallel_size,
+                 concurrent_batches=concurrent_batches,
+                 max_num_batched_tokens=max_num_batched_tokens)
+    for name, value in sizes.items():
+        if not value > 0 or value == math.inf:  # NaN fails the first test
+            raise LowRankConfigError(f"{name}={value} must be a positive finite number")
     torch_dtype = DTYPES[dtype]
     hf = AutoConfig.from_pretrained(model_path)
     vllm_config = types.SimpleNamespace(
@@ -113,7 +118,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     def exact_slots(dt: torch.dtype) -> list[ExactSlot]:  # one per layer, none if no exact
         if comp.exact_tokens is None:
             return []
-        return [ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens)
+        return [ExactSlot.for_layer(p, comp.layout(i), dt, comp.exact_tokens,
+                                    stage_keys=not comp.post_rope_keys)
                 for i, p in comp.plans.items()]
 
     def exact_bytes(slots: list[ExactSlot]) -> int:  # per sequence, + the token in flight

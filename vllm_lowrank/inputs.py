@@ -210,3 +210,40 @@ def layer_map(raw: Any, what: str) -> dict[int, Any]:
                 "zeros); keep one")
         out[layer] = value
     return out
+
+
+def check_directory(path: str, what: str, fix: str = "give a directory") -> None:
+    """Refuse anything but an existing directory; a file is called a file
+    (not "does not exist"). Messages end with ``fix``.
+
+    Raises:
+        LowRankConfigError: missing, unreadable, or not a directory.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise LowRankConfigError(f"{what} {path!r} does not exist; {fix}") from None
+    except (OSError, ValueError) as e:
+        raise LowRankConfigError(f"{what} {path!r} cannot be read "
+                                 f"({getattr(e, 'strerror', None) or e}); {fix}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a file" if stat.S_ISREG(info.st_mode) else "not a regular file"
+        raise LowRankConfigError(f"{what} {path!r} is {kind}, not a directory; {fix}")
+
+
+def check_writable_directory(path: str, what: str) -> None:
+    """Refuse a directory that cannot be written, or created with its missing
+    parents: the path or its nearest existing ancestor is not a directory, or
+    is not writable.
+
+    Raises:
+        LowRankConfigError: naming the path (or the ancestor) at fault.
+    """
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    check_directory(existing, what if existing == os.path.abspath(path)
+                    else f"{what} {path!r}: the path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise LowRankConfigError(f"{what} {path!r} cannot be written (permission denied on "
+                                 f"{existing!r})")

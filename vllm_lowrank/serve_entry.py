@@ -1,9 +1,10 @@
 """``vllm-lowrank-serve``: ``vllm serve``, closed by default (the image's entry point).
 
-The entry point decides the API keys itself, then replaces its process by the
-``vllm serve`` of its own Python environment (``sys.executable -P -m
-vllm.entrypoints.cli.main serve ARGS``: never a ``vllm`` found on ``PATH``).
-The keys come from one source, in this order:
+The entry point decides the API keys itself, then replaces its process
+(``os.execve``) by the ``vllm serve`` of its own Python environment:
+``sys.executable -P -c`` :data:`BOOTSTRAP` ``serve ARGS``, vLLM's command-line
+entry point run by :func:`run_vllm`; never a ``vllm`` found on ``PATH``. The
+keys come from one source, in this order:
 
 1. ``--api-key KEY [KEY ...]`` (also ``--api-key=KEY``, ``--api_key`` and
    argparse's abbreviations such as ``--api-k``);
@@ -26,6 +27,13 @@ decided keys on every route except ``/health`` (probes) and ``/metrics`` (the
 Prometheus scraper). Who reaches the port at all is limited by the
 NetworkPolicy (``deploy/base/networkpolicy.yaml``), and ``/metrics`` carries
 nothing private (:mod:`vllm_lowrank.metrics`).
+
+The process it becomes runs vLLM's ``vllm`` command through :func:`run_vllm`,
+which fixes two faults of vLLM 0.32's server for a supervisor such as
+Kubernetes: a SIGTERM while the engine process starts was swallowed (the
+server then hung for up to ten minutes instead of exiting within vLLM's
+five-second shutdown), and a server whose engine process died exited with
+status 0.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -48,8 +58,10 @@ GUARD_KEYS_ENV = "VLLM_LOWRANK_API_KEYS"
 MAX_KEY_BYTES = 4096
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 """The only routes :class:`RequireKey` serves without a key."""
-VLLM_MAIN = "vllm.entrypoints.cli.main"
-"""The module of vLLM's ``vllm`` command (run with ``python -m``)."""
+BOOTSTRAP = "from vllm_lowrank.serve_entry import run_vllm; run_vllm()"
+"""What the entry point's ``python -P -c`` runs (``-P``: the working directory
+is not on ``sys.path``, so a folder there cannot shadow a package)."""
+ENGINE_DIED_STATUS = 1
 
 _KEY_FLAG = re.compile(r"--api[-_]k(?:e|ey)?(?==|$)")
 
@@ -94,7 +106,8 @@ def serve_command(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str
 
     Returns:
         ``(command, environment)``: ``command[0]`` is this interpreter
-        (``sys.executable``, an absolute path); with a key, the command ends
+        (``sys.executable``, an absolute path), which runs :func:`run_vllm`
+        with ``serve`` and ``argv``; with a key, the command ends
         with ``--middleware vllm_lowrank.serve_entry.RequireKey`` and
         ``environment[GUARD_KEYS_ENV]`` lists the keys; the key file's content
         is in ``environment[VLLM_API_KEY]``.
@@ -122,7 +135,7 @@ def serve_command(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str
         raise LowRankConfigError(f"{KEY_ENV} is blank; set it to the key, or unset it")
     if keys is None and env.get(KEY_ENV):
         keys = [env[KEY_ENV]]
-    command = [sys.executable, "-P", "-m", VLLM_MAIN, "serve", *argv]
+    command = [sys.executable, "-P", "-c", BOOTSTRAP, "serve", *argv]
     if keys:
         env[GUARD_KEYS_ENV] = json.dumps(keys)
         return [*command, "--middleware", f"{__name__}.{RequireKey.__name__}"], env
@@ -171,6 +184,94 @@ class RequireKey:
                 (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
                 (b"content-length", str(len(body)).encode())]})
             await send({"type": "http.response.body", "body": body})
+
+
+def run_vllm() -> None:
+    """vLLM's ``vllm`` command on ``sys.argv[1:]`` (what the entry point
+    execs), with :func:`stop_on_sigterm_during_startup` and
+    :func:`note_engine_death` applied. Exits with vLLM's status,
+    :data:`ENGINE_DIED_STATUS` when the engine process died under the server,
+    or 128 + the signal's number (one line, no traceback) when SIGTERM or
+    SIGINT stopped it during start-up."""
+    stop_on_sigterm_during_startup()
+    died = note_engine_death()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    try:
+        vllm_main()
+    except KeyboardInterrupt as e:  # vLLM's SIGTERM handler during start-up raises it
+        stopped_by = signal.SIGTERM if e.args == ("terminated",) else signal.SIGINT
+        print(f"vllm-lowrank: stopped by {stopped_by.name} during start-up", file=sys.stderr)
+        # vLLM has stopped its engine processes; the interpreter's own
+        # finalization can then block for many seconds on the half-built
+        # engine client's objects, so it is skipped.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + stopped_by)
+    if died:
+        print("vllm-lowrank: error: the engine process died; exiting with status "
+              f"{ENGINE_DIED_STATUS} so that the server is restarted", file=sys.stderr)
+        sys.exit(ENGINE_DIED_STATUS)
+
+
+def stop_on_sigterm_during_startup() -> None:
+    """Let a SIGTERM stop ``vllm serve`` while its engine process starts.
+
+    vLLM turns a SIGTERM during start-up into ``KeyboardInterrupt`` (in the
+    API server's main thread), but the context manager around the engine's
+    start-up handshake (``zmq_socket_ctx`` in ``launch_core_engines``)
+    catches and drops it: the API server then waits ten minutes for an
+    engine that waits five for it. Wrapped here so that the interrupt goes
+    on, and vLLM stops its engine process (five seconds at most) and exits.
+    """
+    import contextlib
+
+    from vllm.v1.engine import utils as engine_utils
+
+    dropping = engine_utils.zmq_socket_ctx
+
+    @contextlib.contextmanager
+    def socket_ctx(*args, **kwargs):
+        interrupted = None
+        with dropping(*args, **kwargs) as socket:
+            try:
+                yield socket
+            except KeyboardInterrupt as e:
+                interrupted = e
+                raise
+        if interrupted is not None:
+            raise interrupted
+
+    engine_utils.zmq_socket_ctx = socket_ctx
+
+
+def note_engine_death() -> list[bool]:
+    """Record whether the engine process had died when the server shuts its
+    engine client down (vLLM's ``AsyncLLM.errored`` at its first
+    ``shutdown``; the server then exits normally, with status 0).
+
+    Returns:
+        A list that holds ``True`` once that happened.
+    """
+    import functools
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    died: list[bool] = []
+    shutdown = AsyncLLM.shutdown
+
+    @functools.wraps(shutdown)
+    def shutdown_noting_death(self, *args, **kwargs):
+        if not getattr(self, "_lowrank_shut_down", False):
+            self._lowrank_shut_down = True
+            if getattr(self, "engine_core", None) is not None and self.errored:
+                died.append(True)
+        return shutdown(self, *args, **kwargs)
+
+    AsyncLLM.shutdown = shutdown_noting_death
+    return died
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -325,6 +325,36 @@ def test_api_key_comes_from_a_required_secret_file(rendered, overlay):
     assert [i["path"] for i in secret["items"]] == [os.path.basename(key_file)]
 
 
+def _arg(container, flag: str) -> str:
+    """The value of ``flag`` in the container's args, ``$(NAME)`` expanded from
+    its env as Kubernetes does."""
+    args = container["args"]
+    assert args.count(flag) == 1, args
+    value = args[args.index(flag) + 1]
+    return re.sub(r"\$\((\w+)\)", lambda m: _env(container)[m.group(1)], value)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_served_model_name_is_a_name_not_a_path(rendered, overlay):
+    """vLLM's own /metrics series carry ``model_name`` = the served name
+    (issue 54: it was the model's folder path)."""
+    _, c = _container(rendered[overlay])
+    name = _arg(c, "--served-model-name")
+    assert name and not name.startswith(("/", ".", "~")) and "$(" not in name, name
+    assert not os.path.isabs(name) and name == name.strip()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_sigterm_drains_within_the_grace_period(rendered, overlay):
+    """vLLM aborts the requests in flight on SIGTERM unless ``--shutdown-timeout``
+    gives them time; that time plus 10 s (the engine's 5 s stop and the exit)
+    fits in the pod's grace period."""
+    dep, c = _container(rendered[overlay])
+    drain = int(_arg(c, "--shutdown-timeout"))
+    assert drain > 0
+    assert drain + 10 <= dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policy_is_closed_by_default(rendered, overlay):
     objs = rendered[overlay]
@@ -514,6 +544,13 @@ def test_dockerfile_shape():
     text = (ROOT / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=vllm/vllm-openai\n" in text
     assert "ARG BASE_TAG=v0.32.0\n" in text
+    # the base by digest: BASE_DIGEST has no default, and BuildKit's ${VAR:?message}
+    # stops a build without it at the first FROM, naming the argument
+    assert "ARG BASE_DIGEST\n" in text
+    froms = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert froms[0][0].startswith("${BASE_IMAGE}:${BASE_TAG}@${BASE_DIGEST:?"), froms
+    assert " " not in froms[0][0] and froms[0][0].endswith("}"), froms
+    assert all(image == froms[0][1] for image, _ in froms[1:]), froms  # every stage on it
     # one arch list in both stages (A100, L4/L40, H100), built with cuda_ext.build:
     # the nvcc flags live in cuda_ext.nvcc_flags only
     assert re.findall(r'TORCH_CUDA_ARCH_LIST="([^"]*)"', text) == ["8.0;8.9;9.0"] * 2
