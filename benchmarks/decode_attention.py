@@ -7,9 +7,10 @@ and for V. Paged cache with 16-token blocks, block tables shuffled (non-contiguo
 pages), every sequence at full context length.
 
 Columns:
-  kernel      cuda: the mma.sync kernel of csrc/latent_decode.cu (what
-              latent_decode_attention runs by default on a bf16 cache in its scope);
-              triton: the Triton kernel (backend="triton"), the general path
+  kernel      cuda: the mma.sync kernel of vllm_lowrank/kernels/cuda/latent_decode.cu
+              (the ``cuda`` decoder, vllm_lowrank.attention.decoders, which start-up
+              chooses for a bf16 cache in its scope); triton: the Triton kernel
+              (vllm_lowrank.kernels.triton.decode.LatentLaunch), the general path
   ours_us     median time of one decode-attention call (CUDA-graph replay, L2
               flushed before each replay)
   sdpa_us     torch SDPA, full bf16 K/V [B, 8, L, 128] contiguous, enable_gqa=True
@@ -25,7 +26,7 @@ Usage::
     python benchmarks/decode_attention.py                 # the table
     python benchmarks/decode_attention.py --sweep         # launch-parameter sweep
     python benchmarks/decode_attention.py --shapes 16x32k,8x128k --ratios 0.5
-    python benchmarks/decode_attention.py --quant none --no-lb --no-post   # issue-4 table
+    python benchmarks/decode_attention.py --quant none --no-post   # issue-4 table
     python benchmarks/decode_attention.py --variants --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --span --shapes 16x8k,16x32k --ratios 0.5
     python benchmarks/decode_attention.py --groups --shapes 1x32k,16x4k,16x32k --ratios 0.5
@@ -35,8 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 import math
 import pathlib
@@ -48,25 +47,6 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-
-def _bootstrap():
-    """Make ``vllm_lowrank`` and ``vllm_lowrank.kernels.triton`` importable from a
-    plain checkout (``triton_kernels/`` is mapped into the package at install)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import vllm_lowrank.kernels.triton.decode  # noqa: F401
-    except ModuleNotFoundError:
-        spec = importlib.util.spec_from_file_location(
-            "vllm_lowrank.kernels.triton", ROOT / "triton_kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "triton_kernels")])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-
-
-_bootstrap()
-
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from allocations import ALLOC_8X_SMOLLM2, scale_rank  # noqa: E402
 from vllm_lowrank.presets import PRESETS  # noqa: E402
@@ -74,9 +54,9 @@ from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E4
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
 from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
-from vllm_lowrank.kernels.triton import schedule as lb  # noqa: E402
 from vllm_lowrank.kernels.triton.decode import (  # noqa: E402
-    KernelConfig, choose_num_splits, latent_decode_attention)
+    KernelConfig, LatentLaunch, choose_kernel, choose_num_splits)
+from vllm_lowrank.kernels.triton.launch import needs_wide  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 SHAPES = {"1x32k": (1, 32768), "16x8k": (16, 8192), "16x32k": (16, 32768),
@@ -248,30 +228,62 @@ def reference(plan, rope, p, scale, mode="pre_rope"):
 
 def _cuda_kernel_available() -> bool:
     """True when the CUDA pre-RoPE decode kernel (vllm_lowrank.kernels.cuda.ext) builds here."""
-    from vllm_lowrank.kernels.triton import decode as dec
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
-    why = dec._cuda_unavailable()
-    if why:
-        print(why)
-    return why is None
+    try:
+        cuda_ext.load()
+    except RuntimeError as exc:
+        print(f"CUDA extension unavailable: {exc}")
+        return False
+    return True
 
 
-def _heuristic_splits(plan, p, kernel="triton"):
-    """The split count latent_decode_attention picks by default for this case."""
-    from vllm_lowrank.kernels.triton import decode as dec
+class CudaLaunch:
+    """The CUDA pre-RoPE kernel of one layer prepared as the ``cuda`` decoder
+    prepares it (:class:`vllm_lowrank.attention.decoders.CudaDecoder`): its
+    packed key weights, and per call the split of its wave model; called like
+    :class:`~vllm_lowrank.kernels.triton.decode.LatentLaunch`."""
 
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    if kernel == "cuda":
+    def __init__(self, plan, k_up, rope, scale):
         from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
-        warps = cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
-        return choose_num_splits(p["q"].shape[0], plan.num_groups, int(p["lens"].max()),
-                                 32 * warps, n_sm, 1)
-    prep = dec.prepare(plan, p["layout"], HEAD_DIM, True, torch.device("cuda"))
-    d = dec._default_config(plan, prep, "pre_rope", torch.device("cuda"),
-                            p["layout"] is not None)
-    return choose_num_splits(p["q"].shape[0], plan.num_groups // d["groups_per_program"],
-                             int(p["lens"].max()), d["block_n"], n_sm, d["programs_per_sm"])
+        self.plan, self.rope, self.scale, self.ext = plan, rope, scale, cuda_ext
+        self.weights = cuda_ext.pack_key_weights_t(plan, k_up, rope.neox, torch.bfloat16)
+        self.tokens_per_step = 32 * cuda_ext.decode_config(plan.k_ranks[0], plan.v_ranks[0])[0]
+
+    def geometry(self, bsz, max_seq_len):
+        """``(num_splits,)``: the split the ``cuda`` decoder plans."""
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+        return (choose_num_splits(bsz, self.plan.num_groups, max_seq_len,
+                                  self.tokens_per_step, n_sm, 1),)
+
+    def __call__(self, q, cache, bt, lens, max_seq_len, *, num_splits=None, out=None):
+        splits = num_splits or self.geometry(q.shape[0], max_seq_len)[0]
+        return self.ext.latent_decode_pre_rope(q, cache, bt, lens, self.weights, self.rope,
+                                               self.scale, num_splits=splits, out=out)
+
+
+def prepare_launch(plan, rope, p, *, mode="pre_rope", cfg=None, backend="triton", **kw):
+    """One layer's decode of problem ``p`` prepared once: ``backend`` ``"triton"``
+    a :class:`LatentLaunch` (``cfg``: its :class:`KernelConfig`; ``kw``: its
+    ``transform``, ``window``, ``sink``, ``recent``), ``"cuda"`` a
+    :class:`CudaLaunch`."""
+    scale = HEAD_DIM ** -0.5
+    if backend == "cuda":
+        return CudaLaunch(plan, p["k_up"], rope, scale)
+    q = p["q"] if mode == "pre_rope" else p["q_lat"]
+    return LatentLaunch(plan, p["layout"], mode=mode, scale=scale, dtype=q.dtype,
+                        device=q.device, block_size=p["cache"].shape[2],
+                        k_up=None if mode == "post_rope" else p["k_up"],
+                        rope=None if mode == "post_rope" else rope,
+                        cache_dtype=None if p["layout"] is not None else p["cache"].dtype,
+                        config=cfg, **kw)
+
+
+def _heuristic_splits(plan, rope, p, kernel="triton"):
+    """The split count the decoder of this case picks by default."""
+    launch = prepare_launch(plan, rope, p, backend=kernel)
+    return launch.geometry(p["q"].shape[0], int(p["lens"].max()))[0]
 
 
 def kernel_bytes(plan, p):
@@ -302,19 +314,20 @@ def sdpa_case(batch, length):
 # ---------------------------------------------------------------------------------
 # Main table
 # ---------------------------------------------------------------------------------
-def run_case(plan, rope, p, cfg=None, num_splits=None, schedule=None, check=True,
-             mode="pre_rope", ref=None, backend="triton"):
+def run_case(plan, rope, p, cfg=None, num_splits=None, check=True, mode="pre_rope", ref=None,
+             backend="triton"):
+    """``(us, max_abs, rel)`` of one decode-attention call of problem ``p``
+    (:func:`prepare_launch`), timed by :func:`time_graph`; with ``check``
+    against ``ref`` (``None``: :func:`reference`)."""
     scale = HEAD_DIM ** -0.5
     b = p["q"].shape[0]
-    out = torch.empty(b, plan.out_width, device="cuda")
+    out = torch.empty(b, plan.out_width, device=p["q"].device)
     max_len = int(p["lens"].max())
     q = p["q"] if mode == "pre_rope" else p["q_lat"]
+    launch = prepare_launch(plan, rope, p, mode=mode, cfg=cfg, backend=backend)
 
     def fn():
-        latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
-                                p["lens"], max_len, layout=p["layout"], num_splits=num_splits,
-                                schedule=schedule, config=cfg, out=out, mode=mode,
-                                backend=backend)
+        launch(q, p["cache"], p["bt"], p["lens"], max_len, num_splits=num_splits, out=out)
 
     out.fill_(float("nan"))
     fn()
@@ -336,7 +349,6 @@ def main():
     ap.add_argument("--ratios", default="0.5,0.25")
     ap.add_argument("--quant", default="none,k8v4", help="none, k8v4, k4v4 (comma list)")
     ap.add_argument("--sweep", action="store_true", help="launch-parameter sweep")
-    ap.add_argument("--no-lb", action="store_true", help="skip the load-balancer rows")
     ap.add_argument("--no-post", action="store_true", help="skip the post-RoPE rows")
     ap.add_argument("--no-cuda", action="store_true",
                     help="skip the CUDA pre-RoPE kernel rows (Triton only)")
@@ -441,12 +453,12 @@ def main():
                 bsz, length = parse_shape(name)
                 p = make_problem(plan, bsz, length, qbits[qname])
                 ref = reference(plan, rope, p, HEAD_DIM ** -0.5)
-                # The CUDA kernel serves the unquantized cache (backend="auto" picks
-                # it there); the Triton kernel is timed beside it.
+                # The CUDA decoder serves the unquantized cache (start-up chooses it
+                # there); the Triton kernel is timed beside it.
                 kernels = ("cuda", "triton") if cuda_ok and qname == "none" else ("triton",)
                 for kern in kernels:
                     t, err, rel = run_case(plan, rope, p, ref=ref, backend=kern)
-                    s_h = _heuristic_splits(plan, p, kern)
+                    s_h = _heuristic_splits(plan, rope, p, kern)
                     best = (t, s_h)
                     for s_try in sorted({1, 2, 4, 8, 16, 32} - {s_h}):
                         if s_try > math.ceil(length / 128):
@@ -471,8 +483,6 @@ def main():
     if not args.no_post:
         lines += post_rope_rows(rope, bw, sdpa, rows, [s_ for s_ in ("16x32k", "8x128k")
                                                        if s_ in shapes])
-    if not args.no_lb:
-        lines += load_balance_rows(rope, bw, rows)
     print()
     print(f"device: {dev}; copy {bw:.0f} GB/s; SDPA full-KV GB/s: " + ", ".join(
         f"{k} {v[1] / v[0] / 1e3:.0f}" for k, v in sdpa.items()))
@@ -489,8 +499,6 @@ def grouping_rows(rope, shapes, ratio, sdpa, wide_sweep=False):
     wide-group kernel (one program per KV head, the rank in chunks).
     ``TFLOP/s``: key-rebuild multiply-adds (``8 * ratio * G * 128^2`` per token,
     x2) per second; ``rel`` against the float32 torch path."""
-    from vllm_lowrank.kernels.triton import decode as dec
-
     shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
     scale = HEAD_DIM ** -0.5
     lines = [f"{'shape':>7} {'ratio':>5} {'G':>2} {'rank':>5} {'kernel':>6} {'us':>9} "
@@ -505,7 +513,7 @@ def grouping_rows(rope, shapes, ratio, sdpa, wide_sweep=False):
             p = make_problem(plan, bsz, length, None)
             ref = reference(plan, rope, p, scale)
             kernels = [("cuda", None, "cuda")] if gs == 1 and cuda_ok else []
-            if not dec.needs_wide(plan, None, HEAD_DIM):
+            if not needs_wide(plan, None, HEAD_DIM):
                 kernels.append(("grid", KernelConfig(wide=False), "triton"))
             kernels.append(("wide", KernelConfig(wide=True), "triton"))
             for label, cfg, backend in kernels:
@@ -574,11 +582,10 @@ def variant_rows(rope, shapes, ratio, window=4096):
                           (f"window {window}", {"window": window}),
                           ("both", {"transform": transform, "window": window})):
             out = torch.empty(bsz, plan.out_width, device="cuda")
+            launch = prepare_launch(plan, rope, p, **kw)
 
-            def fn(kw=kw, out=out):
-                latent_decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"],
-                                        p["bt"], p["lens"], max_len, out=out,
-                                        backend="triton", **kw)
+            def fn(launch=launch, out=out):
+                launch(p["q"], p["cache"], p["bt"], p["lens"], max_len, out=out)
 
             fn()
             ref = decode_attention(plan, p["k_up"], rope, scale, p["q"], p["cache"], p["bt"],
@@ -621,11 +628,13 @@ def span_rows(rope, shapes, ratio, sink=4, recent=128):
                           ("plain (again)", {})):
             out = torch.empty(bsz, plan.out_width, device="cuda")
             res = {}
+            lse = kw.get("return_lse", False)
+            launch = prepare_launch(plan, rope, p, sink=kw.get("sink", 0),
+                                    recent=kw.get("recent", 0))
 
-            def fn(kw=kw, out=out, res=res):
-                res["r"] = latent_decode_attention(plan, p["k_up"], rope, scale, p["q"],
-                                                   p["cache"], p["bt"], p["lens"], max_len,
-                                                   out=out, backend="triton", **kw)
+            def fn(launch=launch, lse=lse, out=out, res=res):
+                res["r"] = launch(p["q"], p["cache"], p["bt"], p["lens"], max_len, out=out,
+                                  return_lse=lse)
 
             fn()
             err = lse_err = float("nan")
@@ -648,9 +657,8 @@ def span_rows(rope, shapes, ratio, sink=4, recent=128):
 
 
 def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
-    """Post-RoPE latent mode: the Triton kernel on bf16 and K8/V4 caches, and the
-    CUDA dequant kernels (scores, float32 softmax, value path: three launches,
-    scores through memory) on the K8/V4 cache."""
+    """Post-RoPE latent mode: the Triton kernel on bf16 and K8/V4 caches (the
+    grid kernel, and the packed kernel where it reads the cache)."""
     out = ["", "post-RoPE mode (queries in the key-latent basis, no rebuild):",
            f"{'shape':>7} {'ratio':>5} {'cache':>5} {'path':>13} {'us':>8} {'x sdpa':>6} "
            f"{'GB/s':>6} {'%copy':>6} {'rel':>8}"]
@@ -676,41 +684,6 @@ def post_rope_rows(rope, bw, sdpa, rows, shapes, ratios=(0.5, 0.25)):
                                  rel=rr))
             del p, ref
             torch.cuda.empty_cache()
-    return out
-
-
-def load_balance_rows(rope, bw, rows):
-    """Plain grid vs LPT persistent grid on a high-spread rank profile (ranks
-    16..128 over the 8 KV-head groups, K and V), 16 x 8k and a ragged batch."""
-    out = ["", "load balancer (G=1, k/v ranks 16,16,32,32,64,64,128,128 -> ratio 0.47):",
-           f"{'case':>18} {'splits':>6} {'plain_us':>9} {'lpt_us':>8} {'gain':>6} "
-           f"{'model_plain':>11} {'model_lpt':>9} {'rel_err':>8}"]
-    ranks = (16, 16, 32, 32, 64, 64, 128, 128)
-    plan = make_plan(ranks, ranks)
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator().manual_seed(1)
-    cases = [("16x8k", 16, 8192, None),
-             ("16x32k", 16, 32768, None),
-             ("ragged 32x(1k..16k)", 32, 16384,
-              torch.randint(1024, 16385, (32,), generator=g).int().cuda())]
-    for name, bsz, length, lens in cases:
-        p = make_problem(plan, bsz, length, None, lens=lens)
-        max_len = int(p["lens"].max())
-        for splits in sorted({1, 2, 4, _heuristic_splits(plan, p)}):
-            t_plain, _, _ = run_case(plan, rope, p, num_splits=splits, check=False)
-            sched = lb.build_lpt_schedule(plan, p["lens"], splits, 32,
-                                          num_workers=2 * n_sm)
-            t_lpt, err, rel = run_case(plan, rope, p, num_splits=splits, schedule=sched)
-            costs_grid = lb.work_costs(plan, p["lens"], splits, 32).flatten().tolist()
-            m_plain = lb.grid_makespan(costs_grid, 2 * n_sm)
-            m_lpt = lb.lpt_assign(sched.costs.tolist(), sched.num_workers)[1]
-            line = (f"{name:>18} {splits:>6} {t_plain:9.1f} {t_lpt:8.1f} "
-                    f"{t_plain / t_lpt:6.2f} {m_plain:11.0f} {m_lpt:9.0f} {rel:8.1e}")
-            print(line, flush=True)
-            out.append(line)
-            rows.append(dict(lb=name, splits=splits, plain_us=t_plain, lpt_us=t_lpt, rel=rel))
-        del p
-        torch.cuda.empty_cache()
     return out
 
 
@@ -871,11 +844,10 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
                 cfg = KernelConfig(**v, programs_per_sm=pps)
                 splits = choose_num_splits(bsz, 8 // v["groups_per_program"], length,
                                            v["block_n"], n_sm, pps)
+                launch = prepare_launch(plan, rope, p, mode=mode, cfg=cfg)
 
-                def fn():
-                    latent_decode_attention(plan, p["k_up"], rope, scale, q,
-                                            p["cache"], p["bt"], p["lens"], length,
-                                            config=cfg, out=out, mode=mode)
+                def fn(launch=launch):
+                    launch(q, p["cache"], p["bt"], p["lens"], length, out=out)
                 out.fill_(float("nan"))
                 fn()
                 rel = ((out - ref).norm() / ref.norm()).item()
@@ -1029,32 +1001,52 @@ def setting_problem(cfg, plan, layout, bsz, length, device, seed=0):
     return p
 
 
+def setting_mode(cfg) -> str:
+    """The decode mode of a layer under ``cfg`` (``LatentAttention.decode_mode``
+    for factors that keep their structure)."""
+    return "post_rope" if cfg.method == "post_rope" else "latent_rope" \
+        if cfg.method == "rope_equivariant" else "pre_rope"
+
+
 def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
-    """``(fn, out)``: one layer's decode attention as the backend runs it on CUDA
-    (:func:`latent_decode_attention` on the Triton path for plain layers, the
-    token-adaptive ``decode`` with the latent-span kernel for token-adaptive
-    ones; ``torch_path``: the float32 torch path instead, the reference;
-    ``config``: a :class:`KernelConfig` for the latent kernel)."""
+    """``(fn, out)``: one layer's decode attention as its decoder runs it on CUDA
+    (the Triton decoders, :mod:`vllm_lowrank.attention.decoders`: a
+    :class:`LatentLaunch` for plain layers; for token-adaptive ones the steps of
+    ``TokenAdaptiveDecoder.run``: the latent span and its log-sum-exp, the
+    value up-projection in bf16, the exact part and the merge in
+    :func:`~vllm_lowrank.kernels.triton.decode_exact.exact_merge_decode`);
+    ``torch_path``: the float32 torch path instead, the reference; ``config``: a
+    :class:`KernelConfig` for the latent kernel)."""
     from vllm_lowrank.attention import token_adaptive as tale
     from vllm_lowrank.attention.latent_attention import decode_attention as torch_decode
+    from vllm_lowrank.kernels.triton.decode_exact import exact_merge_decode
 
     bsz, length = p["q"].shape[0], int(p["lens"][0])
     scale = HEAD_DIM ** -0.5
     q = p["q"].float() if torch_path else p["q"]
-    post = cfg.method == "post_rope"
-    mode = "post_rope" if post else "latent_rope" if cfg.method == "rope_equivariant" \
-        else "pre_rope"
+    mode = setting_mode(cfg)
+    post = mode == "post_rope"
+    sink, recent = (cfg.sink_tokens, cfg.recent_tokens) if cfg.token_adaptive else (0, 0)
+    launch = None if torch_path else LatentLaunch(
+        plan, layout, mode=mode, scale=scale, dtype=q.dtype, device=q.device,
+        block_size=p["page"], k_up=None if post else p["k_up"], rope=None if post else rope,
+        sink=sink, recent=recent + 1 if cfg.token_adaptive else 0, config=config)
     if cfg.token_adaptive:
         out = torch.empty(bsz, HEADS * HEAD_DIM, device=q.device,
                           dtype=torch.float32 if torch_path else torch.bfloat16)
-        kernel = None if torch_path else functools.partial(latent_decode_attention,
-                                                           backend="triton", config=config)
+        v_up = p["v_up"].to(q.dtype)
 
         def fn():
-            tale.decode(plan, p["k_up"], p["v_up"], rope, scale, q, p["cache"], p["bt"],
-                        p["ex_cache"], p["ex_bt"], p["lens"], length, sink=cfg.sink_tokens,
-                        recent=cfg.recent_tokens, exact=p["slot"], layout=layout,
-                        latent_decode=kernel, mode=mode, min_seq_len=length, out=out)
+            if torch_path:
+                tale.decode(plan, p["k_up"], p["v_up"], rope, scale, q, p["cache"], p["bt"],
+                            p["ex_cache"], p["ex_bt"], p["lens"], length, sink=sink,
+                            recent=recent, exact=p["slot"], layout=layout,
+                            mode="post_rope" if post else "pre_rope", min_seq_len=length,
+                            out=out)
+                return
+            lat, lse = launch(q, p["cache"], p["bt"], p["lens"], length, return_lse=True)
+            exact_merge_decode(plan, scale, q, p["ex_cache"], p["slot"], p["ex_bt"], p["lens"],
+                               sink, recent, tale.values_up(plan, v_up, lat), lse, out)
         return fn, out
     out = torch.empty(bsz, plan.out_width, device=q.device,
                       dtype=torch.float32 if torch_path else torch.bfloat16)
@@ -1064,20 +1056,17 @@ def setting_call(cfg, plan, layout, rope, p, torch_path=False, config=None):
             out.copy_(torch_decode(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
                                    p["lens"], length, post_rope=post, layout=layout))
         else:
-            latent_decode_attention(plan, p["k_up"], rope, scale, q, p["cache"], p["bt"],
-                                    p["lens"], length, layout=layout, out=out,
-                                    mode=mode, backend="triton", config=config)
+            out.copy_(launch(q, p["cache"], p["bt"], p["lens"], length))
     return fn, out
 
 
 def setting_kernel(cfg, plan, layout, rope, p):
-    """The latent kernel :func:`latent_decode_attention` picks for this layer."""
-    from vllm_lowrank.kernels.triton import decode as dec
-
-    mode = "post_rope" if cfg.method == "post_rope" else "latent_rope" \
-        if cfg.method == "rope_equivariant" else "pre_rope"
+    """The latent kernel the Triton decoders take for this layer
+    (:func:`~vllm_lowrank.kernels.triton.decode.choose_kernel`)."""
+    mode = setting_mode(cfg)
     rot = HEAD_DIM if mode == "post_rope" else rope.rotary_dim
-    return dec.triton_kernel(plan, layout, mode, p["cache"], rot)
+    return choose_kernel(plan, layout, mode, p["page"], rot,
+                         sink=cfg.sink_tokens if cfg.token_adaptive else 0)
 
 
 def sequence_ratio(cfg, plan, layout, length):

@@ -120,6 +120,22 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     # full rank (pre-RoPE), per-channel 4-bit keys (KIVI) and Hadamard-rotated 2-bit values
     "full rank, K4 per channel, V2 Hadamard, sink 32 + recent 128": (
         "ours", {**KIVI, "k_bits": 4, "v_bits": 2, "hadamard": True, "sink_tokens": 32}),
+    # post-RoPE keys (KIVI's per-channel codes, no key basis: the GPU scores them as
+    # stored) beside value latents on Fisher bases; exact sinks and recent tokens
+    **{f"post-RoPE keys K{kb}/{ct} per channel, values {name}V{vb}{grp}, int8 exact": (
+        "ours", {**TALE, "post_rope_keys": True, "rank_fraction": rf, "k_bits": kb,
+                 "v_bits": vb, "exact_bits": 8, "k_channel_tokens": ct, **extra})
+       for kb, ct, rf, name, vb, grp, extra in (
+           (4, 32, 0.75, "latent 0.5 ", 4, "", {}),
+           (4, 32, 0.75, "latent 0.5 ", 4, " G=1", {"head_group_size": 1}),
+           (4, 32, 0.875, "latent 0.75 ", 4, "", {}),
+           (4, 64, 0.875, "latent 0.75 ", 4, "", {}),
+           (4, 32, 1.0, "full rank ", 4, " G=1", {"head_group_size": 1}),
+           (4, 32, 1.0, "full rank ", 2, "", {}),
+           (4, 32, 1.0, "full rank ", 2, " G=1", {"head_group_size": 1}),
+           (4, 64, 1.0, "full rank ", 2, " G=1", {"head_group_size": 1}),
+           (2, 32, 1.0, "full rank ", 4, " G=1", {"head_group_size": 1}),
+       )},
     # the presets as a user selects them (vllm_lowrank/presets.py)
     **{f"preset {name}": ("ours", {"preset": name}) for name in ("2x", "lossless", "4x", "8x")},
     # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
@@ -272,7 +288,8 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
         slot = layout.slot_bytes if layout is not None else 2 * (rk + rv)
         allocated += slot
         if exact is not None:
-            staged = rk if layout is not None and layout.k_per_channel else 0
+            staged = rk if layout is not None and layout.k_per_channel \
+                and not settings.post_rope_keys else 0
             allocated += (exact.count / context * ExactSlot(
                 kvw, head_dim, torch.float16, exact.bits, staged, slot).slot_bytes)
     return original, allocated

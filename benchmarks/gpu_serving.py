@@ -25,9 +25,9 @@ Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile
   ``stock-all-memory`` is the exception: stock with the KV memory vLLM sizes,
   every request at once, the load's ceiling for a cache with stock's attention.
 
-A plugin config named ``CONFIG@no-latent-kernel`` or ``CONFIG@no-decode``
-(:data:`ABLATIONS`) runs with part of its decode replaced by zeroing its output:
-wrong tokens, for a bound on what faster decode kernels could give.
+Each row names the decoders the latent layers took
+(:mod:`vllm_lowrank.attention.decoders`). The engines run the product as it
+ships: nothing here replaces a product function.
 
 Prints a table per measurement and writes every row to ``--json``.
 """
@@ -90,6 +90,20 @@ CONFIGS = {
     "alloc-8x-re": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024),
                                     "method": "rope_equivariant"},
                     "block_size": PRESETS["8x"].block_size},
+    # post-RoPE 4-bit keys and values per token, per KV head (no low rank: the
+    # quantization-only peer of issue 50, on the packed kernel)
+    "pr-k4v4": {"compression": {"rank_fraction": 1.0, "head_group_size": 1, "k_bits": 4,
+                                "v_bits": 4, "method": "post_rope",
+                                "rank_allocation": "uniform"}},
+    # post-RoPE keys as stored codes (4-bit per channel over 32 tokens) beside value
+    # latents per KV head, exact sinks and recent tokens: one fused kernel
+    # (decode_post_rope); "prk-vXrY": values at X bits and rank fraction Y
+    **{f"prk-v{vb}r{vr}": {"compression": {
+        "post_rope_keys": True, "token_adaptive": True, "sink_tokens": 32,
+        "recent_tokens": 128, "k_quant": "channel", "k_channel_tokens": 32, "k_bits": 4,
+        "v_bits": vb, "exact_bits": 8, "head_group_size": 1, "rank_allocation": "uniform",
+        "rank_fraction": (1 + vr) / 2}, "block_size": 32}
+       for vb, vr in ((2, 1.0), (4, 1.0), (4, 0.5), (4, 0.75), (8, 0.5))},
     # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
     # keys on the grid kernel
     "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},
@@ -124,68 +138,21 @@ def model_dir(name: str, **overrides) -> str:
     return dst
 
 
-ABLATIONS = ("no-latent-kernel", "no-decode")
-"""Suffixes ``CONFIG@ABLATION`` that time a plugin config with part of its decode
-replaced by zeroing that part's output (its tokens are wrong by design; the
-timing bounds what a faster kernel could give):
-
-- ``no-latent-kernel``: the RoPE-equivariant latent kernel
-  (:func:`vllm_lowrank.kernels.triton.decode_latent_rope.launch`); every other
-  kernel of the decode (absorbed queries, exact part, merge, split reduce) runs;
-- ``no-decode``: the whole token-adaptive decode call
-  (:func:`vllm_lowrank.attention.token_adaptive.decode`); the model, the cache
-  writes and the prefill run."""
-
-
 def _spec(name: str) -> dict:
-    """The :data:`CONFIGS` entry of ``name`` (``CONFIG`` or ``CONFIG@ABLATION``).
+    """The :data:`CONFIGS` entry of ``name``.
 
     Raises:
-        SystemExit: an unknown config or ablation (names the known ones).
+        SystemExit: an unknown config (names the known ones).
     """
-    base, _, ablation = name.partition("@")
-    if base not in CONFIGS or (ablation and ablation not in ABLATIONS):
-        raise SystemExit(f"unknown config {name!r}: choose from {sorted(CONFIGS)}, optionally "
-                         f"with @{'/@'.join(ABLATIONS)}")
-    if ablation:
-        from vllm_lowrank.presets import expand
-
-        settings = expand(CONFIGS[base].get("compression", {}))
-        needs = ("method", "rope_equivariant") if ablation == "no-latent-kernel" else \
-            ("token_adaptive", True)
-        if settings.get(needs[0]) != needs[1]:
-            raise SystemExit(f"{name!r}: @{ablation} applies to plugin configs with "
-                             f"{needs[0]}={needs[1]!r} only")
-    return CONFIGS[base]
-
-
-def _ablate(name: str) -> None:
-    """Apply ``name``'s ablation (:data:`ABLATIONS`) in this process, before its
-    engine starts (the engine runs in process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    ablation = name.partition("@")[2]
-    if ablation == "no-latent-kernel":
-        from vllm_lowrank.attention import decode_path
-        from vllm_lowrank.kernels.triton import decode_latent_rope
-
-        def zero_outputs(plan, args, common, value_chunk, num_splits, bsz):
-            for t in args[24:27]:  # po, plse, out (launch's argument tuple)
-                t.zero_()
-        decode_latent_rope.launch = zero_outputs
-        # the start-up agreement check would refuse the zeroed kernel
-        decode_path.self_check = lambda *a, **k: 0.0
-    elif ablation == "no-decode":
-        from vllm_lowrank.attention import token_adaptive
-
-        def zero_decode(*a, out, **k):
-            return out.zero_()
-        token_adaptive.decode = zero_decode
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: choose from {sorted(CONFIGS)}")
+    return CONFIGS[name]
 
 
 def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
     from vllm import LLM
 
     spec = _spec(name)
-    _ablate(name)
     kw = dict(
         model=model_dir(args.model, max_position_embeddings=max(8192, max_model_len)),
         load_format="dummy",
@@ -384,13 +351,14 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
 
 
 def _paths(llm) -> dict:
-    """The decode paths of the latent layers (in-process engine) and the CUDA
-    graph mode vLLM resolved."""
+    """The decoders of the latent layers (in-process engine: their names, e.g.
+    ``triton-grid``, and descriptions, :mod:`vllm_lowrank.attention.decoders`)
+    and the CUDA graph mode vLLM resolved."""
     cc = llm.llm_engine.vllm_config.compilation_config
-    paths = {p for layer in cc.static_forward_context.values()
-             if (p := layer.__dict__.get("decode_path")) is not None}
-    return dict(path="/".join(sorted({p.name for p in paths})) or "stock",
-                why="; ".join(sorted({p.reason[:160] for p in paths})),
+    decs = [d for layer in cc.static_forward_context.values()
+            if (d := layer.__dict__.get("decoder")) is not None]
+    return dict(path="/".join(sorted({d.name for d in decs})) or "stock",
+                why="; ".join(sorted({d.describe()[:160] for d in decs})),
                 graphs=str(cc.cudagraph_mode).split(".")[-1])
 
 

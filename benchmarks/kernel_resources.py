@@ -3,8 +3,8 @@ compiled on a machine without a GPU.
 
 Triton compiles a kernel for a target named in a ``GPUTarget``; only the launch
 needs a device. This script makes Triton's active driver a stand-in that names
-an sm_90 (H100/H200) target and never launches, calls
-:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` on CPU
+an sm_90 (H100/H200) target and never launches, prepares a
+:class:`vllm_lowrank.kernels.triton.decode.LatentLaunch` and calls it on CPU
 tensors shaped like a recommended setting's layer (``decode_attention.py``'s
 ``setting_problem``: Llama-3-8B attention, the preset's slot layout) with each
 launch variant of ``decode_attention.SETTINGS_SWEEP`` for the kernel that
@@ -174,7 +174,7 @@ def main() -> None:
     import decode_attention as da  # noqa: PLC0415 (after the driver: it imports the kernels)
     from vllm_lowrank.kernels.triton import (decode_kernels, decode_latent_rope, decode_packed,
                                              decode_wide)
-    from vllm_lowrank.kernels.triton.decode import KernelConfig, latent_decode_attention
+    from vllm_lowrank.kernels.triton.decode import KernelConfig, LatentLaunch
     from vllm_lowrank.kernels.triton.launch import PACKED_CONFIG
 
     kernels = {"wide": decode_wide.wide_decode_kernel, "grid": decode_kernels.decode_grid_kernel,
@@ -198,15 +198,17 @@ def main() -> None:
         for v in variants:
             fn = kernels["wide" if v.get("wide") else kind]
             before = cache_keys(fn)
+            mode = da.setting_mode(cfg)
             try:
-                latent_decode_attention(
-                    plan, prob["k_up"], rope, da.HEAD_DIM ** -0.5, prob["q"], prob["cache"],
-                    prob["bt"], prob["lens"], length, layout=layout, backend="triton",
+                launch = LatentLaunch(
+                    plan, layout, mode=mode, scale=da.HEAD_DIM ** -0.5, dtype=prob["q"].dtype,
+                    device="cpu", block_size=prob["page"],
+                    k_up=None if mode == "post_rope" else prob["k_up"],
+                    rope=None if mode == "post_rope" else rope,
                     config=KernelConfig(**v) if v else None,
-                    mode={"post_rope": "post_rope", "rope_equivariant": "latent_rope"}.get(
-                        cfg.method, "pre_rope"),
                     sink=cfg.sink_tokens if cfg.token_adaptive else 0,
-                    recent=cfg.recent_tokens if cfg.token_adaptive else 0)
+                    recent=cfg.recent_tokens + 1 if cfg.token_adaptive else 0)
+                launch(prob["q"], prob["cache"], prob["bt"], prob["lens"], length)
             except Exception as exc:  # noqa: BLE001 (the stand-in driver cannot launch)
                 if not compiled_since(fn, before):
                     print(f"{label}: {v or 'default'}: {type(exc).__name__}: {exc}"[:300])

@@ -79,7 +79,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import decode_attention as da  # noqa: E402  (its _bootstrap: vllm_lowrank.kernels.triton)
+import decode_attention as da  # noqa: E402
 import peer_caches as pc  # noqa: E402
 
 from vllm_lowrank.presets import PRESETS  # noqa: E402
@@ -340,7 +340,8 @@ def ours_row(prob, rope, smoke):
     """The ``2x`` preset's cache and decode on ``prob``'s shape:
     ``decode_attention.make_problem`` with its bits (its own latents, queries
     in the model dtype), ``run_case`` in ``post_rope`` mode (``smoke``: the same
-    ``latent_decode_attention`` call on CPU tensors, one plain call)."""
+    :class:`~vllm_lowrank.kernels.triton.decode.LatentLaunch` on CPU tensors, one
+    plain call)."""
     assert OURS["method"] == "post_rope" and OURS["head_group_size"] == 1
     r = int(round(OURS["rank_fraction"] * HEAD_DIM))
     plan = da.make_plan((r,) * KV_HEADS, (r,) * KV_HEADS)
@@ -353,11 +354,10 @@ def ours_row(prob, rope, smoke):
 
     if smoke:
         out = torch.empty(batch, plan.out_width, device=device)
+        launch = da.prepare_launch(plan, rope, p, mode="post_rope")
 
         def fn():
-            da.latent_decode_attention(plan, p["k_up"], rope, SCALE, p["q_lat"], p["cache"],
-                                       p["bt"], p["lens"], length, layout=p["layout"],
-                                       out=out, mode="post_rope", backend="triton")
+            launch(p["q_lat"], p["cache"], p["bt"], p["lens"], length, out=out)
             return out
 
         us, rel = check_and_time(fn, reference, smoke)

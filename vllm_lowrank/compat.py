@@ -10,7 +10,8 @@ registers nothing (one error line) on any other.
 Other couplings, through public classes: the ``EngineArgs`` wrappers
 (``patches.py``), the attention-class substitution while a model is built
 (``models/causal_lm.py``), the exact-token cache manager, a
-``SlidingWindowManager`` subclass (``attention/exact_cache.py``), and the
+``SlidingWindowManager`` subclass (``attention/exact_cache.py``: its private
+helpers through :func:`remove_blocks_in_range` and :func:`num_evictable_blocks`), and the
 constructor keywords of vLLM's model classes (``models/architectures.py``).
 """
 
@@ -48,6 +49,22 @@ def encode_layer_name(name: str):
     from vllm.utils.torch_utils import _encode_layer_name
 
     return _encode_layer_name(name)
+
+
+def remove_blocks_in_range(manager, request_id: str, start: int, end: int) -> None:
+    """Free blocks ``start .. end - 1`` of a request in a vLLM single-type KV
+    cache manager, replacing them by the null block
+    (``SingleTypeKVCacheManager._remove_blocks_in_range``: what vLLM's own
+    sliding-window manager calls to drop the blocks its window has left; the
+    exact-token manager calls it to drop them all but the sinks)."""
+    manager._remove_blocks_in_range(request_id, start, end)
+
+
+def num_evictable_blocks(manager, blocks) -> int:
+    """How many of ``blocks`` (a prefix-cache hit's) are in the manager's free
+    queue and would be taken from it when the request holds them
+    (``SingleTypeKVCacheManager._get_num_evictable_blocks``)."""
+    return manager._get_num_evictable_blocks(blocks)
 
 
 def rotary_cos_sin(rotary):

@@ -174,6 +174,13 @@ class LowRankConfig:
             latents staged in the exact cache while its tokens are recent.
         k_channel_tokens: Tokens per per-channel key group; must divide the KV
             block size.
+        post_rope_keys: Cache every key after RoPE at its full width, one per
+            KV head, quantized as ``k_bits`` / ``k_quant`` say, and score it as
+            stored: no key basis, no key rebuild, no RoPE at decode (KIVI's
+            post-RoPE keys, Liu et al. 2024, sec. 3.2, beside latent values).
+            The method's bases and ranks then shape the values only; the key
+            width still counts in ``rank_fraction`` (``0.75`` keeps full keys
+            and half the value width). Needs ``token_adaptive``.
         allow_slow_path: On a CUDA device, serve layers that no fused kernel
             decodes (a 16-bit side inside a packed slot, or a kernel that
             failed its start-up self-check) on the torch path, eagerly and
@@ -270,6 +277,11 @@ class LowRankConfig:
         "tokens per per-channel key group; must divide the KV block size",
         refused="k_channel_tokens={value} must be >= 1 (tokens per per-channel key group, "
                 "a divisor of the KV block size; e.g. 32)", ge=1, le=1 << 12, strict=True)] = 32
+    post_rope_keys: Annotated[bool, _key(
+        "cache keys after RoPE at full width, quantized per `k_bits`/`k_quant`, and score "
+        "them as stored (no key basis or rebuild); bases and ranks then cut the values "
+        "only, and the full key width counts in `rank_fraction` (`0.75`: full keys, half "
+        "the value width); needs `token_adaptive`", strict=True)] = False
     allow_slow_path: Annotated[bool, _key(
         "on a GPU, serve layers that no fused kernel decodes (a raw 16-bit side in a packed "
         "slot, a kernel that failed its start-up self-check) on the torch path, eagerly; "
@@ -383,6 +395,22 @@ class LowRankConfig:
                 "token_adaptive is not supported with method=\"post_rope\" (its queries "
                 "are projected into the latent basis); use another method or set "
                 "token_adaptive to false")
+        if self.post_rope_keys:
+            if not self.token_adaptive:
+                raise LowRankConfigError(
+                    "post_rope_keys caches keys after RoPE and quantizes them from the "
+                    "exact recent tokens of the token-adaptive mode; add "
+                    "\"token_adaptive\": true")
+            if self.method in ("post_rope", "rope_equivariant"):
+                raise LowRankConfigError(
+                    f"post_rope_keys keeps keys without a key basis, so method="
+                    f"{self.method!r} (a key basis) has nothing to shape; use \"fisher\" "
+                    "(values only) or drop post_rope_keys")
+            if self.rank_fraction <= 0.5:
+                raise LowRankConfigError(
+                    f"rank_fraction={self.rank_fraction} is the kept fraction of the K+V "
+                    "width, and post_rope_keys keeps the full key width (0.5 of it); use "
+                    "rank_fraction > 0.5 (0.75: half the value width)")
         if self.k_quant == "channel" and (self.k_bits == 16 or not self.token_adaptive):
             raise LowRankConfigError(
                 "k_quant=\"channel\" quantizes keys per channel over groups of tokens "
@@ -611,7 +639,9 @@ def keys_help() -> str:
 def config_from_additional(additional_config: Mapping[str, Any] | None) -> LowRankConfig:
     """The plugin settings carried by ``VllmConfig.additional_config``.
 
-    Missing key means compression off.
+    Missing key means compression off. A config is parsed and validated once
+    per process (every layer, the backend and the decoders ask for it): later
+    calls with the same settings return the same object.
 
     Raises:
         LowRankConfigError: the stored settings are invalid.
@@ -622,7 +652,22 @@ def config_from_additional(additional_config: Mapping[str, Any] | None) -> LowRa
     if isinstance(raw, str):
         # `--additional-config '{"kv_compression": "lowrank"}'` shorthand.
         _choice("kv_compression", raw, MODES)
-        return LowRankConfig.from_dict({"mode": raw})
+        raw = {"mode": raw}
+    try:
+        key = json.dumps(raw, sort_keys=True)
+    except (TypeError, ValueError):  # not JSON: parse it as given (and refuse it there)
+        return _config(dict(raw))
+    return _parsed(key)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(raw_json: str) -> LowRankConfig:
+    """:func:`_config` of a canonical JSON settings object (the cache of
+    :func:`config_from_additional`)."""
+    return _config(json.loads(raw_json))
+
+
+def _config(raw: dict) -> LowRankConfig:
     raw = dict(raw)
     raw.setdefault("mode", "lowrank")
     return LowRankConfig.from_dict(raw)

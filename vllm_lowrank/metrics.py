@@ -43,8 +43,9 @@ Metrics (all gauges):
   artifact (``artifact``: its manifest digest ``blake2b:<hex>``, or ``none``;
   never its path, as ``/metrics`` is unauthenticated).
 - ``vllm_lowrank_decode_layers{path}``: latent attention layers (of the first
-  tensor-parallel shard) whose decode runs on ``path`` (``cuda``, ``triton`` or
-  ``torch``; :mod:`vllm_lowrank.attention.decode_path`), once chosen: at
+  tensor-parallel shard) whose decode runs on ``path`` (the name of its decoder:
+  ``cuda``, ``triton-grid``, ``token-adaptive+triton-latent-rope``, ...,
+  ``torch``; :mod:`vllm_lowrank.attention.decoders`), once chosen: at
   start-up on a GPU, at the first decode step on a CPU.
 - ``vllm_lowrank_kv_cache_capacity_tokens{engine}``: KV cache tokens vLLM
   allocated (with or without compression), the figure vLLM logs as "KV cache

@@ -148,7 +148,8 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         LowRankConfigError: unknown preset, or (``8x``) a key that its
             allocation chooses itself (``rank_fraction``, ``ranks``, ``k_bits``,
-            ``v_bits``, ``rank_allocation``).
+            ``v_bits``, ``rank_allocation``, ``artifact``, ``method``,
+            ``post_rope_keys``: its key ranks are cut).
     """
     if set(raw) == {"mode"} and raw["mode"] == "lowrank":
         raw = {**raw, "preset": DEFAULT_PRESET}
@@ -157,7 +158,7 @@ def expand(raw: Mapping[str, Any]) -> dict[str, Any]:
     preset = get_preset(raw["preset"])
     if preset.allocate is not None:
         fixed = sorted({"rank_fraction", "ranks", "k_bits", "v_bits", "rank_allocation",
-                        "artifact", "method"} & set(raw))
+                        "artifact", "method", "post_rope_keys"} & set(raw))
         if fixed:
             raise LowRankConfigError(
                 f"preset {preset.name!r} allocates ranks and bits per layer on first "

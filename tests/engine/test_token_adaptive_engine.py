@@ -70,6 +70,16 @@ def test_full_rank_small_window_equals_uncompressed(model_path, stock):
     assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
 
 
+def test_post_rope_keys_at_full_width_equal_uncompressed(model_path, stock):
+    """``post_rope_keys`` at 16 bits and full rank caches the model's own
+    post-RoPE keys and values: the key latent is the exact key (no key columns
+    in the fused projection), read without a rebuild in both the latent span
+    and the chunked prefill, and the tokens equal the uncompressed engine's."""
+    got = _run(model_path, {**FULL_RANK_SMALL_WINDOW, "post_rope_keys": True})
+    assert got["hits"] > 0
+    assert_same_until_tie(got["tokens"], stock["tokens"], stock["gaps"], at_least=100)
+
+
 def test_half_ratio_window_covering_the_context_equals_uncompressed(model_path, stock):
     cfg = {"mode": "lowrank", "rank_fraction": 0.5, "token_adaptive": True, "recent_tokens": 2048}
     got = _run(model_path, cfg)

@@ -45,11 +45,12 @@ def prompts(n: int, lengths, salt: int = 0) -> list[dict]:
 
 
 def engine_paths(llm) -> tuple[list[str], str]:
-    """The decode paths the latent layers took (in-process engine) and the CUDA
-    graph mode vLLM resolved."""
+    """The decoders the latent layers took (in-process engine), as ``"name:
+    description"`` (:mod:`vllm_lowrank.attention.decoders`), and the CUDA graph
+    mode vLLM resolved."""
     cc = llm.llm_engine.vllm_config.compilation_config
-    paths = sorted({f"{p.name}: {p.reason}" for layer in cc.static_forward_context.values()
-                    if (p := layer.__dict__.get("decode_path")) is not None})
+    paths = sorted({f"{d.name}: {d.describe()}" for layer in cc.static_forward_context.values()
+                    if (d := layer.__dict__.get("decoder")) is not None})
     return paths, str(cc.cudagraph_mode)
 
 

@@ -63,6 +63,12 @@ SETTINGS = {
                               "token_adaptive": True, "sink_tokens": 32, "recent_tokens": 64,
                               "k_bits": 4, "v_bits": 4, "k_quant": "channel",
                               "k_channel_tokens": 16, "exact_bits": 8},
+    # post-RoPE keys (4-bit per channel) beside per-head value latents at half rank:
+    # latent span and exact tokens in one kernel (decode_post_rope)
+    "post-rope-keys": {"post_rope_keys": True, "rank_fraction": 0.75, "head_group_size": 1,
+                       "rank_allocation": "uniform", "token_adaptive": True,
+                       "sink_tokens": 16, "recent_tokens": 64, "k_bits": 4, "v_bits": 4,
+                       "k_quant": "channel", "k_channel_tokens": 16, "exact_bits": 8},
 }
 
 _CACHE: dict = {}
@@ -192,12 +198,30 @@ def test_rope_equivariant_layers_decode_with_absorbed_queries(model):
     latent kernel in every layer (after its start-up self-check against the torch
     path, which rebuilds the keys), inside CUDA graphs, and its float32 tokens
     and log-probabilities equal the eager engine's."""
-    from vllm_lowrank.kernels.triton.decode import TRITON_KERNELS
+    from vllm_lowrank.attention.decoders import LatentRopeDecoder
 
     setting = SETTINGS["rope-equivariant-tale"]
     graphs = probe(model, setting, dtype="float32")
-    assert graphs["paths"] and all(TRITON_KERNELS["latent_rope"] in p for p in graphs["paths"]), \
+    name = f"token-adaptive+{LatentRopeDecoder.name}"  # its latent span on that kernel
+    assert graphs["paths"] and all(p.split(":")[0] == name for p in graphs["paths"]), \
         graphs["paths"]
+    assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
+    eager = probe(model, setting, dtype="float32", eager=True)
+    assert _float32_steps_agree(graphs, eager, 1e-4) >= 15
+
+
+@pytest.mark.parametrize("model", ["small-h128", "smollm2-shape"])
+def test_post_rope_keys_decode_in_one_kernel_inside_graphs(model):
+    """A ``post_rope_keys`` setting takes the fused post-RoPE-keys decoder in
+    every layer (after its start-up self-check against the torch path), inside
+    CUDA graphs, and its float32 tokens and log-probabilities equal the eager
+    engine's."""
+    from vllm_lowrank.attention.decoders import PostRopeKeysDecoder
+
+    setting = SETTINGS["post-rope-keys"]
+    graphs = probe(model, setting, dtype="float32")
+    assert graphs["paths"] and all(p.split(":")[0] == PostRopeKeysDecoder.name
+                                   for p in graphs["paths"]), graphs["paths"]
     assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
     eager = probe(model, setting, dtype="float32", eager=True)
     assert _float32_steps_agree(graphs, eager, 1e-4) >= 15

@@ -7,6 +7,7 @@ float32 torch path. Skipped without a CUDA device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -50,6 +51,17 @@ def _gather(rows, bt, lens, page):
     return out
 
 
+def _launch(plan, layout, q, cache, *, scale, mode="pre_rope", k_up=None, rope=None):
+    """The layer's :class:`~vllm_lowrank.kernels.triton.decode.LatentLaunch` on
+    the GPU, default launch parameters, for queries like ``q`` and a cache like
+    ``cache``."""
+    from vllm_lowrank.kernels.triton.decode import LatentLaunch
+
+    return LatentLaunch(plan, layout, mode=mode, scale=scale, dtype=q.dtype, device=q.device,
+                        block_size=cache.shape[2], k_up=k_up, rope=rope,
+                        cache_dtype=None if layout is not None else cache.dtype)
+
+
 def test_missing_extension_message(monkeypatch):
     from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
@@ -68,7 +80,6 @@ def test_triton_decode_serving_shape_bf16(ratio, quant):
     BLOCK_N=64 / 4-warp bf16 variant)."""
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.attention.rope import RopeTable
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
@@ -89,8 +100,8 @@ def test_triton_decode_serving_shape_bf16(ratio, quant):
         cache = cache_q
         ref_cache = torch.cat([kd, vd], -1).view(cache_q.shape[0], 1, page, -1)
     out = torch.full((4, plan.out_width), float("nan"), device="cuda")
-    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
-                            layout=layout, out=out, backend="triton")
+    _launch(plan, layout, q, cache, scale=128 ** -0.5, k_up=k_up, rope=rope)(
+        q, cache, bt, lens_t, max(lens), out=out)
     ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(), ref_cache.float(), bt,
                            lens_t, max(lens))
     assert torch.isfinite(out).all()
@@ -114,20 +125,18 @@ def _llama_problem(ranks_k, ranks_v, lens, seed):
     return plan, k_up, rope, cache, bt, lens_t, g
 
 
-@pytest.mark.parametrize("lpt", [False, True])
-def test_triton_decode_uneven_ranks_bf16(lpt):
+def test_triton_decode_uneven_ranks_bf16():
     """High-spread ranks (rank classes 16..128 in one launch), default launch
-    parameters, plain grid and LPT persistent grid."""
+    parameters, three splits."""
     from vllm_lowrank.attention.latent_attention import decode_attention
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
     ranks = (16, 16, 32, 32, 64, 64, 128, 128)
     lens = [3000, 17, 1200, 4096]
     plan, k_up, rope, cache, bt, lens_t, g = _llama_problem(ranks, ranks[::-1], lens, 7)
     q = torch.randn(4, 32, 128, device="cuda", generator=g).bfloat16()
     out = torch.full((4, plan.out_width), float("nan"), device="cuda")
-    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
-                            out=out, num_splits=3, schedule="lpt" if lpt else None)
+    _launch(plan, None, q, cache, scale=128 ** -0.5, k_up=k_up, rope=rope)(
+        q, cache, bt, lens_t, max(lens), out=out, num_splits=3)
     ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(), cache.float(), bt,
                            lens_t, max(lens))
     assert torch.isfinite(out).all()
@@ -136,15 +145,13 @@ def test_triton_decode_uneven_ranks_bf16(lpt):
 
 @pytest.mark.parametrize("ratio", [0.5, 0.25])
 def test_triton_post_rope_serving_shape_bf16(ratio):
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
-
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
     plan, k_up, rope, cache, bt, lens_t, g = _llama_problem((r,) * 8, (r,) * 8, lens, 9)
     q = torch.randn(4, 32, r, device="cuda", generator=g).bfloat16()
     out = torch.full((4, plan.out_width), float("nan"), device="cuda")
-    latent_decode_attention(plan, None, None, 0.1, q, cache, bt, lens_t, max(lens),
-                            out=out, mode="post_rope")
+    _launch(plan, None, q, cache, scale=0.1, mode="post_rope")(
+        q, cache, bt, lens_t, max(lens), out=out)
     hg, page = plan.heads_per_group, cache.shape[2]
     ref = torch.zeros_like(out, dtype=torch.float64)
     for b, n in enumerate(lens):
@@ -168,16 +175,16 @@ def test_triton_post_rope_packed_serving_shape_bf16(ratio, bits, qgroup):
     8/4-bit per-token sides on the packed kernel (ratio 1.0 K8/V4: the ``2x``
     preset), grouped scales and 3/2-bit codes on the grid kernel; against float64
     on the decoded latents."""
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
-
     r = int(ratio * 128)
     lens = [4000, 1, 777, 2500]
     plan, layout, cache, kd, vd, bt, lens_t, page, g = _problem(
         (r,) * 8, (r,) * 8, bits, qgroup, lens, seed=11)
     q = torch.randn(4, 32, r, device="cuda", generator=g).bfloat16()
     out = torch.full((4, plan.out_width), float("nan"), device="cuda")
-    latent_decode_attention(plan, None, None, 0.1, q, cache, bt, lens_t, max(lens),
-                            layout=layout, out=out, mode="post_rope")
+    launch = _launch(plan, layout, q, cache, scale=0.1, mode="post_rope")
+    assert launch.kernel == ("packed" if qgroup is None and bits in ((8, 4), (4, 4))
+                             else "grid")
+    launch(q, cache, bt, lens_t, max(lens), out=out)
     hg = plan.heads_per_group
     kl, vl = _gather(kd, bt, lens_t, page), _gather(vd, bt, lens_t, page)
     ref = torch.zeros_like(out, dtype=torch.float64)
@@ -262,24 +269,44 @@ CUDA_DECODE_CASES = [
 ]
 
 
+def _cuda_layer(plan, k_up, rope, dtype, page, **kw):
+    """A stand-in layer (``tests/decoder_layer.py``) of these factors and its
+    :class:`~vllm_lowrank.attention.decoders.DecoderContext` on the GPU
+    (``kw``: the context's ``window``, ``max_model_len``)."""
+    from decoder_layer import StandInLayer
+    from vllm_lowrank.attention.decoders import DecoderContext
+
+    layer = StandInLayer(plan, k_up=k_up, rope=rope, scale=kw.pop("scale", 128 ** -0.5))
+    ctx = DecoderContext(dtype, torch.device("cuda"), page, kw.get("window"),
+                         kw.get("max_model_len", 8192))
+    return layer, ctx
+
+
 @pytest.mark.parametrize("r_k,r_v,page,neox,splits,dtype,mscale", CUDA_DECODE_CASES)
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_cuda_pre_rope_decode_matches_float64(r_k, r_v, page, neox, splits, dtype, mscale,
                                               return_lse):
-    """vllm_lowrank/kernels/cuda/latent_decode.cu through latent_decode_attention(backend="cuda"):
-    random latents, ragged lengths (tail tiles, a one-token sequence, a split
-    longer than a sequence), shuffled block tables, NaN-poisoned output."""
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
+    """vllm_lowrank/kernels/cuda/latent_decode.cu with the key weights a
+    :class:`~vllm_lowrank.attention.decoders.CudaDecoder` prepares (and its
+    split where ``splits`` is None): random latents, ragged lengths (tail
+    tiles, a one-token sequence, a split longer than a sequence), shuffled
+    block tables, NaN-poisoned output."""
+    from vllm_lowrank.attention import decoders
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     lens = [1, 17, 300, 1029, 4000, 33]
     plan, k_up, cache, bt, lens_t, q = _cuda_problem(r_k, r_v, lens, page, dtype,
                                                      seed=r_k + r_v + page)
     rope = _rope_table(neox, mscale)
     scale = 128 ** -0.5
+    layer, ctx = _cuda_layer(plan, k_up, rope, dtype, page, scale=scale)
+    assert decoders.CudaDecoder.supports(layer, ctx) is None
+    decoder = decoders.CudaDecoder(layer, ctx)
+    batch = decoders.DecodeBatch(bt, lens_t, max(lens), min(lens))
     out = torch.full((len(lens), plan.out_width), float("nan"), device="cuda")
-    res = latent_decode_attention(plan, k_up, rope, scale, q, cache, bt, lens_t, max(lens),
-                                  num_splits=splits, out=out, return_lse=return_lse,
-                                  backend="cuda")
+    res = cuda_ext.latent_decode_pre_rope(q, cache, bt, lens_t, decoder.weights, decoder.rope,
+                                          scale, num_splits=splits or decoder.plan(batch),
+                                          out=out, return_lse=return_lse)
     torch.cuda.synchronize()
     ref, ref_lse = _reference_f64(plan, k_up, rope, scale, q, cache, bt, lens_t)
     assert torch.isfinite(out).all()
@@ -293,14 +320,25 @@ def test_cuda_pre_rope_decode_matches_float64(r_k, r_v, page, neox, splits, dtyp
         assert (res[1].double() - ref_lse).abs().max().item() < 2e-2
     else:
         assert res is out
+        # the decoder's own run: the same output
+        got = torch.full_like(out, float("nan"))
+        decoder.run(q, cache, batch, decoder.plan(batch), got)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
-def test_cuda_pre_rope_decode_is_the_default_path(monkeypatch):
-    """backend="auto" takes the CUDA kernel in its scope and Triton outside it
-    (uneven ranks across groups), with the same results."""
+def test_cuda_pre_rope_decode_is_the_default_decoder(monkeypatch):
+    """Start-up chooses the CUDA decoder in its scope, and it runs the CUDA
+    kernel with the result of the Triton grid decoder; a layer outside its scope
+    (uneven ranks across groups) is refused with the reason."""
+    from vllm_lowrank.attention import decoders
     from vllm_lowrank.kernels.cuda import ext as cuda_ext
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
 
+    lens = [700, 2100]
+    plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 4)
+    rope = _rope_table(True)
+    layer, ctx = _cuda_layer(plan, k_up, rope, torch.bfloat16, 16, scale=0.1)
+    chosen = decoders.choose(layer, ctx)
+    assert type(chosen) is decoders.CudaDecoder
     calls = []
     real = cuda_ext.latent_decode_pre_rope
 
@@ -309,42 +347,46 @@ def test_cuda_pre_rope_decode_is_the_default_path(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(cuda_ext, "latent_decode_pre_rope", spy)
-    lens = [700, 2100]
-    plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 4)
-    rope = _rope_table(True)
-    a = latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, max(lens))
+    batch = decoders.DecodeBatch(bt, lens_t, max(lens), min(lens))
+    a = torch.empty(len(lens), plan.out_width, device="cuda")
+    chosen.run(q, cache, batch, chosen.plan(batch), a)
     assert calls == [1]
-    b = latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, max(lens),
-                                backend="triton")
+    grid = decoders.GridDecoder(layer, ctx)
+    b = torch.empty_like(a)
+    grid.run(q, cache, batch, grid.plan(batch), b)
     assert calls == [1]
     assert ((a - b).norm() / b.norm()) < 1e-2
+    uneven = dataclasses.replace(plan, k_ranks=(64,) * 7 + (32,))
+    layer_u, _ = _cuda_layer(uneven, k_up[:uneven.k_width], rope, torch.bfloat16, 16)
+    assert decoders.CudaDecoder.supports(layer_u, ctx) == "uneven ranks"
 
 
 def test_cuda_pre_rope_decode_refuses_out_of_scope():
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
+    """The CUDA decoder's scope names what it cannot decode; a cache block stride
+    over its 32-bit in-block offsets is refused by the extension."""
+    from decoder_layer import StandInLayer
+    from vllm_lowrank.attention import decoders
+    from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     lens = [100]
     plan, k_up, cache, bt, lens_t, q = _cuda_problem(64, 64, lens, 16, torch.bfloat16, 5)
     rope = _rope_table(True)
-    with pytest.raises(ValueError, match="post_rope"):
-        latent_decode_attention(plan, None, None, 0.1, q[..., :64], cache, bt, lens_t, 100,
-                                mode="post_rope", backend="cuda")
-    with pytest.raises(ValueError, match="sliding window"):
-        latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, 100, window=10,
-                                backend="cuda")
-    with pytest.raises(ValueError, match="dtype"):
-        latent_decode_attention(plan, k_up, rope, 0.1, q.float(), cache, bt, lens_t, 100,
-                                backend="cuda")
-    with pytest.raises(ValueError, match="backend"):
-        latent_decode_attention(plan, k_up, rope, 0.1, q, cache, bt, lens_t, 100,
-                                backend="cutlass")
-    # A block stride the kernel's 32-bit in-block offsets cannot hold: refused by the
-    # scope check (so backend="auto" takes Triton), not by the extension's TORCH_CHECK.
+    layer, ctx = _cuda_layer(plan, k_up, rope, torch.bfloat16, 16)
+    assert decoders.CudaDecoder.supports(layer, ctx) is None
+    post = StandInLayer(plan, post_rope=True)
+    assert "post_rope" in decoders.CudaDecoder.supports(post, ctx)
+    windowed = dataclasses.replace(ctx, window=10)
+    assert decoders.CudaDecoder.supports(layer, windowed) == "sliding window"
+    assert "dtype" in decoders.CudaDecoder.supports(layer, dataclasses.replace(
+        ctx, dtype=torch.float32))
+    assert "block_size" in decoders.CudaDecoder.supports(layer, dataclasses.replace(
+        ctx, block_size=8))
+    decoder = decoders.CudaDecoder(layer, ctx)
     one = cache[:1].contiguous()
     huge = one.as_strided(one.shape, (2 ** 31,) + one.stride()[1:])
-    with pytest.raises(ValueError, match="block stride"):
-        latent_decode_attention(plan, k_up, rope, 0.1, q, huge, torch.zeros_like(bt), lens_t,
-                                100, backend="cuda")
+    with pytest.raises(RuntimeError, match="block stride"):
+        cuda_ext.latent_decode_pre_rope(q, huge, torch.zeros_like(bt), lens_t, decoder.weights,
+                                        decoder.rope, 0.1)
 
 
 def wide_case(dev, group_size, ratio, quant, lens, seed=7, kct=None):
@@ -356,7 +398,7 @@ def wide_case(dev, group_size, ratio, quant, lens, seed=7, kct=None):
     ``kct`` tokens, every group complete, 32-token blocks)."""
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.attention.rope import RopeTable
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention, needs_wide
+    from vllm_lowrank.kernels.triton.launch import needs_wide
 
     g = torch.Generator(device=dev).manual_seed(seed)
     ng, r = 8 // group_size, int(ratio * group_size * 128)
@@ -388,12 +430,13 @@ def wide_case(dev, group_size, ratio, quant, lens, seed=7, kct=None):
     q = torch.randn(len(lens), 32, 128, device=dev, generator=g).bfloat16()
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     out = torch.full((len(lens), plan.out_width), float("nan"), device=dev)
-    latent_decode_attention(plan, k_up, rope, 128 ** -0.5, q, cache, bt, lens_t, max(lens),
-                            layout=layout, out=out, backend="triton")
+    launch = _launch(plan, layout, q, cache, scale=128 ** -0.5, k_up=k_up, rope=rope)
+    launch(q, cache, bt, lens_t, max(lens), out=out)
     ref = decode_attention(plan, k_up, rope, 128 ** -0.5, q.float(),
                            ref_rows.view(nblk, 1, page, -1), bt, lens_t, max(lens))
     assert torch.isfinite(out).all()
     assert needs_wide(plan, layout, 128) == (group_size >= 4)
+    assert (launch.kernel == "wide") == (group_size >= 4)
     return ((out - ref).norm() / ref.norm()).item()
 
 

@@ -116,22 +116,34 @@ KEY_GROUPS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(KEY_GROUPS))
+POST_ROPE_KEY_GROUPS = {
+    # post-RoPE keys: the key latent is the exact key (64 channels), nothing staged
+    "post-rope-k4-g8-int8-exact": ((32, 32), (16, 16), 4, 8, 16, 8, 8),
+    "post-rope-k2-g16-16bit-exact": ((64,), (24,), 2, 16, 16, 32, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEY_GROUPS) + sorted(POST_ROPE_KEY_GROUPS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_group_write_matches_torch(name, dtype):
     """Sequences at random lengths, each with its latent and exact slots on
     shuffled blocks; one step writes the last token of each (a decode step)
     or the last ``2 G + 3`` (a prefill chunk), plus padding tokens. Only the
     tokens that end a group write anything; the torch path of
-    ``token_adaptive.write_key_groups`` is the reference."""
+    ``token_adaptive.write_key_groups`` is the reference. Post-RoPE keys
+    (``post_rope_keys``) stage nothing: the groups are quantized from the exact
+    keys, int8 or 16-bit."""
     from vllm_lowrank.attention import token_adaptive as tale
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.kernels.triton.cache_write import supports_key_groups, write_key_groups
 
-    k_ranks, v_ranks, bits, grp, page, epage = KEY_GROUPS[name]
+    post_rope = name in POST_ROPE_KEY_GROUPS
+    k_ranks, v_ranks, bits, grp, page, epage, *exact_bits = (
+        POST_ROPE_KEY_GROUPS if post_rope else KEY_GROUPS)[name]
     layout = SlotLayout(k_ranks, v_ranks, bits, 4, k_channel_tokens=grp)
     rk = sum(k_ranks)
-    slot = ExactSlot(kv_width=64, head_dim=32, dtype=dtype, bits=8, staged_width=rk,
+    slot = ExactSlot(kv_width=64, head_dim=32, dtype=dtype, bits=exact_bits[0] if post_rope
+                     else 8, staged_width=0 if post_rope else rk,
                      latent_slot_bytes=layout.slot_bytes)
     assert supports_key_groups(layout, slot)
     g = torch.Generator().manual_seed(7)
@@ -153,8 +165,9 @@ def test_key_group_write_matches_torch(name, dtype):
             ex = ex_perm[used_e:used_e + nbe[b]][pos // epage] * epage + pos % epage
             used, used_e = used + nb[b], used_e + nbe[b]
             # every position's key latent staged (the earlier steps wrote them)
-            tale.write_exact(exact, slot, torch.randn(n, 64, generator=g).to(dtype),
+            tale.write_exact(exact, slot, (torch.randn(n, 64, generator=g) * 3).to(dtype),
                              torch.randn(n, 64, generator=g).to(dtype), ex,
+                             None if post_rope else
                              (torch.randn(n, rk, generator=g) * 3).to(dtype))
             take = 1 if step == "decode" else min(n, 2 * grp + 3)
             lat_slots.append(lat[n - take:])

@@ -5,9 +5,11 @@ On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set by
 neox / gptj / partial rotary / YaRN-scaled / non-rotation tables, post-RoPE mode,
 packed 8/4/3/2-bit caches with per-row and grouped scales, aligned and unaligned
 slots, uneven ranks in several rank classes, G > 1 head groups, split-K with the
-reduce, the LPT persistent schedule, key bias / QK-norm and sliding windows over
-NaN null blocks). On a CUDA machine the same tests run the
-compiled kernels on the GPU.
+reduce, key bias / QK-norm and sliding windows over NaN null blocks), each
+prepared once as a :class:`~vllm_lowrank.kernels.triton.decode.LatentLaunch`, and
+the start-up choice of a layer's decoder (:mod:`vllm_lowrank.attention.decoders`)
+on a stand-in layer (``tests/decoder_layer.py``). On a CUDA machine the same
+tests run the compiled kernels on the GPU.
 
     python -P -m pytest tests/kernels/test_triton_decode.py -q
 """
@@ -30,7 +32,6 @@ from vllm_lowrank.format.latent import SlotLayout  # noqa: E402
 
 import vllm_lowrank.kernels.triton.decode as dec  # noqa: E402
 import vllm_lowrank.kernels.triton.launch as launch_params  # noqa: E402
-import vllm_lowrank.kernels.triton.schedule as sched  # noqa: E402
 from vllm_lowrank.kernels.triton.decode_prep import rank_classes  # noqa: E402
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
@@ -159,16 +160,30 @@ def float_cache(plan, num_blocks, page, g, dtype):
     return rows
 
 
-def run(plan, k_up, rope, q, cache, bt, lens, **kw):
-    """The kernel on DEV with a NaN-poisoned output buffer; float64 CPU result
-    (with ``return_lse=True``: ``(out, lse)``)."""
+def prepare(plan, k_up, rope, q, cache, *, layout=None, mode="pre_rope", config=None,
+            transform=None, window=None, sink=0, recent=0):
+    """The :class:`~vllm_lowrank.kernels.triton.decode.LatentLaunch` of a layer
+    with these factors and launch arguments, for queries like ``q`` and a cache
+    like ``cache`` (its block size and, unquantized, its element dtype); softmax
+    scale ``head_dim ** -0.5`` in ``pre_rope`` mode, else 0.2."""
+    return dec.LatentLaunch(
+        plan, layout, mode=mode, scale=q.shape[-1] ** -0.5 if mode == "pre_rope" else 0.2,
+        dtype=q.dtype, device=DEV, block_size=cache.shape[2],
+        k_up=None if k_up is None else k_up.to(DEV), rope=rope,
+        cache_dtype=None if layout is not None else cache.dtype, transform=transform,
+        window=window, sink=sink, recent=recent, config=config)
+
+
+def run(plan, k_up, rope, q, cache, bt, lens, *, num_splits=None, return_lse=False, **kw):
+    """The kernel prepared by :func:`prepare` (``kw``: its launch arguments),
+    launched on DEV with a NaN-poisoned output buffer; float64 CPU result (with
+    ``return_lse=True``: ``(out, lse)``)."""
+    launch = prepare(plan, k_up, rope, q, cache, **kw)
     out = torch.full((q.shape[0], plan.out_width), float("nan"), device=DEV)  # poisoned
-    res = dec.latent_decode_attention(plan, k_up.to(DEV), rope, q.shape[-1] ** -0.5 if
-                                      kw.get("mode", "pre_rope") == "pre_rope" else 0.2,
-                                      q.to(DEV), cache.to(DEV), bt.to(DEV), lens.to(DEV),
-                                      int(lens.max()), out=out, **kw)
+    res = launch(q.to(DEV), cache.to(DEV), bt.to(DEV), lens.to(DEV), int(lens.max()),
+                 num_splits=num_splits, return_lse=return_lse, out=out)
     lse = None
-    if kw.get("return_lse"):
+    if return_lse:
         res, lse = res
         assert lse.shape == (q.shape[0], plan.shape.num_heads) and lse.dtype == torch.float32
         assert not torch.isnan(lse).any() and (lse < float("inf")).all()
@@ -336,7 +351,7 @@ def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, win
             for t in range(max(0, n - window)):
                 slots[int(bt[b, t // page]) * page + t % page] = 255
     cache = slots.view(nblk, 1, page, -1)
-    assert decode_packed.blocker(plan, layout, "post_rope", cache) is None
+    assert decode_packed.blocker(plan, layout, "post_rope", cache.stride(2), page) is None
     q = torch.randn(3, 8, kr, generator=g)
     calls = []
     real = decode_packed.packed_decode_kernel
@@ -358,13 +373,12 @@ def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, win
 
 
 def test_packed_post_rope_kernel_scope():
-    """Calls outside the packed kernel's scope say why; forcing it there is a
+    """Layers outside the packed kernel's scope say why; forcing it there is a
     ValueError naming the reason, and ``packed=False`` takes the grid kernel."""
     from vllm_lowrank.kernels.triton import decode_packed
 
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(32,) * 4, v_ranks=(32,) * 4)
     ok = SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4)
-    cache = torch.zeros(nblk, 1, page, ok.slot_bytes, dtype=torch.uint8)
     uneven, _, *_ = make_problem(k_ranks=(16, 32, 32, 32), v_ranks=(32,) * 4)
     cases = [
         (plan, ok, "pre_rope", "pre_rope mode"),
@@ -379,27 +393,28 @@ def test_packed_post_rope_kernel_scope():
          "post_rope", "odd"),
     ]
     for pl, lay, mode, why in cases:
-        c = cache if lay is None else torch.zeros(nblk, 1, page, lay.slot_bytes,
-                                                  dtype=torch.uint8)
-        assert why in decode_packed.blocker(pl, lay, mode, c)
+        stride = pl.k_width + pl.v_width if lay is None else lay.slot_bytes
+        assert why in decode_packed.blocker(pl, lay, mode, stride, page)
         if why not in ("pre_rope mode", "per-channel"):  # those two: other kernels' cases
-            assert dec.triton_kernel(pl, lay, mode, c, 32) == "grid"
-    assert decode_packed.blocker(plan, ok, "post_rope", cache) is None
+            assert dec.choose_kernel(pl, lay, mode, page, 32) == "grid"
+    assert decode_packed.blocker(plan, ok, "post_rope", ok.slot_bytes, page) is None
+    # an odd slot stride of the cache the layer reads (the layout's own is even)
+    assert "odd" in decode_packed.blocker(plan, ok, "post_rope", ok.slot_bytes + 1, page)
+    assert dec.choose_kernel(plan, ok, "post_rope", page, 32,
+                             slot_stride=ok.slot_bytes + 1) == "grid"
     # the one selector (launch and start-up log line): packed here, unless refused
-    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32) == "packed"
-    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32,
+    assert dec.choose_kernel(plan, ok, "post_rope", page, 32) == "packed"
+    assert dec.choose_kernel(plan, ok, "post_rope", page, 32,
                              dec.KernelConfig(packed=False)) == "grid"
-    assert dec.triton_kernel(plan, ok, "post_rope", cache, 32, schedule="lpt") == "grid"
     q = torch.randn(3, 8, 32)
     bad = SlotLayout(plan.k_ranks, plan.v_ranks, 3, 4)
-    with pytest.raises(ValueError, match="packed post-RoPE kernel cannot run this call: bits"):
-        dec.latent_decode_attention(plan, k_up, None, 0.2, q,
-                                    torch.zeros(nblk, 1, page, bad.slot_bytes,
-                                                dtype=torch.uint8),
-                                    bt, lens, 70, layout=bad, mode="post_rope",
-                                    config=dec.KernelConfig(packed=True))
+    bad_cache = torch.zeros(nblk, 1, page, bad.slot_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="packed post-RoPE kernel cannot run this layer: bits"):
+        prepare(plan, k_up, None, q, bad_cache, layout=bad, mode="post_rope",
+                config=dec.KernelConfig(packed=True))
     lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g)
     slots = ok.encode(lat[:, :plan.k_width], lat[:, plan.k_width:]).view(nblk, 1, page, -1)
+    assert prepare(plan, k_up, None, q, slots, layout=ok, mode="post_rope").kernel == "packed"
     a = run(plan, k_up, None, q, slots, bt, lens, layout=ok, mode="post_rope")
     b = run(plan, k_up, None, q, slots, bt, lens, layout=ok, mode="post_rope",
             config=dec.KernelConfig(packed=False))
@@ -427,28 +442,8 @@ def test_quantized_uneven_scale_groups(mode):
 
 
 # ---------------------------------------------------------------------------------
-# Load balancing (LPT persistent grid) and host-side checks
+# Host-side checks
 # ---------------------------------------------------------------------------------
-def test_lpt_schedule_matches_plain_grid():
-    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(8, 32, 16, 32),
-                                                       v_ranks=(8, 32, 8, 16),
-                                                       lens=(90, 3, 47), seed=13)
-    rope = make_rope(32)
-    rows = float_cache(plan, nblk, page, g, torch.float32)
-    q = torch.randn(3, 8, 32, generator=g)
-    cache = rows.view(nblk, 1, page, -1)
-    cfg16 = dec.KernelConfig(block_n=16)
-    plain = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, config=cfg16)
-    plain_default = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3)
-    s = sched.build_lpt_schedule(plan, lens.to(DEV), num_splits=3, block_n=16, num_workers=5)
-    assert sorted(s.items.tolist()) == list(range(3 * 4 * 3))
-    assert (s.costs[:-1] >= s.costs[1:]).all()
-    lpt = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, schedule=s, config=cfg16)
-    assert (lpt - plain).abs().max() < 1e-5
-    lpt2 = run(plan, k_up, rope, q, cache, bt, lens, num_splits=3, schedule="lpt")
-    assert (lpt2 - plain_default).abs().max() < 1e-5
-
-
 def test_rank_classes_merge():
     shape = AttentionShape(8 * 32, 8, 8, 32)
     plan = LayerPlan(shape, 1, (8, 16, 24, 32, 8, 16, 24, 32), (32, 8, 16, 8, 24, 32, 8, 16))
@@ -459,14 +454,24 @@ def test_rank_classes_merge():
 
 
 def test_errors():
+    """A mode outside the kernels' is refused when the launch is prepared; a
+    call whose cache or queries do not match what was prepared (slot width,
+    element dtype, query heads) before any launch."""
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(16,) * 4)
     rope = make_rope(32)
     q = torch.randn(3, 8, 32)
     bad = torch.zeros(nblk, 1, page, 100)
-    with pytest.raises(ValueError, match="slot width"):
-        dec.latent_decode_attention(plan, k_up, rope, 1.0, q, bad, bt, lens, 70)
     with pytest.raises(ValueError, match="mode"):
-        dec.latent_decode_attention(plan, k_up, rope, 1.0, q, bad, bt, lens, 70, mode="x")
+        prepare(plan, k_up, rope, q, bad, mode="x")
+    good = torch.zeros(nblk, 1, page, plan.k_width + plan.v_width)
+    launch = prepare(plan, k_up, rope, q, good)
+    args = (bt.to(DEV), lens.to(DEV), 70)
+    with pytest.raises(ValueError, match="slot width"):
+        launch(q.to(DEV), bad.to(DEV), *args)
+    with pytest.raises(ValueError, match="dtype"):
+        launch(q.to(DEV), good.to(DEV, torch.float16), *args)
+    with pytest.raises(ValueError, match="heads"):
+        launch(q[:, :4].to(DEV), good.to(DEV), *args)
 
 
 def test_split_heuristic():
@@ -542,11 +547,8 @@ def test_groups_per_program_rejects_uneven_ranks():
                                                        v_ranks=(16,) * 4)
     rows = float_cache(plan, nblk, page, g, torch.float32)
     with pytest.raises(ValueError, match="groups_per_program"):
-        dec.latent_decode_attention(plan, k_up.to(DEV), make_rope(32),
-                                    1.0, torch.randn(3, 8, 32, device=DEV),
-                                    rows.view(nblk, 1, page, -1).to(DEV), bt.to(DEV),
-                                    lens.to(DEV), 70,
-                                    config=dec.KernelConfig(groups_per_program=2))
+        prepare(plan, k_up, make_rope(32), torch.randn(3, 8, 32),
+                rows.view(nblk, 1, page, -1), config=dec.KernelConfig(groups_per_program=2))
 
 
 # ---------------------------------------------------------------------------------
@@ -622,11 +624,10 @@ def test_transform_window(bias, norm, window, group_size, rot, neox, splits):
         assert rel_err(full, ref) > 1e-2
 
 
-@pytest.mark.parametrize("gpp,trans,schedule", [(2, False, None), (4, None, None),
-                                                (1, None, "lpt")])
-def test_transform_window_groups_and_lpt(gpp, trans, schedule):
-    """Several head groups per score tile (per-group biases) and the LPT
-    persistent grid, with QK-norm, bias and a window over NaN blocks."""
+@pytest.mark.parametrize("gpp,trans", [(2, False), (4, None)])
+def test_transform_window_groups(gpp, trans):
+    """Several head groups per score tile (per-group biases), with QK-norm,
+    bias and a window over NaN blocks."""
     plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(32,) * 4,
                                                        lens=(45, 3, 33), seed=31)
     rope = make_rope(32)
@@ -638,7 +639,7 @@ def test_transform_window_groups_and_lpt(gpp, trans, schedule):
     tf = make_transform(plan, g)
     cfg = dec.KernelConfig(groups_per_program=gpp, block_n=16, transposed=trans)
     out = run(plan, k_up, rope, q, rows.view(nblk, 1, page, -1), bt, lens, num_splits=2,
-              config=cfg, schedule=schedule, transform=tf, window=18)
+              config=cfg, transform=tf, window=18)
     ref = reference(plan, k_up, rope, 32 ** -0.5, q, kl, vl, lens, transform=tf, window=18)
     assert rel_err(out, ref) < TOL32
 
@@ -693,11 +694,9 @@ def test_transform_errors():
     rows = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
     q = torch.randn(3, 8, 32)
     with pytest.raises(ValueError, match="pre_rope mode only"):
-        dec.latent_decode_attention(plan, k_up, None, 1.0, q, rows, bt, lens, 70,
-                                    mode="post_rope", transform=make_transform(plan, g))
+        prepare(plan, k_up, None, q, rows, mode="post_rope", transform=make_transform(plan, g))
     with pytest.raises(ValueError, match="window"):
-        dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
-                                    window=0)
+        prepare(plan, k_up, make_rope(32), q, rows, window=0)
 
 
 # ---------------------------------------------------------------------------------
@@ -788,7 +787,7 @@ def tale_problem(ranks, bits, seed, sink, recent, window):
     (16, 17, None, "post_rope", "equal", (8, 4), 3, None),      # packed kernel, split
     (16, 17, None, "post_rope", "equal", (8, 4), 3, "grid"),    # grid kernel, GPP 4, split
     (4, 64, 90, "pre_rope", "uneven", (4, 4), 1, None),         # packed + window
-    (4, 17, None, "pre_rope", "uneven", None, 2, "lpt"),        # LPT schedule, no LSE
+    (4, 17, None, "pre_rope", "uneven", None, 2, "no-lse"),     # without the LSE
     (4, 17, None, "pre_rope", "uneven", "bf16", 2, None),       # bf16 cache and queries
     (16, 1, None, "post_rope", "uneven", (3, 2), 1, None),      # 3/2-bit codes
     # GPP 2, S = q' K'^T, no split; n = 20: the span would end (t < 3) before it
@@ -813,10 +812,10 @@ def test_span(sink, recent, window, mode, ranks, bits, splits, extra):
     tf = make_transform(plan, g) if extra == "transform" else None
     cfg = dec.KernelConfig(groups_per_program=2, block_n=16, transposed=False) \
         if extra == "gpp2" else dec.KernelConfig(packed=False) if extra == "grid" else None
-    want_lse = extra != "lpt"
+    want_lse = extra != "no-lse"
     res = run(plan, k_up, rope, q, cache.view(nblk, 1, page, -1), bt, lens, num_splits=splits,
               mode=mode, layout=layout, transform=tf, window=window, sink=sink, recent=recent,
-              return_lse=want_lse, config=cfg, schedule="lpt" if extra == "lpt" else None)
+              return_lse=want_lse, config=cfg)
     out, lse = res if want_lse else (res, None)
     scale = 32 ** -0.5 if mode == "pre_rope" else 0.2
     keep = in_span(sink, recent, window)
@@ -882,8 +881,7 @@ def test_span_errors():
     q = torch.randn(3, 8, 32)
     for kw in ({"sink": -1}, {"recent": -2}):
         with pytest.raises(ValueError, match="sink and recent"):
-            dec.latent_decode_attention(plan, k_up, make_rope(32), 1.0, q, rows, bt, lens, 70,
-                                        **kw)
+            prepare(plan, k_up, make_rope(32), q, rows, **kw)
 
 
 # ---------------------------------------------------------------------------------
@@ -1025,7 +1023,7 @@ def test_channel_keys(group_size, kr, vr, bits, kct, page, span, splits, wide):
     q = torch.randn(len(lens), 8, 32, generator=g)
     sink, recent = span or (0, 0)
     cache = slots.view(nblk, 1, page, -1)
-    assert dec.triton_kernel(plan, layout, "pre_rope", cache, 32) == "grid"
+    assert dec.choose_kernel(plan, layout, "pre_rope", page, 32) == "grid"
     out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
                    sink=sink, recent=recent, return_lse=True,
                    config=dec.KernelConfig(wide=wide))
@@ -1042,8 +1040,6 @@ def test_channel_keys(group_size, kr, vr, bits, kct, page, span, splits, wide):
     with pytest.raises(ValueError, match="pre_rope mode only"):
         run(plan, k_up, rope, torch.randn(len(lens), 8, max(kr)), cache, bt, lens,
             layout=layout, mode="post_rope")
-    with pytest.raises(ValueError, match="plain grid"):
-        run(plan, k_up, rope, q, cache, bt, lens, layout=layout, schedule="lpt")
 
 
 def test_wide_chosen_for_large_key_tiles(monkeypatch):
@@ -1051,8 +1047,9 @@ def test_wide_chosen_for_large_key_tiles(monkeypatch):
     exceeds TRITON_MAX_KEY_TILE (J-LRD on Llama-3-8B's 8 KV heads of 128 at rank
     512: 512 x 512), and gets the same result as the grid kernel."""
     llama = LayerPlan(AttentionShape(4096, 32, 8, 128), 8, (512,), (512,))
-    assert dec.needs_wide(llama, None, 128)
-    assert not dec.needs_wide(LayerPlan(llama.shape, 1, (64,) * 8, (64,) * 8), None, 128)
+    assert launch_params.needs_wide(llama, None, 128)
+    assert not launch_params.needs_wide(LayerPlan(llama.shape, 1, (64,) * 8, (64,) * 8),
+                                        None, 128)
     plan, k_up, lens, bt, nblk, page, g = make_problem(group_size=4, k_ranks=(48,),
                                                        v_ranks=(32,), seed=41)
     rope = make_rope(32)
@@ -1060,15 +1057,17 @@ def test_wide_chosen_for_large_key_tiles(monkeypatch):
     q = torch.randn(len(lens), 8, 32, generator=g)
     cache = cache.view(nblk, 1, page, -1)
     calls = []
-    launch = dec._launch_wide
-    monkeypatch.setattr(dec, "_launch_wide", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    launch = dec.LatentLaunch._launch_wide
+    monkeypatch.setattr(dec.LatentLaunch, "_launch_wide",
+                        lambda *a, **k: calls.append(1) or launch(*a, **k))
     grid = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
-    assert not calls and not dec.needs_wide(plan, None, 32)
-    assert dec.triton_kernel(plan, None, "pre_rope", cache, 32) == "grid"
+    assert not calls and not launch_params.needs_wide(plan, None, 32)
+    assert dec.choose_kernel(plan, None, "pre_rope", page, 32) == "grid"
     monkeypatch.setattr(launch_params, "TRITON_MAX_KEY_TILE", 64 * 64 - 1)  # 64 x 64 no longer fits
-    assert dec.needs_wide(plan, None, 32)
-    assert dec.triton_kernel(plan, None, "pre_rope", cache, 32) == "wide"
-    assert dec.triton_kernel(plan, None, "post_rope", cache, 32) == "grid"
+    assert launch_params.needs_wide(plan, None, 32)
+    assert dec.choose_kernel(plan, None, "pre_rope", page, 32) == "wide"
+    assert dec.choose_kernel(plan, None, "post_rope", page, 32) == "grid"
+    assert prepare(plan, k_up, rope, q, cache).kernel == "wide"
     wide = run(plan, k_up, rope, q, cache, bt, lens, num_splits=2)
     assert calls
     assert rel_err(wide, grid) < TOL32
@@ -1080,87 +1079,138 @@ def test_wide_errors():
     q = torch.randn(len(lens), 8, 32, generator=g)
     with pytest.raises(ValueError, match="pre_rope mode only"):
         run(plan, k_up, None, q, cache, bt, lens, mode="post_rope", config=WIDE)
-    with pytest.raises(ValueError, match="plain grid"):
-        run(plan, k_up, make_rope(32), q, cache, bt, lens, schedule="lpt", config=WIDE)
 
 
 # ---------------------------------------------------------------------------------
-# Start-up self-check of a fused decode path (vllm_lowrank.attention.decode_path)
+# Start-up choice of a layer's decoder (vllm_lowrank.attention.decoders)
 # ---------------------------------------------------------------------------------
+def decoder_layer(group_size, bits, mode, span, seed):
+    """A stand-in layer (``tests/decoder_layer.py``) with random factors: uneven
+    ranks, a float (``bits`` None), packed (``(k_bits, v_bits)``) or per-channel
+    key (``"channel"``, 16-token groups) cache, and with ``span`` a
+    token-adaptive span (16 sink and 32 recent tokens, float32 exact slots);
+    and its :class:`DecoderContext` (float32, 16-token blocks, 1,024 tokens)."""
+    from decoder_layer import StandInLayer, exact_span
+    from vllm_lowrank.attention.decoders import DecoderContext
+
+    kr, vr = ((40, 16), (24, 64)) if group_size == 2 else ((8, 24, 16, 32), (16, 8, 32, 24))
+    plan, k_up, *_ = make_problem(group_size=group_size, k_ranks=kr, v_ranks=vr, seed=seed)
+    layout = (SlotLayout(kr, vr, 4, 4, k_channel_tokens=16) if bits == "channel"
+              else SlotLayout(kr, vr, *bits) if bits else None)
+    v_up = torch.zeros(plan.v_width, plan.shape.kv_width)
+    gw = plan.group_width
+    for gi, (off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
+        v_up[off:off + r, gi * gw:(gi + 1) * gw] = torch.randn(r, gw) / math.sqrt(r)
+    layer = StandInLayer(
+        plan, k_up=None if mode == "post_rope" else k_up.to(DEV), v_up=v_up.to(DEV),
+        rope=None if mode == "post_rope" else make_rope(32, max_pos=1024), layout=layout,
+        post_rope=mode == "post_rope", scale=0.2,
+        exact=exact_span(plan, layout, torch.float32, 16, 32) if span else None)
+    return layer, DecoderContext(torch.float32, DEV, 16, None, 1024)
+
+
+def admitted(family, runs=None, factor=None):
+    """``family`` with ``supports`` admitting every layer (the Triton families
+    refuse CPU tensors, which the interpreter runs); its ``run`` counted in
+    ``runs`` and, with ``factor``, its output multiplied by it (a kernel that
+    computes the wrong attention)."""
+
+    def run(self, query, kv_cache, batch, plan, out):
+        family.run(self, query, kv_cache, batch, plan, out)
+        if runs is not None:
+            runs.append(query.shape[0])
+        if factor is not None:
+            out.mul_(factor)
+
+    return type(f"Admitted{family.__name__}", (family,),
+                {"supports": classmethod(lambda cls, layer, ctx: None), "run": run})
+
+
 @pytest.mark.parametrize("group_size,bits,mode,span", [
     (2, None, "pre_rope", False),      # uneven ranks, 16-bit latents
-    (1, (8, 4), "pre_rope", True),     # packed, token-adaptive span with its LSE
+    (1, (8, 4), "pre_rope", True),     # packed, token-adaptive span (LSE merge)
     (1, (4, 4), "post_rope", False),
     (2, "channel", "pre_rope", True),  # per-channel keys and the span
 ])
-def test_self_check(monkeypatch, group_size, bits, mode, span):
-    """The self-check passes the kernel as it is and refuses one whose output
-    (or log-sum-exp) is off, on the layer's factors and a random cache."""
-    import types
+def test_self_check(group_size, bits, mode, span):
+    """The self-check passes the decoder as it is and refuses one whose output
+    (or, token-adaptive, the latent span's log-sum-exp) is off, on the layer's
+    factors and a random cache."""
+    from decoder_layer import triton_family
+    from vllm_lowrank.attention import decoders
 
-    from vllm_lowrank.attention import decode_path as dp
-
-    kr, vr = ((40, 16), (24, 64)) if group_size == 2 else ((8, 24, 16, 32), (16, 8, 32, 24))
-    plan, k_up, *_ = make_problem(group_size=group_size, k_ranks=kr, v_ranks=vr, seed=53)
-    rope = make_rope(32, max_pos=1024)
-    layer = types.SimpleNamespace(
-        plan=plan, k_up=k_up.to(DEV), post_rope=mode == "post_rope",
-        layout=(SlotLayout(kr, vr, 4, 4, k_channel_tokens=16) if bits == "channel"
-                else SlotLayout(kr, vr, *bits) if bits else None),
-        rope_table=lambda device: rope, key_transform=lambda: None)
-    kw = dict(mode=mode, layout=layer.layout, transform=None, window=None,
-              sink=16 if span else 0, recent=33 if span else 0)
-    err = dp.self_check(layer, "triton", torch.float32, DEV, 16, 1024, kw)
+    layer, ctx = decoder_layer(group_size, bits, mode, span, 53)
+    family = triton_family(layer, ctx)
+    reference = decoders.TorchDecoder(layer, ctx)
+    err = decoders.self_check(family(layer, ctx), reference)
     assert err < (1e-2 if ON_GPU else 1e-4)
+    # what start-up serves: this family on a GPU, the torch path elsewhere
+    chosen = decoders.choose(layer, ctx)
+    assert type(chosen) is (family if ON_GPU else decoders.TorchDecoder)
 
-    kernel = dec.latent_decode_attention
+    if span:
+        # LSE off by one nat, outputs right: the merge weighs the latent part
+        # e times too much (the self-check compares merged outputs; 0.1 nats
+        # moves them by about 1 %, within the tolerance for bf16 rounding)
+        class OffSpan(family.span_family):
+            def span(self, *args):
+                out, lse = super().span(*args)
+                return out, lse + 1.0
 
-    def off(*args, **kwargs):
-        res = kernel(*args, **kwargs)
-        if kwargs.get("return_lse"):
-            return res[0], res[1] + 0.1  # LSE off by 0.1 nats, outputs right
-        return res * 1.1
-    monkeypatch.setattr(dec, "latent_decode_attention", off)
-    assert dp.self_check(layer, "triton", torch.float32, DEV, 16, 1024, kw) > dp.SELF_CHECK_TOL
+        off = type("Off", (family,), {"span_family": OffSpan})
+    else:
+        off = admitted(family, factor=1.1)
+    assert decoders.self_check(off(layer, ctx), reference) > decoders.SELF_CHECK_TOL
 
 
-def test_decode_path_choice(monkeypatch, caplog):
-    """The selection loop: a candidate that raises is skipped with its reason
-    (here the CUDA kernel, which cannot run on this device under the
-    interpreter), the next one that agrees is taken; when none agrees the layer
-    decodes on the torch path, logged as a warning naming every refusal."""
+def test_decoder_choice(monkeypatch, caplog):
+    """The selection loop of :func:`decoders.choose`: a family that raises (here
+    the CUDA kernel forced onto a layer outside its scope) is skipped, the next
+    one that agrees is taken and warmed up (two self-check runs, two warm-up
+    runs); when none agrees the layer decodes on the torch path, the refused
+    family run by its self-check only (on a GPU: logged as a warning naming the
+    refusal)."""
     import logging
-    import types
 
-    from vllm_lowrank.attention import decode_path as dp
+    from decoder_layer import triton_family
+    from vllm_lowrank.attention import decoders
 
-    kr, vr = (40, 16), (24, 64)
-    plan, k_up, *_ = make_problem(group_size=2, k_ranks=kr, v_ranks=vr, seed=61)
-    rope = make_rope(32, max_pos=1024)
-    layer = types.SimpleNamespace(plan=plan, k_up=k_up.to(DEV), post_rope=False, layout=None,
-                                  exact=None, rope_table=lambda device: rope,
-                                  key_transform=lambda: None)
-    kw = dict(mode="pre_rope", layout=None, transform=None, window=None, sink=0, recent=0)
-    q = torch.zeros(1, 8, 32, device=DEV)
-    cache = torch.zeros(1, 1, 16, plan.k_width + plan.v_width, device=DEV)
-    one = torch.ones(1, dtype=torch.int32, device=DEV)
-    warm = [(plan, layer.k_up, rope, 1.0, q, cache, torch.zeros(1, 1, dtype=torch.int32,
-                                                                device=DEV), one, 1024)]
-    candidates = [("cuda", "fast"), ("triton", "general")]
+    layer, ctx = decoder_layer(2, None, "pre_rope", False, 61)
+    family = triton_family(layer, ctx)
+    tried = []
+
+    class ForcedCuda(decoders.CudaDecoder):
+        name = "cuda-forced"
+
+        @classmethod
+        def supports(cls, layer, ctx):
+            tried.append(cls.name)
+            return None
+
+    runs = []
+    monkeypatch.setattr(decoders, "_LOGGED", set())
+    monkeypatch.setattr(decoders, "candidates",
+                        lambda layer: (ForcedCuda, admitted(family, runs), decoders.TorchDecoder))
+    with caplog.at_level(logging.INFO, logger="vllm.lowrank"):
+        chosen = decoders.choose(layer, ctx)
+    assert tried == ["cuda-forced"]
+    assert isinstance(chosen, family) and chosen.name == family.name
+    assert runs == [2, 4, 1, 4]  # self-check (2 and 4 sequences), warm-up (1 and 4)
+    assert any(f"decoder {family.name}" in r.getMessage() for r in caplog.records)
+
+    runs.clear()
+    caplog.clear()
+    monkeypatch.setattr(decoders, "candidates",
+                        lambda layer: (admitted(family, runs, factor=2.0), decoders.TorchDecoder))
+    with caplog.at_level(logging.INFO, logger="vllm.lowrank"):
+        chosen = decoders.choose(layer, ctx)
+    assert type(chosen) is decoders.TorchDecoder
+    assert runs == [2, 4]  # the self-check only: never warmed up, never served
+    torch_lines = [r for r in caplog.records if "decoder torch" in r.getMessage()]
+    assert torch_lines
     if ON_GPU:
-        candidates = [("cuda-missing", "fast"), ("triton", "general")]  # a backend that raises
-    path = dp.first_agreeing(layer, candidates, torch.float32, DEV, 16, 1024, kw, warm)
-    assert path.name == "triton" and path.reason.startswith("general (")
-    assert "ValueError" in path.reason
-
-    kernel = dec.latent_decode_attention
-    monkeypatch.setattr(dec, "latent_decode_attention",
-                        lambda *a, **k: kernel(*a, **k) * 2.0)
-    with caplog.at_level(logging.WARNING, logger="vllm.lowrank"):
-        path = dp.first_agreeing(layer, [("triton", "general")], torch.float32, DEV, 16, 1024,
-                                 kw, warm)
-    assert path.name == "torch" and "disagrees with the torch path" in path.reason
-    assert any("decode path torch" in r.getMessage() for r in caplog.records)
+        assert torch_lines[0].levelno == logging.WARNING
+        assert "disagrees with the torch path" in torch_lines[0].getMessage()
 
 
 # ---------------------------------------------------------------------------------
@@ -1227,7 +1277,7 @@ def test_latent_rope(group_size, kr, vr, neox, bits, kct, span, window, splits, 
     sink, recent = span or (0, 0)
     q = torch.randn(len(lens), 8, 32, generator=g)
     cache = cache.view(nblk, 1, page, -1)
-    assert dec.triton_kernel(plan, layout, "latent_rope", cache, 32) == "latent_rope"
+    assert dec.choose_kernel(plan, layout, "latent_rope", page, 32) == "latent_rope"
     out, lse = run(plan, k_up, rope, q, cache, bt, lens, num_splits=splits, layout=layout,
                    sink=sink, recent=recent, window=window, return_lse=True,
                    mode="latent_rope", config=dec.KernelConfig(value_chunk=vc) if vc else None)
@@ -1271,27 +1321,3 @@ def test_latent_rope_refuses_other_bases():
     with pytest.raises(ValueError, match="not a multiple of the per-channel key group"):
         run(plan, k_up, make_rope(32), q, slots.view(nblk, 1, page, -1), bt, lens,
             layout=layout, mode="latent_rope")
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-def test_serving_ablation_zeroes_the_latent_kernels_outputs(monkeypatch, splits):
-    """``benchmarks/gpu_serving.py``'s ``CONFIG@no-latent-kernel`` replaces this
-    kernel's launch by zeroing positions 24-26 of its argument tuple (the split
-    partials and LSEs, the output). Through the real call those are the outputs:
-    the NaN-poisoned output comes back zero (one split: written directly; three:
-    the reduce of zero partials) with a finite LSE."""
-    from conftest import benchmark_module
-    from vllm_lowrank.attention import decode_path
-    from vllm_lowrank.kernels.triton import decode_latent_rope
-
-    serving = benchmark_module("gpu_serving")
-    monkeypatch.setattr(decode_latent_rope, "launch", decode_latent_rope.launch)  # restored
-    monkeypatch.setattr(decode_path, "self_check", decode_path.self_check)
-    serving._ablate("alloc-8x-re@no-latent-kernel")
-    plan, _, lens, bt, nblk, page, g = make_problem(group_size=4, k_ranks=(56,), v_ranks=(40,),
-                                                    seed=79)
-    cache = float_cache(plan, nblk, page, g, torch.float32).view(nblk, 1, page, -1)
-    q = torch.randn(len(lens), 8, 32, generator=g)
-    out, lse = run(plan, equivariant_k_up(plan, g, True), make_rope(32), q, cache, bt, lens,
-                   mode="latent_rope", num_splits=splits, return_lse=True)
-    assert float(out.abs().max()) == 0.0

@@ -10,7 +10,9 @@ Under the Triton interpreter on CPU tensors without CUDA, compiled on a GPU:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import types
 
 import pytest
 import torch
@@ -126,30 +128,50 @@ def test_kernel_tiles_within_and_across_blocks(block):
     torch.testing.assert_close(got.cpu(), ref, rtol=tol, atol=tol)
 
 
-def test_tale_decode_takes_the_kernel_when_a_latent_kernel_runs(monkeypatch):
-    """``token_adaptive.decode`` with a latent-span kernel uses this kernel (the
-    torch exact path is not called) and writes into ``out``; with a sliding
-    window it falls back to the torch path."""
+def test_token_adaptive_decoder_takes_the_kernel(monkeypatch):
+    """A token-adaptive decoder (:class:`vllm_lowrank.attention.decoders.TokenAdaptiveDecoder`,
+    its latent span stubbed with known outputs and log-sum-exps) runs this
+    kernel (the torch exact path is not called) and writes into ``out``; a
+    sliding window is outside its scope (those layers take the torch path)."""
+    from decoder_layer import StandInLayer
+    from vllm_lowrank.attention import decoders
+
     plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent = case(
         *SETTINGS[1], torch.float32, 16, lens=[100, 40])
     ref = torch_path(plan, v_up, slot, cache, table, seq_lens, q, lat, lse, sink, recent, 0.3)
 
-    def latent_kernel(*args, **kwargs):
-        return lat.to(DEV), lse.to(DEV)
+    class KnownSpan(decoders.TritonDecoder):
+        """The latent span's ``(out, lse)`` of this case, whatever the cache."""
+
+        def __init__(self, layer, ctx):
+            decoders.Decoder.__init__(self, layer, ctx)
+
+        def plan(self, batch):
+            return 1
+
+        def span(self, query, kv_cache, batch, plan):
+            return lat.to(DEV), lse.to(DEV)
+
+    family = type("TokenAdaptiveKnownSpan", (decoders.TokenAdaptiveDecoder,),
+                  {"span_family": KnownSpan})
+    layer = StandInLayer(plan, v_up=v_up.to(DEV), scale=0.3,
+                         exact=types.SimpleNamespace(sink=sink, recent=recent, slot=slot))
+    ctx = decoders.DecoderContext(torch.float32, DEV, BLOCK, None, 1024)
+    decoder = family(layer, ctx)
+    batch = decoders.DecodeBatch(table.to(DEV), seq_lens.to(DEV), int(seq_lens.max()),
+                                 exact_cache=cache.to(DEV), exact_block_table=table.to(DEV))
 
     def no_torch_path(*args, **kwargs):
         raise AssertionError("the torch exact path ran")
 
-    args = (plan, None, v_up.to(DEV), None, 0.3, q.to(DEV), None, None, cache.to(DEV),
-            table.to(DEV), seq_lens.to(DEV), 100)
+    out = torch.full(ref.shape, float("nan"), device=DEV)
     with monkeypatch.context() as m:
         m.setattr(tale, "exact_attention", no_torch_path)
-        out = torch.empty(ref.shape, device=DEV)
-        got = tale.decode(*args, sink=sink, recent=recent, exact=slot,
-                          latent_decode=latent_kernel, out=out)
-    assert got is out
-    torch.testing.assert_close(got.cpu(), ref, rtol=5e-3 if ON_GPU else 1e-5,
+        decoder.run(q.to(DEV), None, batch, decoder.plan(batch), out)
+    torch.testing.assert_close(out.cpu(), ref, rtol=5e-3 if ON_GPU else 1e-5,
                                atol=5e-3 if ON_GPU else 1e-5)
+    windowed = dataclasses.replace(ctx, window=64)
+    assert "sliding window" in family.supports(layer, windowed)
     assert decode_exact.blocker(plan, slot, q.to(DEV), cache.to(DEV), 64) == "sliding window"
 
 

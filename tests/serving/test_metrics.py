@@ -118,13 +118,14 @@ def test_decode_paths_are_exported(tmp_path, monkeypatch):
     c = ModelCompression(cfg=cfg, plans=plans, artifact=None, artifact_path=None)
     monkeypatch.setenv(metrics.STATE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(metrics, "_WORKER", {"decode_paths": {}})
-    metrics.record_decode_path("model.layers.0.self_attn.attn", "triton")
+    ta = "token-adaptive+triton-latent-rope"  # a decoder name (attention.decoders)
+    metrics.record_decode_path("model.layers.0.self_attn.attn", ta)
     metrics.publish(_Model(c), 2048)
-    metrics.record_decode_path("model.layers.1.self_attn.attn", "triton")
+    metrics.record_decode_path("model.layers.1.self_attn.attn", ta)
     metrics.record_decode_path("model.layers.2.self_attn.attn", "torch")
     paths = {l["path"]: v for n, l, v in _collect(tmp_path)
              if n == "vllm_lowrank_decode_layers"}
-    assert paths == {"triton": 2, "torch": 1}
+    assert paths == {ta: 2, "torch": 1}
 
 
 def test_summary_reports_the_bits_in_force_per_layer():

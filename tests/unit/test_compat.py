@@ -89,3 +89,75 @@ def test_argument_group_titles():
     parser = argparse.ArgumentParser()
     parser.add_argument_group(title="KVCompression")
     assert "KVCompression" in compat.argument_group_titles(parser)
+
+
+def _private_names(root) -> set[str]:
+    """Names with one leading underscore that the Python sources under ``root``
+    define: functions, methods, classes, and attributes or variables they assign."""
+    import ast
+
+    names = set()
+    for path in root.rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(errors="replace"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = node.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                name = node.attr
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                name = node.id
+            else:
+                continue
+            if name.startswith("_") and not name.startswith("__"):
+                names.add(name)
+    return names
+
+
+def _private_uses(path) -> list[tuple[int, str]]:
+    """``(line, name)`` of every private attribute a module reads or calls
+    (``x._name``) and every private name it imports from vLLM."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__"):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm."):
+            out += [(node.lineno, a.name) for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+OTHER_LIBRARIES = {"_attn_implementation": "transformers' PretrainedConfig (calibration)"}
+"""Private names of other libraries that vLLM's sources happen to define too."""
+
+
+def test_only_compat_touches_vllm_private_names():
+    """Every vLLM internal the plugin uses goes through ``compat.py``: no other
+    module reads, calls or imports a private name that vLLM defines (and this
+    package does not define itself; :data:`OTHER_LIBRARIES` aside). Static:
+    nothing is imported."""
+    import pathlib
+
+    import vllm
+
+    import vllm_lowrank
+
+    ours_root = pathlib.Path(vllm_lowrank.__file__).parent
+    theirs = (_private_names(pathlib.Path(vllm.__file__).parent) - _private_names(ours_root)
+              - set(OTHER_LIBRARIES))
+    found = [f"{path.relative_to(ours_root)}:{line}: {name}"
+             for path in sorted(ours_root.rglob("*.py")) if path.name != "compat.py"
+             for line, name in _private_uses(path) if name in theirs]
+    assert not found, "vLLM private names outside compat.py:\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_a_use(tmp_path):
+    """The scan finds a planted call of a vLLM private method."""
+    planted = tmp_path / "m.py"
+    planted.write_text("def f(m):\n    return m._remove_blocks_in_range(1, 2, 3)\n")
+    assert _private_uses(planted) == [(2, "_remove_blocks_in_range")]

@@ -230,3 +230,27 @@ def test_rope_equivariant_takes_the_fisher_rank_allocation():
     assert (cfg.method, cfg.rank_allocation) == ("rope_equivariant", "fisher")
     with pytest.raises(LowRankConfigError, match="rope_equivariant"):
         LowRankConfig.from_dict({"mode": "lowrank", "method": "eigen"})
+
+
+def test_post_rope_keys_settings_are_checked_before_any_engine():
+    """``post_rope_keys`` keeps full-width keys beside the exact tokens: it needs
+    the token-adaptive mode, a rank fraction above the keys' half, no key basis
+    method, and no preset whose allocation cuts key ranks; a ``ranks`` override
+    must keep the full key width. Each refusal names the fix."""
+    from vllm_lowrank.factorization.plan import AttentionShape, uniform_plan
+
+    ok = {"mode": "lowrank", "post_rope_keys": True, "token_adaptive": True,
+          "rank_fraction": 0.75}
+    cfg = LowRankConfig.from_dict(ok)
+    plan = uniform_plan(cfg, AttentionShape(576, 9, 3, 64), 0)
+    assert plan.k_ranks == (192,) and plan.v_ranks == (96,)  # full keys, half the values
+    for change, words in (({"token_adaptive": False}, "token_adaptive"),
+                          ({"rank_fraction": 0.5}, "rank_fraction > 0.5"),
+                          ({"method": "rope_equivariant"}, "key basis")):
+        with pytest.raises(LowRankConfigError, match=words):
+            LowRankConfig.from_dict({**ok, **change})
+    with pytest.raises(LowRankConfigError, match="allocates ranks"):
+        LowRankConfig.from_dict({"mode": "lowrank", "preset": "8x", "post_rope_keys": True})
+    cut = LowRankConfig.from_dict({**ok, "ranks": {"0": [96, 96]}})
+    with pytest.raises(LowRankConfigError, match="full width"):
+        uniform_plan(cut, AttentionShape(576, 9, 3, 64), 0)

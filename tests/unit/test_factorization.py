@@ -231,6 +231,27 @@ def test_energy_allocation_meets_budget_and_is_monotone(normalize):
     assert all(p.k_ranks == (64,) and p.v_ranks == (64,) for p in full.values())
 
 
+def test_full_keys_take_their_width_and_values_share_the_rest():
+    """With ``full_keys`` (``post_rope_keys``) every key keeps its full width and
+    the values get the rest of the budget, spread by their spectra: the same
+    value ranks as a values-only greedy allocation of that remainder."""
+    shape = AttentionShape(64, 2, 1, 64)
+    shapes = {i: shape for i in range(6)}
+    spectra = _spectra(6)
+    plans = energy_plans(shapes, 1, spectra, 0.75, normalize=False, full_keys=True)
+    assert all(p.k_ranks == (64,) for p in plans.values())
+    assert sum(p.v_width for p in plans.values()) == int(0.75 * 6 * 128) - 6 * 64
+    assert len({p.v_width for p in plans.values()}) > 1  # spread by energy, not uniform
+    # greedy by raw energy: no value chunk left out beats one taken
+    taken = [float(spectra[i][1][0][r - 8:r].sum()) for i, p in plans.items()
+             for r in [p.v_ranks[0]] if r > 8]
+    left = [float(spectra[i][1][0][r:r + 8].sum()) for i, p in plans.items()
+            for r in [p.v_ranks[0]] if r < 64]
+    assert min(taken) >= max(left) - 1e-9
+    with pytest.raises(LowRankConfigError, match="raise rank_fraction"):
+        energy_plans(shapes, 1, spectra, 0.5, full_keys=True)
+
+
 def test_per_layer_budget_gives_every_layer_the_same_width():
     """Models mixing attention kinds (Gemma-3) need one page size: with
     ``per_layer`` every layer gets ``ratio`` of its own width, split between K

@@ -1,8 +1,8 @@
 """On a CUDA device a layer that would decode on the torch path (eager, several
 times slower than stock vLLM) is refused unless ``"allow_slow_path": true``:
 in the front end where the setting shows it (a raw 16-bit side inside a packed
-slot), and at start-up where only the decode-path choice does (a kernel that
-fails its self-check)."""
+slot), and at start-up where only the choice of the layer's decoder does (a kernel that
+fails its self-check, :func:`vllm_lowrank.attention.decoders.for_layer`)."""
 
 from __future__ import annotations
 
@@ -48,24 +48,56 @@ def test_allow_slow_path_must_be_a_bool():
 
 
 @pytest.mark.parametrize("allow", [False, True])
-def test_torch_path_on_cuda_is_refused_at_start_up_unless_allowed(monkeypatch, allow):
-    from vllm_lowrank.attention import decode_path as dp
+def test_torch_path_on_cuda_is_refused_at_start_up_unless_allowed(monkeypatch, caplog, allow):
+    """A layer whose only fused candidate fails at start-up (here: it cannot
+    build, or on a GPU its output is off) is refused with the layer's name and a
+    warning naming the refusal, unless ``allow_slow_path``: then it decodes on
+    the torch path, recorded for ``/metrics`` and kept on the layer."""
+    import logging
 
-    why = "triton: disagrees with the torch path (error 0.9 > 0.05)"
-    monkeypatch.setattr(dp, "choose_decode_path", lambda *a, **k: dp.DecodePath("torch", why))
+    from decoder_layer import StandInLayer
+    from vllm_lowrank.attention import decoders
+    from vllm_lowrank.attention.rope import RopeTable
+    from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
+
+    class Wrong(decoders.GridDecoder):
+        """The grid kernel admitted everywhere, its output doubled."""
+
+        name = "triton-wrong"
+
+        @classmethod
+        def supports(cls, layer, ctx):
+            return None
+
+        def run(self, query, kv_cache, batch, plan, out):
+            super().run(query, kv_cache, batch, plan, out)
+            out.mul_(2.0)
+
+    monkeypatch.setattr(decoders, "candidates", lambda layer: (Wrong, decoders.TorchDecoder))
+    monkeypatch.setattr(decoders, "_LOGGED", set())
     recorded = []
     monkeypatch.setattr("vllm_lowrank.metrics.record_decode_path",
                         lambda name, path: recorded.append((name, path)))
-    layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn",
-                                  sliding_window=None)
+    plan = LayerPlan(AttentionShape(128, 4, 2, 32), 1, (16, 16), (16, 16))
+    k_up = torch.zeros(plan.k_width, plan.shape.kv_width)
+    k_up[:16, :32], k_up[16:, 32:] = torch.randn(16, 32), torch.randn(16, 32)
+    ang = torch.outer(torch.arange(64.0), 1e-2 * torch.arange(1.0, 17.0))
+    layer = StandInLayer(plan, k_up=k_up, rope=RopeTable(ang.cos(), ang.sin(), 32, True))
     config = types.SimpleNamespace(
         additional_config={"kv_compression": {"mode": "lowrank", "allow_slow_path": allow}},
         cache_config=types.SimpleNamespace(block_size=16),
-        model_config=types.SimpleNamespace(max_model_len=512))
-    if not allow:
-        with pytest.raises(LowRankConfigError, match=r"layers\.0.*torch path.*disagrees"):
-            dp.decode_path(layer, torch.bfloat16, torch.device("cuda"), config)
-        assert not recorded
-        return
-    assert dp.decode_path(layer, torch.bfloat16, torch.device("cuda"), config).name == "torch"
-    assert recorded == [(layer.layer_name, "torch")]
+        model_config=types.SimpleNamespace(max_model_len=64, dtype=torch.bfloat16))
+    cuda = torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="vllm.lowrank"):
+        if not allow:
+            with pytest.raises(LowRankConfigError, match=r"layers\.0.*torch path"):
+                decoders.for_layer(layer, config, cuda)
+            assert not recorded and "decoder" not in layer.__dict__
+        else:
+            decoder = decoders.for_layer(layer, config, cuda)
+            assert decoder.name == "torch"
+            assert recorded == [(layer.layer_name, "torch")]
+            assert decoders.for_layer(layer, config, cuda) is decoder  # chosen once
+            assert len(recorded) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("decoder torch" in w and "triton-wrong: " in w for w in warnings), warnings

@@ -9,6 +9,7 @@ blocks), so any read of the wrong form shows up as NaN.
 """
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -131,6 +132,23 @@ def decode_batch(plan, cache, exact_cache, slot, lens, sink, recent):
         cases.append(sequence(plan, cache, exact_cache, slot, tables[b], exact_tables[b], n,
                               n - 1, sink, recent))
     return tables, exact_tables, cases
+
+
+def reblock(cache, tables, lens, block):
+    """The same rows in a cache of ``block``-token blocks: each sequence's
+    positions ``< lens[b]`` copied from ``cache`` (``BLOCK``-token blocks, rows
+    of ``tables``) onto shuffled blocks; every other row poisoned (NaN, or
+    0xFF bytes). Returns ``(cache, tables)``."""
+    per = -(-max(lens) // block)
+    width = cache.shape[-1]
+    poison = 0xFF if cache.dtype == torch.uint8 else float("nan")
+    out = torch.full((len(lens) * per, 1, block, width), poison, dtype=cache.dtype)
+    out_tables = torch.randperm(len(lens) * per).view(len(lens), per).to(torch.int32)
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        rows = cache.view(-1, width)[tables[b, pos // BLOCK].long() * BLOCK + pos % BLOCK]
+        out.view(-1, width)[out_tables[b, pos // block].long() * block + pos % block] = rows
+    return out, out_tables
 
 
 @pytest.mark.parametrize("window,bits", [(None, 16), (12, 16), (None, 8), (12, 8)])
@@ -277,12 +295,15 @@ def test_merge_equals_one_softmax():
 
 
 def test_decode_with_the_fused_kernel_matches_reference():
-    """On CUDA the backend passes the Triton kernel as the latent part
-    (latent span + log-sum-exp), and the exact part, the value up-projection and
-    the merge run in the token-adaptive Triton kernel; same result as the
-    float64 loop (without CUDA: both kernels in the Triton interpreter)."""
+    """On CUDA a token-adaptive layer decodes with a
+    :class:`~vllm_lowrank.attention.decoders.TokenAdaptiveDecoder`: its latent
+    span (+ log-sum-exp) on a Triton latent kernel, then the exact part, the
+    value up-projection and the merge in the token-adaptive Triton kernel; same
+    result as the float64 loop (without CUDA: both kernels in the Triton
+    interpreter, the family built directly, as choosing one needs a GPU)."""
     pytest.importorskip("triton")
-    from vllm_lowrank.kernels.triton.decode import latent_decode_attention
+    from decoder_layer import StandInLayer, triton_family
+    from vllm_lowrank.attention import decoders
 
     plan, k_up, rope, cache = setup_case()
     v_up = make_v_up(plan)
@@ -291,15 +312,25 @@ def test_decode_with_the_fused_kernel_matches_reference():
     sink, recent, lens = 4, 8, [5, 30, 19]
     tables, exact_tables, cases = decode_batch(plan, cache, exact_cache, slot, lens, sink, recent)
     q = torch.randn(3, 8, 16)
-    cuda, cpu_rope = torch.device("cuda" if torch.cuda.is_available() else "cpu"), rope
-    rope = RopeTable(rope.cos.to(cuda), rope.sin.to(cuda), rope.rotary_dim, rope.neox)
-    out = tale.decode(plan, k_up.to(cuda), v_up.to(cuda), rope, SCALE, q.to(cuda),
-                      cache.to(cuda), tables.to(cuda), exact_cache.to(cuda), exact_tables.to(cuda),
-                      torch.tensor(lens, dtype=torch.int32, device=cuda), max(lens), sink=sink,
-                      recent=recent, exact=slot, latent_decode=latent_decode_attention)
+    # the exact kernel reads blocks of a power of two >= 16 tokens (vLLM's on a GPU)
+    cache, tables = reblock(cache, tables, lens, 16)
+    exact_cache, exact_tables = reblock(exact_cache, exact_tables, lens, 16)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer = StandInLayer(plan, k_up=k_up.to(dev), v_up=v_up.to(dev), rope=rope, scale=SCALE,
+                         exact=types.SimpleNamespace(sink=sink, recent=recent, slot=slot))
+    ctx = decoders.DecoderContext(torch.float32, dev, 16, None, 1024)
+    family = triton_family(layer, ctx)
+    assert family in decoders.TOKEN_ADAPTIVE_FAMILIES
+    decoder = decoders.choose(layer, ctx) if dev.type == "cuda" else family(layer, ctx)
+    assert type(decoder) is family
+    batch = decoders.DecodeBatch(tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                                 max(lens), min(lens), exact_cache=exact_cache.to(dev),
+                                 exact_block_table=exact_tables.to(dev))
+    out = torch.full((3, 8 * 16), float("nan"), device=dev)
+    decoder.run(q.to(dev), cache.to(dev), batch, decoder.plan(batch), out)
     for b, n in enumerate(lens):
         lat, k_ex, v_ex, is_exact = cases[b]
-        ref = reference(plan, k_up, v_up, cpu_rope, q[b:b + 1], lat, k_ex, v_ex, [n - 1], is_exact)
+        ref = reference(plan, k_up, v_up, rope, q[b:b + 1], lat, k_ex, v_ex, [n - 1], is_exact)
         # the kernel's float32 dots run on tensor cores (TF32, ~1e-3 relative)
         assert torch.allclose(out[b].cpu().view(8, 16).double(), ref[0], rtol=1e-2, atol=1e-2)
 

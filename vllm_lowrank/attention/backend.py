@@ -6,25 +6,21 @@ vLLM's four-part split: :class:`LatentAttentionBackend` (static descriptor),
 ``CommonAttentionMetadata``) and :class:`LatentAttentionImpl` (cache write and
 attention). The math is in :mod:`vllm_lowrank.attention.latent_attention`.
 
-Dispatch: CPU tensors run the vectorized torch path. On CUDA, decode runs the
-path :mod:`vllm_lowrank.attention.decode_path` chose for the layer at start-up
-(the CUDA kernel where its scope allows, else Triton; same result as the torch
-path, key bias / QK-norm and sliding windows included; the torch path for
-caches the kernels do not read: a raw 16-bit side in a packed slot), and
-all prefill chunks of a step run as one varlen Triton call
-(:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`) over
-keys rebuilt once per step; token-adaptive prefill runs per request.
+Dispatch: decode runs the layer's decoder, chosen once at start-up
+(:mod:`vllm_lowrank.attention.decoders`: a fused GPU kernel, or the torch path
+on a CPU); on CUDA all prefill chunks of a step run as one varlen Triton call
+(:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`) over keys
+rebuilt once per step; on a CPU prefill runs per request.
 
 CUDA graphs: the builder reads host copies only (no device sync) and the
 decode path uses vLLM's persistent buffers, so decode-only batches are
 captured (``UNIFORM_SINGLE_TOKEN_DECODE``) when every layer decodes with a
-fused kernel (:func:`~vllm_lowrank.attention.decode_path.graph_safe_decode`).
+fused kernel (:func:`~vllm_lowrank.attention.decoders.graph_safe`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
 import torch
@@ -45,8 +41,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm_lowrank.attention import BACKEND_NAME
 from vllm_lowrank.attention import latent_attention as ops
 from vllm_lowrank.attention import token_adaptive as tale
-from vllm_lowrank.attention.decode_path import (DecodePath, decode_path, fused_decode,
-                                                graph_safe_decode)
+from vllm_lowrank.attention import decoders
 from vllm_lowrank.attention.exact_cache import ExactTokensSpec
 from vllm_lowrank.config import config_from_vllm
 
@@ -172,7 +167,8 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
     one batched call, and multi-token (prefill / chunked-prefill) requests,
     attended in one batched call on CUDA. Reads host copies only (no device
     sync); decode-only batches can be captured in CUDA graphs
-    (``UNIFORM_SINGLE_TOKEN_DECODE``) when :func:`graph_safe_decode` holds."""
+    (``UNIFORM_SINGLE_TOKEN_DECODE``) when :func:`~vllm_lowrank.attention.decoders.graph_safe`
+    holds."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -191,7 +187,7 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         device = torch.device(vllm_config.device_config.device)
-        if device.type == "cuda" and graph_safe_decode(vllm_config, device):
+        if device.type == "cuda" and decoders.graph_safe(vllm_config, device):
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -356,7 +352,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         _, exact, exact_cache, exact_slots = get_attention_context(layer.exact.layer_name)
         per_channel = layer.layout is not None and layer.layout.k_per_channel
         tale.write_exact(exact_cache, exact.slot, key[:, rk:], value[:, rv:], exact_slots,
-                         staged=key[:, :rk] if per_channel else None)
+                         staged=key[:, :rk] if exact.slot.staged_width else None)
         if per_channel:  # key groups completed by this step's tokens
             ends = None
             m = get_attention_context(layer.layer_name)[0]
@@ -385,11 +381,11 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
     ) -> torch.Tensor:
         """Attention of ``query [T, H, d]`` into ``output [T, out_width]``.
 
-        Paths: decode (the first ``num_decodes`` tokens) in one batched call, on
-        CUDA the fused kernel (:func:`~vllm_lowrank.attention.decode_path.fused_decode`, CUDA or Triton), else the
-        torch path; prefill on CUDA in one batched varlen call
-        (:func:`batched_prefill`), on CPU one torch call per request (torch's CPU
-        flash kernel). Token-adaptive layers: :meth:`_forward_token_adaptive`."""
+        Paths: decode (the first ``num_decodes`` tokens) in one call of the
+        layer's decoder (:mod:`vllm_lowrank.attention.decoders`); prefill on CUDA
+        in one batched varlen call (:func:`batched_prefill`), on CPU one torch
+        call per request (torch's CPU flash kernel). Token-adaptive layers:
+        :meth:`_forward_token_adaptive`."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported")
         if attn_metadata is None:  # profiling run
@@ -397,24 +393,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         m = attn_metadata
         if layer.exact is not None:
             return self._forward_token_adaptive(layer, query, kv_cache, m, output)
-        plan, k_up = layer.plan, layer.k_up
-        rope = layer.rope_table(query.device)
-        post_rope, layout = layer.post_rope, layer.layout
-        transform, window = layer.key_transform(), self.sliding_window
-        nd = m.num_decodes
-        if nd:
-            args = (plan, k_up, rope, self.scale, query[:nd], kv_cache, m.block_table[:nd],
-                    m.seq_lens[:nd], m.max_decode_seq_len)
-            path = self._decode_path(layer, query).name
-            if path == "torch":
-                out = ops.decode_attention(*args, post_rope=post_rope, layout=layout,
-                                           transform=transform, window=window,
-                                           min_seq_len=m.min_decode_seq_len)
-            else:
-                out = fused_decode()(*args, mode=layer.decode_mode(),
-                                    layout=layout, transform=transform, window=window,
-                                    backend=path)
-            output[:nd].copy_(out)
+        self._decode(layer, query, kv_cache, m, output)
         if m.prefill is not None:
             self._prefill_batched(layer, query, kv_cache, m, output)
             return output
@@ -422,15 +401,27 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
             out = ops.prefill_attention(
-                plan, k_up, rope, self.scale, query[start:stop], kv_cache,
-                m.block_table[r], int(m.seq_lens_cpu[r]), post_rope, layout,
-                transform=transform, window=window,
+                layer.plan, layer.k_up, layer.rope_table(query.device), self.scale,
+                query[start:stop], kv_cache, m.block_table[r], int(m.seq_lens_cpu[r]),
+                layer.post_rope, layer.layout, transform=layer.key_transform(),
+                window=self.sliding_window,
             )
             output[start:stop] = out.to(output.dtype)
         return output
 
-    def _decode_path(self, layer, query) -> DecodePath:
-        return decode_path(layer, query.dtype, query.device, self.vllm_config)
+    def _decode(self, layer, query, kv_cache, m, output, exact_cache=None,
+                exact_block_table=None) -> None:
+        """The step's decode rows (the first ``m.num_decodes``) through the
+        layer's decoder (chosen on first use), into ``output``."""
+        nd = m.num_decodes
+        if not nd:
+            return
+        decoder = decoders.for_layer(layer, self.vllm_config, query.device)
+        batch = decoders.DecodeBatch(
+            m.block_table[:nd], m.seq_lens[:nd], m.max_decode_seq_len, m.min_decode_seq_len,
+            exact_cache=exact_cache,
+            exact_block_table=None if exact_block_table is None else exact_block_table[:nd])
+        decoder.run(query[:nd], kv_cache, batch, decoder.plan(batch), output[:nd])
 
     def _prefill_batched(self, layer, query, kv_cache, m, output) -> None:
         """The step's prefill chunks in one call (:func:`batched_prefill`)."""
@@ -452,17 +443,11 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         common = dict(sink=exact.sink, recent=exact.recent, exact=exact.slot,
                       layout=layer.layout, transform=layer.key_transform(),
                       window=self.sliding_window)
+        post_rope = dict(post_rope=layer.post_rope)
         weights = (layer.plan, layer.k_up, layer.v_up, layer.rope_table(query.device),
                    self.scale)
         nd = m.num_decodes
-        if nd:
-            path = self._decode_path(layer, query).name
-            kernel = None if path == "torch" else functools.partial(fused_decode(), backend=path)
-            tale.decode(*weights, query[:nd], kv_cache, m.block_table[:nd], exact_cache,
-                        exact_meta.block_table[:nd], m.seq_lens[:nd], m.max_decode_seq_len,
-                        latent_decode=kernel, mode=layer.decode_mode(),
-                        min_seq_len=m.min_decode_seq_len,
-                        out=output[:nd], **common)
+        self._decode(layer, query, kv_cache, m, output, exact_cache, exact_meta.block_table)
         qsl = m.query_start_loc_cpu
         if len(m.prefill_reqs) and query.device.type == "cuda" and self.sliding_window is None:
             layout = layer.layout
@@ -476,13 +461,13 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
                                  exact_cache, exact_meta.block_table, m.tale_spans[key],
                                  output[start:stop],
                                  exact=exact.slot, layout=layout,
-                                 transform=common["transform"])
+                                 transform=common["transform"], **post_rope)
             return output
         for r in m.prefill_reqs:
             start, stop = int(qsl[r]), int(qsl[r + 1])
             out = tale.prefill(*weights, query[start:stop], kv_cache, m.block_table[r],
                                exact_cache, exact_meta.block_table[r], int(m.seq_lens_cpu[r]),
-                               **common)
+                               **common, **post_rope)
             output[start:stop] = out.to(output.dtype)
         return output
 

@@ -118,7 +118,7 @@ def _manager_class():
             skipped = self.get_num_skipped_tokens(processed_computed_tokens)
             blocks = self.req_to_blocks.get(request_id, [])
             end = min(skipped // self.block_size, len(blocks))
-            self._remove_blocks_in_range(request_id, self.sink_blocks, end)
+            compat.remove_blocks_in_range(self, request_id, self.sink_blocks, end)
 
         def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                        total_computed_tokens, *args, **kwargs) -> int:
@@ -128,7 +128,7 @@ def _manager_class():
                                                    total_computed_tokens, *args, **kwargs)
             if request_id in self.num_cached_block or not new_computed_blocks:
                 return n
-            return n + self._get_num_evictable_blocks(self._skipped_sinks(
+            return n + compat.num_evictable_blocks(self, self._skipped_sinks(
                 new_computed_blocks, total_computed_tokens))
 
         def add_local_computed_blocks(self, request_id, new_computed_blocks,

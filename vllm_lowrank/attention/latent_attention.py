@@ -221,13 +221,14 @@ def _group_keys(plan: LayerPlan, g: int, k_up: torch.Tensor, rope: RopeTable,
                 transform: KeyTransform | None = None) -> torch.Tensor:
     """Keys of head group ``g`` over ``lat [B, L, Rk + Rv]``:
     ``[B, L, G, d]`` rebuilt (then ``transform``-ed) and rotated, or
-    ``[B, L, 1, r_k]`` post-RoPE latents. The rebuild GEMM runs in ``lat``'s
-    dtype (``k_up`` is cast to it); a transform (bias, QK-norm) and its
-    rotation run in float32."""
+    ``[B, L, G, r_k / G]`` post-RoPE latents (per KV head: ZACK's ``[B, L, 1,
+    r_k]``, post-RoPE keys' ``[B, L, G, d]``). The rebuild GEMM runs in
+    ``lat``'s dtype (``k_up`` is cast to it); a transform (bias, QK-norm) and
+    its rotation run in float32."""
     k_off, r_k = plan.k_offsets()[g], plan.k_ranks[g]
     c_k = lat[:, :, k_off:k_off + r_k]
     if post_rope:
-        return c_k[:, :, None, :]
+        return c_k.unflatten(-1, (plan.group_size, r_k // plan.group_size))
     gw, d = plan.group_width, plan.shape.head_dim
     b_k = k_up[k_off:k_off + r_k, g * gw:(g + 1) * gw].to(lat.dtype)
     if transform is None:
@@ -254,15 +255,16 @@ def context_keys(plan: LayerPlan, k_up: torch.Tensor, rope: RopeTable, lat: torc
 
     Returns:
         ``[S, num_kv_heads, head_dim]`` rebuilt, transformed and rotated keys
-        in ``dtype``; post-RoPE mode: ``[S, num_groups, max r_k]`` key
-        latents, zero-padded past each group's rank.
+        in ``dtype``; post-RoPE mode: ``[S, num_kv_heads, max r_k / G]`` key
+        latents per KV head, zero-padded past each group's rank.
     """
     lat = lat.to(dtype)[None]
     if post_rope:
-        width = max(plan.k_ranks)
-        keys = lat.new_zeros(lat.shape[1], plan.num_groups, width)
+        gs = plan.group_size
+        keys = lat.new_zeros(lat.shape[1], plan.shape.num_kv_heads, max(plan.k_ranks) // gs)
         for g, (k_off, r_k) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
-            keys[:, g, :r_k] = lat[0, :, k_off:k_off + r_k]
+            keys[:, g * gs:(g + 1) * gs, :r_k // gs] = \
+                lat[0, :, k_off:k_off + r_k].unflatten(-1, (gs, r_k // gs))
         return keys
     return torch.cat([_group_keys(plan, g, k_up, rope, lat, positions, False, transform)[0]
                       .to(dtype) for g in range(plan.num_groups)], dim=1)
@@ -397,7 +399,8 @@ def decode_attention(
         query: ``[B, H, d]`` post-RoPE (token at position ``seq_len - 1``).
         block_table: ``[B, max_blocks]``; seq_lens: ``[B]`` (including this token).
         max_seq_len: ``max(seq_lens)`` (host int).
-        post_rope: ``query`` is ``[B, H, max r_k]`` in the key latent basis.
+        post_rope: Cached keys are post-RoPE latents and ``query`` is ``[B, H,
+            max r_k / G]`` in each KV head's key basis.
         layout: Packed-slot layout of a quantized cache, or ``None``.
         transform: Key bias / QK-norm applied to rebuilt keys, or ``None``.
         window: Sliding window (keys ``seq_len - window <= t < seq_len``), or

@@ -40,7 +40,10 @@ class LatentAttention(Attention):
         scale: Softmax scale (``head_dim ** -0.5`` for Llama).
         rotary: The model's rotary module (its cos/sin table rotates the
             rebuilt keys).
-        post_rope: Queries and cached keys are post-RoPE latents (no rebuild).
+        post_rope: Queries and cached keys are post-RoPE latents (no rebuild):
+            per KV head, ``r_k / group_size`` wide each (ZACK's projected keys
+            with one KV head per group, or ``post_rope_keys``: the keys
+            themselves, ``head_dim`` wide, in groups of any size).
         rope_equivariant: The key up-projection was calibrated to commute
             with RoPE (``method: "rope_equivariant"``); decode then absorbs the
             queries where the loaded factors allow (:meth:`decode_mode`).
@@ -78,9 +81,9 @@ class LatentAttention(Attention):
                  exact_tokens=None, cache_config=None,
                  quant_config=None, prefix: str = "") -> None:
         shape = plan.shape
-        # Post-RoPE queries arrive projected into the key latent basis, padded
-        # to the largest key rank.
-        query_size = max(plan.k_ranks) if post_rope else shape.head_dim
+        # Post-RoPE queries arrive in each KV head's key basis (the identity for
+        # post-RoPE keys), padded to the largest key width per KV head.
+        query_size = max(plan.k_ranks) // plan.group_size if post_rope else shape.head_dim
         super().__init__(
             num_heads=shape.num_heads,
             head_size=query_size,
@@ -116,7 +119,8 @@ class LatentAttention(Attention):
                                 dtype=torch.float32), persistent=False)
         self.exact = None
         if exact_tokens is not None:
-            slot = ExactSlot.for_layer(plan, layout, self.kv_cache_torch_dtype, exact_tokens)
+            slot = ExactSlot.for_layer(plan, layout, self.kv_cache_torch_dtype, exact_tokens,
+                                       stage_keys=not post_rope)
             # a plain attribute: vLLM finds the cache layer by its name
             self.__dict__["exact"] = ExactTokenCache(
                 slot, exact_tokens.sink, exact_tokens.recent, prefix=f"{prefix}.exact")
@@ -173,7 +177,7 @@ class LatentAttention(Attention):
 
                 sink = self.exact.sink if self.exact is not None else 0
                 if blocker(self.plan, self.layout, window=self.sliding_window, sink=sink) is None:
-                    try:  # the structure check; its tables stay cached for decode
+                    try:  # the structure check (the decoder computes its tables again)
                         absorption(self.plan, self.k_up, self.rope_table(self.k_up.device))
                         mode = "latent_rope"
                     except ValueError:

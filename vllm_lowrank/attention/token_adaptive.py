@@ -199,26 +199,23 @@ def read_exact(exact_cache: torch.Tensor, slot: ExactSlot, block_table: torch.Te
 
 
 def values_up(plan: LayerPlan, v_up: torch.Tensor, out: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     """Lift value-latent outputs ``[N, out_width]`` to ``[N, H, d]`` in ``dtype``:
     query head ``i`` of head group ``g`` reading KV head ``j`` gets
     ``o_i B_v[g][:, j]`` (Palu eq. 6 without the fold into ``o_proj``).
 
     Args:
-        v_up: ``[Rv, kv_width]`` float32 block-diagonal value up-projection.
-        dtype: Of the GEMMs' operands and result (float32 accumulation): float32
-            for the torch path; the fused CUDA decode passes the model dtype,
-            which takes the tensor cores (a 16-bit ``B_v`` is cached per
-            ``v_up``) and rounds the latent part once more, as the layer's
-            output is rounded anyway.
+        v_up: ``[Rv, kv_width]`` block-diagonal value up-projection, float32
+            (the torch path) or the model dtype (the GPU decoders keep a copy:
+            the GEMMs run on the tensor cores, float32 accumulation, and the
+            latent part is rounded once more, as the layer's output is anyway).
+        dtype: Of the GEMMs' operands and result (``None``: ``v_up``'s).
     """
     s = plan.shape
     d, qpk, gs, hg = s.head_dim, s.queries_per_kv, plan.group_size, plan.heads_per_group
     n = out.shape[0]
-    if dtype != v_up.dtype:
-        from vllm_lowrank.kernels.triton.decode_prep import WEIGHT_CACHE, cached_for
-
-        v_up = cached_for(WEIGHT_CACHE, v_up, ("values_up", dtype), lambda: v_up.to(dtype))
+    dtype = dtype or v_up.dtype
+    v_up = v_up.to(dtype)
     parts, col = [], 0
     for g, (v_off, r) in enumerate(zip(plan.v_offsets(), plan.v_ranks)):
         # one GEMM per group, batched over its KV heads, N * qpk rows each
@@ -318,13 +315,16 @@ def latent_history_attention(plan: LayerPlan, k_up: torch.Tensor, rope, scale: f
                              query: torch.Tensor, kv_cache: torch.Tensor,
                              block_table_row: torch.Tensor, first_new: int, sink: int,
                              recent: int, layout=None, transform=None,
-                             window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             window: int | None = None, post_rope: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The latent part of a prefill chunk: history ``sink <= t < first_new -
     recent``, which every query of the chunk sees (all of it precedes them;
     a sliding window still drops ``t <= p - window``).
 
     Args:
         query: ``[Q, H, d]`` post-RoPE queries at ``first_new ..``.
+        post_rope: The cached key latents are the post-RoPE keys
+            (``post_rope_keys``): read as they are, not rebuilt.
 
     Returns:
         ``(out [Q, out_width], lse [Q, H])`` float32 (zeros / ``-inf`` when
@@ -347,7 +347,7 @@ def latent_history_attention(plan: LayerPlan, k_up: torch.Tensor, rope, scale: f
     outs, lses = [], []
     for g, v_off in enumerate(plan.v_offsets()):
         r_v = plan.v_ranks[g]
-        keys = latent._group_keys(plan, g, k_up, rope, lat, pos, False, transform)[0]
+        keys = latent._group_keys(plan, g, k_up, rope, lat, pos, post_rope, transform)[0]
         # keys [L, G, d] -> [G, 1, L, d]; queries [Q, Hg, d] -> [G, qpk, Q, d]
         k = keys.permute(1, 0, 2)[:, None]
         q = query[:, g * hg:(g + 1) * hg].float().view(q_len, gs, hg // gs, -1).permute(1, 2, 0, 3)
@@ -364,15 +364,11 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
            exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
            seq_lens: torch.Tensor, max_seq_len: int, *, sink: int, recent: int,
            exact: ExactSlot, layout=None, transform=None,
-           window: int | None = None, latent_decode=None, mode: str = "pre_rope",
+           window: int | None = None, mode: str = "pre_rope",
            min_seq_len: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per request: latent span ``sink <= t < seq_len - 1 -
-    recent`` plus the exact set, merged.
-
-    With a latent-span kernel, the exact part and the merge run in one Triton
-    kernel (:func:`vllm_lowrank.kernels.triton.decode_exact.exact_merge_decode`)
-    after :func:`values_up` where its ``blocker`` allows, else in torch
-    (:func:`exact_attention`, :func:`values_up`, :func:`merge`).
+    recent`` plus the exact set, merged (the torch path; the GPU decoders of
+    :mod:`vllm_lowrank.attention.decoders` compute the same).
 
     Args:
         query: ``[B, H, d]`` post-RoPE queries at ``seq_len - 1``.
@@ -382,31 +378,18 @@ def decode(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale:
             ``exact`` lays out.
         seq_lens: ``[B]`` (this token included); max_seq_len, min_seq_len:
             their max / min as host ints.
-        latent_decode: The latent-span kernel (``None``: the torch path
-            :func:`~vllm_lowrank.attention.latent_attention.decode_attention`;
-            on CUDA the backend passes the Triton kernel, same contract).
-        mode: The kernel's ``mode`` (``"pre_rope"``, or ``"latent_rope"`` for a
-            RoPE-equivariant layer: the same attention; the torch path always
-            rebuilds).
+        mode: ``"post_rope"`` when the key latents are the post-RoPE keys
+            (read as cached); otherwise they are rebuilt and rotated.
         out: ``[B, H * d]`` tensor to write the result into (any float dtype),
             or ``None``.
 
     Returns:
         ``[B, H * d]``: ``out``, or a new float32 tensor.
     """
-    args = (plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens, max_seq_len)
-    span = dict(layout=layout, transform=transform, window=window, sink=sink,
-                recent=recent + 1, return_lse=True)
-    if latent_decode is None:
-        lat, lat_lse = latent.decode_attention(*args, min_seq_len=min_seq_len, **span)
-    else:
-        lat, lat_lse = latent_decode(*args, mode=mode, **span)
-        from vllm_lowrank.kernels.triton import decode_exact
-
-        if decode_exact.blocker(plan, exact, query, exact_cache, window) is None:
-            return decode_exact.exact_merge_decode(
-                plan, scale, query, exact_cache, exact, exact_block_table, seq_lens,
-                sink, recent, values_up(plan, v_up, lat, query.dtype), lat_lse, out)
+    lat, lat_lse = latent.decode_attention(
+        plan, k_up, rope, scale, query, kv_cache, block_table, seq_lens, max_seq_len,
+        post_rope=mode == "post_rope", layout=layout, transform=transform, window=window,
+        min_seq_len=min_seq_len, sink=sink, recent=recent + 1, return_lse=True)
     ex, ex_lse = exact_attention(query[:, None], exact_cache, exact, exact_block_table,
                                  seq_lens, 1, sink, recent, scale, window)
     merged = merge(values_up(plan, v_up, lat), lat_lse, ex[:, 0], ex_lse[:, 0])
@@ -421,7 +404,8 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
             query: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor,
             exact_cache: torch.Tensor, exact_block_table_row: torch.Tensor, seq_len: int, *,
             sink: int, recent: int, exact: ExactSlot, layout=None,
-            transform=None, window: int | None = None) -> torch.Tensor:
+            transform=None, window: int | None = None, post_rope: bool = False
+            ) -> torch.Tensor:
     """A chunk of ``Q`` new tokens of one request (positions ``seq_len - Q ..``):
     latent history plus the exact set (its own tokens included), merged.
 
@@ -429,6 +413,7 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
         query: ``[Q, H, d]`` post-RoPE.
         block_table_row, exact_block_table_row: ``[max_blocks]`` each.
         exact: Layout of the exact cache's slots.
+        post_rope: The key latents are post-RoPE keys (``post_rope_keys``).
 
     Returns:
         ``[Q, H * d]`` float32.
@@ -436,7 +421,7 @@ def prefill(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rope, scale
     q_len = query.shape[0]
     lat, lat_lse = latent_history_attention(plan, k_up, rope, scale, query, kv_cache,
                                             block_table_row, seq_len - q_len, sink, recent,
-                                            layout, transform, window)
+                                            layout, transform, window, post_rope)
     lens = torch.tensor([seq_len], device=query.device)
     ex, ex_lse = exact_attention(query[None], exact_cache, exact, exact_block_table_row[None],
                                  lens, q_len, sink, recent, scale, window)
@@ -545,7 +530,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
                     scale: float, query: torch.Tensor, kv_cache: torch.Tensor,
                     block_table: torch.Tensor, exact_cache: torch.Tensor,
                     exact_block_table: torch.Tensor, spans: PrefillSpans, out: torch.Tensor,
-                    *, exact: ExactSlot, layout=None, transform=None) -> torch.Tensor:
+                    *, exact: ExactSlot, layout=None, transform=None,
+                    post_rope: bool = False) -> torch.Tensor:
     """Every prefill chunk of a step in one varlen kernel call, no loop over
     requests. The latent history is gathered and dequantized once, and its
     keys and values are rebuilt and the keys rotated
@@ -566,6 +552,8 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
             latent and the exact cache (rows indexed by the spans' requests).
         spans: From :func:`prefill_spans`.
         out: ``[T, H * d]``, written in place.
+        post_rope: The key latents are post-RoPE keys (``post_rope_keys``),
+            read as they are instead of rebuilt.
 
     Returns:
         ``out``.
@@ -583,7 +571,7 @@ def prefill_batched(plan: LayerPlan, k_up: torch.Tensor, v_up: torch.Tensor, rop
         if spans.lat_keep is not None:
             lat = lat[spans.lat_keep]
         lat = lat.to(dt)  # once, for both rebuilds
-        prefix = (latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, False,
+        prefix = (latent.context_keys(plan, k_up, rope, lat, spans.lat_key_pos, post_rope,
                                       transform, dtype=dt),
                   latent.context_values(plan, v_up, lat[:, plan.k_width:], dtype=dt),
                   spans.cu_lat)

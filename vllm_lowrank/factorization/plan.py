@@ -167,10 +167,14 @@ def uniform_plan(
     cfg: LowRankConfig, shape: AttentionShape, layer_index: int
 ) -> LayerPlan:
     """Same rank for K and V and every group: ``rank_fraction * group_width`` (or the
-    layer's ``ranks`` override, split evenly over the groups).
+    layer's ``ranks`` override, split evenly over the groups). With
+    ``post_rope_keys`` the keys keep the full group width and the values get
+    what is left of ``rank_fraction`` of the K+V width: ``(2 rank_fraction - 1)
+    group_width``.
 
     Raises:
-        LowRankConfigError: invalid group size or override.
+        LowRankConfigError: invalid group size or override (with
+            ``post_rope_keys``, a key rank other than the full width).
     """
     g = resolve_group_size(cfg, shape)
     n = shape.num_kv_heads // g
@@ -183,6 +187,13 @@ def uniform_plan(
                     f"ranks[{layer_index}] {side}={total} must be a multiple of the "
                     f"{n} head group(s) with 1..{full} per group"
                 )
+        if cfg.post_rope_keys and rk_total != n * full:
+            raise LowRankConfigError(
+                f"ranks[{layer_index}] r_k={rk_total}: post_rope_keys keeps every key at "
+                f"full width, so r_k must be {n * full} (the layer's key width)")
         return LayerPlan(shape, g, (rk_total // n,) * n, (rv_total // n,) * n)
+    if cfg.post_rope_keys:
+        rv = round_rank((2 * cfg.rank_fraction - 1) * full, full, cfg.rank_multiple)
+        return LayerPlan(shape, g, (full,) * n, (rv,) * n)
     r = round_rank(cfg.rank_fraction * full, full, cfg.rank_multiple)
     return LayerPlan(shape, g, (r,) * n, (r,) * n)

@@ -44,6 +44,7 @@ def energy_plans(
     ratio: float,
     normalize: bool = True,
     multiple: int = RANK_MULTIPLE,
+    full_keys: bool = False,
 ) -> dict[int, LayerPlan]:
     """Per-layer plans from the greedy energy allocation (module docstring).
 
@@ -56,6 +57,8 @@ def energy_plans(
             (``energy``); ``False`` compares raw energies, which is right when
             every objective is in the same unit (``fisher``: loss increase).
         multiple: Rank granularity (chunk size).
+        full_keys: Keys keep their full width (``post_rope_keys``): the
+            budget left after them goes to the values.
 
     Returns:
         ``{layer: LayerPlan}``.
@@ -76,14 +79,16 @@ def energy_plans(
                 keys.append(key)
                 gains[key] = _chunk_gains(e, full, normalize, multiple)
     budget = int(ratio * budget)
-    ranks = {k: min(multiple, _full(shapes, group_size, k)) for k in keys}
+    ranks = {k: _full(shapes, group_size, k) if full_keys and k[1] == "k"
+             else min(multiple, _full(shapes, group_size, k)) for k in keys}
     spent = sum(ranks.values())
     if spent > budget:
         raise LowRankConfigError(
             f"rank_fraction={ratio} leaves {budget} latent columns, fewer than the "
             f"{spent} needed for rank {multiple} in every head group; raise rank_fraction"
         )
-    heap = [(-gains[k][1], k, 1) for k in keys if len(gains[k]) > 1]
+    heap = [(-gains[k][1], k, 1) for k in keys
+            if len(gains[k]) > 1 and not (full_keys and k[1] == "k")]
     heapq.heapify(heap)
     while heap:
         neg_gain, key, chunk = heapq.heappop(heap)

@@ -142,7 +142,8 @@ class ExactSlot:
     staged_room: int = 0
 
     @classmethod
-    def for_layer(cls, plan, layout, dtype: torch.dtype, exact: ExactTokens) -> ExactSlot:
+    def for_layer(cls, plan, layout, dtype: torch.dtype, exact: ExactTokens,
+                  stage_keys: bool = True) -> ExactSlot:
         """The exact slot of a latent layer with ``plan`` (a
         :class:`~vllm_lowrank.factorization.plan.LayerPlan`) and slot
         ``layout`` (``None``: latents in ``dtype``) in a model keeping ``exact``
@@ -153,10 +154,13 @@ class ExactSlot:
         scheduler walked every group of every request at every step (64
         groups at Llama-3-8B's 32 layers; at 107 sequences a decode step took
         57.8 ms, the GPU busy for 32.8 of them, H200, benchmarks/README.md,
-        "One cache group per kind")."""
+        "One cache group per kind"). ``stage_keys`` false: the layer's key latents
+        are its exact post-RoPE keys (``post_rope_keys``), so a per-channel group
+        is quantized from the exact keys and nothing is staged."""
         latent_bytes = (layout.slot_bytes if layout is not None else
                         (plan.k_width + plan.v_width) * dtype.itemsize)
-        staged = plan.k_width if layout is not None and layout.k_per_channel else 0
+        staged = plan.k_width if stage_keys and layout is not None and layout.k_per_channel \
+            else 0
         return cls(plan.shape.kv_width, plan.shape.head_dim, dtype, exact.bits, staged,
                    latent_bytes, exact.staged_room)
 
@@ -210,7 +214,11 @@ class ExactSlot:
         return kv[..., :self.kv_width], kv[..., self.kv_width:]
 
     def staged(self, rows: torch.Tensor) -> torch.Tensor:
-        """The staged key latents of ``[..., slot_bytes]`` rows:
-        ``[..., staged_width]`` float32."""
+        """The key latents a per-channel key group is quantized from, of
+        ``[..., slot_bytes]`` rows, float32: the staged ones ``[...,
+        staged_width]``, or without staged latents (post-RoPE keys, whose latent
+        is the key) the exact keys ``[..., kv_width]`` as stored."""
+        if not self.staged_width:
+            return self.decode(rows)[0]
         stop = self.kv_bytes + self.staged_width * self.dtype.itemsize
         return rows[..., self.kv_bytes:stop].clone().view(self.dtype).float()

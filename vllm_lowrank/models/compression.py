@@ -74,7 +74,7 @@ class ModelCompression:
         if self.exact_tokens is not None:
             room = max((p.k_width for i, p in self.plans.items()
                         if (lay := self.layout(i)) is not None and lay.k_per_channel),
-                       default=0)
+                       default=0) if not self.post_rope_keys else 0
             self.exact_tokens = dataclasses.replace(self.exact_tokens, staged_room=room)
 
     @property
@@ -84,6 +84,12 @@ class ModelCompression:
             return self.artifact.manifest["method"] == "post_rope"
         full_rank = self.cfg.rank_fraction == 1.0 and not self.cfg.ranks
         return full_rank and self.cfg.method == "post_rope"
+
+    @property
+    def post_rope_keys(self) -> bool:
+        """True when keys are cached after RoPE at full width, with no key
+        basis (``post_rope_keys``; the bases shape the values only)."""
+        return self.cfg.post_rope_keys
 
     @property
     def rope_equivariant(self) -> bool:
@@ -307,6 +313,11 @@ def allocation_settings(cfg: LowRankConfig, artifact: art.Artifact, path: str):
     stored = artifact.manifest.get("ranks") or {}
     if "bits" not in stored:
         return cfg, None
+    if cfg.post_rope_keys:
+        raise LowRankConfigError(
+            f"{path} is a byte-budget allocation, which cuts key ranks; post_rope_keys "
+            "keeps every key at full width: drop post_rope_keys or use a calibration "
+            "artifact without an allocation")
     if {"k_bits", "v_bits"} & cfg.explicit:
         raise LowRankConfigError(
             f"{path} fixes K/V bits per layer (a byte-budget allocation); drop "
@@ -428,7 +439,8 @@ def layer_plans(cfg: LowRankConfig, shapes: dict[int, AttentionShape],
         for part in budgets:
             allocated.update(energy_plans(part, artifact.group_size,
                                           {i: spectra[i] for i in part}, cfg.rank_fraction,
-                                          normalize=normalize, multiple=cfg.rank_multiple))
+                                          normalize=normalize, multiple=cfg.rank_multiple,
+                                          full_keys=cfg.post_rope_keys))
     else:
         if cfg.rank_allocation != "uniform" and free:
             logger.warning("vllm-lowrank: energy rank allocation needs a calibration "

@@ -22,6 +22,14 @@ Token-adaptive mode (``token_adaptive``, TALE sec. 2.2)::
     y = o @ W_o^T                               the model's own o_proj (B_v applied
                                                 in attention, to the latent part)
 
+Post-RoPE keys (``post_rope_keys``, token-adaptive only): the latent cache keeps
+the exact post-RoPE keys themselves, quantized (KIVI sec. 3.2), and the value
+latents of the head groups::
+
+    [q | k | v | c_v] = x @ [W_q; W_k; W_v; A_v^T]^T
+    q, k = RoPE(norm_q(q)), RoPE(norm_k(k))
+    o = LatentAttention(q, k, c_v, k, v)        the key "latent" is the key itself
+
 Post-RoPE latents (``method="post_rope"``, ZACK sec. 4; one KV head per group)::
 
     [q | k | c_v] = x @ [W_q; W_k; A_v^T]^T
@@ -68,6 +76,8 @@ class LatentSelfAttention(nn.Module):
         sliding_window: Tokens each query sees on a sliding-window layer
             (``None``: full attention).
         post_rope: Cache post-RoPE key latents (needs ``head_group_size`` 1).
+        post_rope_keys: Cache the post-RoPE keys themselves at full width
+            (needs ``exact_tokens``): no key latent in the projection.
         rope_equivariant: The key bases commute with RoPE (``rope_equivariant``
             artifact; :meth:`LatentAttention.decode_mode`).
         layout: Packed low-bit slot layout (:mod:`vllm_lowrank.format.latent`),
@@ -89,18 +99,24 @@ class LatentSelfAttention(nn.Module):
     def __init__(self, plan: LayerPlan, rotary: nn.Module, scale: float, *,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: str | None = None,
                  norm_eps: float = 1e-6, sliding_window: int | None = None,
-                 post_rope: bool = False, layout=None, hadamard_seed: int | None = None,
+                 post_rope: bool = False, post_rope_keys: bool = False, layout=None,
+                 hadamard_seed: int | None = None,
                  exact_tokens=None, rope_equivariant: bool = False,
                  cache_config=None, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         shape = plan.shape
         self.plan = plan
         self.post_rope = post_rope
+        self.post_rope_keys = post_rope_keys
         self.layout = layout
         self.hadamard_seed = hadamard_seed
         self.token_adaptive = exact_tokens is not None
+        if post_rope_keys and (not self.token_adaptive or plan.k_width != shape.kv_width):
+            raise ValueError("post-RoPE keys need the token-adaptive mode and full key ranks")
         self.q_size = shape.num_heads * shape.head_dim
-        self.k_size = shape.kv_width if post_rope else plan.k_width
+        # the key latent's columns in the fused projection (none with post-RoPE keys:
+        # the exact keys are the latent)
+        self.k_size = shape.kv_width if post_rope else 0 if post_rope_keys else plan.k_width
         # exact keys and values come out of the projection too (token-adaptive)
         self.exact_sizes = [shape.kv_width] * 2 if self.token_adaptive else []
         if post_rope:
@@ -115,7 +131,8 @@ class LatentSelfAttention(nn.Module):
                                  persistent=False)
         self.qkv_proj = MergedColumnParallelLinear(
             input_size=shape.hidden_size,
-            output_sizes=full_sizes(self.q_size, *self.exact_sizes, self.k_size, plan.v_width),
+            output_sizes=full_sizes(self.q_size, *self.exact_sizes,
+                                    *[self.k_size] * bool(self.k_size), plan.v_width),
             bias=qkv_bias,
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
@@ -137,11 +154,12 @@ class LatentSelfAttention(nn.Module):
             norm, norm_offset = {"rms": (RMSNorm, 0.0), "gemma": (GemmaRMSNorm, 1.0)}[qk_norm]
             self.q_norm = norm(shape.head_dim, eps=norm_eps)
             self.k_norm = norm(shape.head_dim, eps=norm_eps)
-        self.attn = LatentAttention(plan, scale, rotary, post_rope=post_rope,
+        keys_rotated = post_rope or post_rope_keys  # cached after the norm, bias and RoPE
+        self.attn = LatentAttention(plan, scale, rotary, post_rope=keys_rotated,
                                     rope_equivariant=rope_equivariant, layout=layout,
-                                    key_norm=None if post_rope else self.k_norm,
+                                    key_norm=None if keys_rotated else self.k_norm,
                                     key_norm_offset=norm_offset,
-                                    key_bias=qkv_bias and not post_rope,
+                                    key_bias=qkv_bias and not keys_rotated,
                                     sliding_window=sliding_window,
                                     exact_tokens=exact_tokens,
                                     cache_config=cache_config, quant_config=quant_config,
@@ -153,11 +171,17 @@ class LatentSelfAttention(nn.Module):
         (extra keyword arguments some decoder layers pass are ignored)."""
         qkv, _ = self.qkv_proj(hidden_states)
         if self.token_adaptive:
-            q, k, v, c_k, c_v = qkv.split(
-                [self.q_size, *self.exact_sizes, self.k_size, self.plan.v_width], dim=-1)
+            if self.post_rope_keys:
+                q, k, v, c_v = qkv.split([self.q_size, *self.exact_sizes, self.plan.v_width],
+                                         dim=-1)
+            else:
+                q, k, v, c_k, c_v = qkv.split(
+                    [self.q_size, *self.exact_sizes, self.k_size, self.plan.v_width], dim=-1)
             if self.q_norm is not None:
                 q, k = self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)
             q, k = self.rotary_emb(positions, q, k)
+            if self.post_rope_keys:
+                c_k = k
             out, _ = self.o_proj(self.attn(q, c_k, c_v, k, v))
             return out
         q, k, c_v = qkv.split([self.q_size, self.k_size, self.plan.v_width], dim=-1)
@@ -230,8 +254,10 @@ class LatentSelfAttention(nn.Module):
         f = fold.layer_factors(plan, bases[0], bases[1], w_k, w_v)
         if self.layout is not None and self.hadamard_seed is not None:
             # per-channel keys keep their channels: a rotation would spread an
-            # outlier channel's range over every channel (KIVI sec. 3.2)
-            k_rotated = self.layout.k_bits < 16 and not self.layout.k_per_channel
+            # outlier channel's range over every channel (KIVI sec. 3.2); post-RoPE
+            # keys are the model's own, read by unrotated queries
+            k_rotated = (self.layout.k_bits < 16 and not self.layout.k_per_channel
+                         and not self.post_rope_keys)
             sides = ("k" if k_rotated else "") + ("v" if self.layout.v_bits < 16 else "")
             f = fold.rotate_latents(plan, f, sides, self.hadamard_seed)
         param = self.qkv_proj.weight
@@ -243,7 +269,8 @@ class LatentSelfAttention(nn.Module):
                     self.k_down[j, :, :r] = f.k_up[off:off + r, j * d:(j + 1) * d].T
         key_weight = w_k.float() if self.post_rope else f.a_k.T
         exact = (w_k, w_v) if self.token_adaptive else ()
-        for shard, w in enumerate((w_q, *exact, key_weight, f.a_v.T)):
+        key_latent = (key_weight,) if self.k_size else ()
+        for shard, w in enumerate((w_q, *exact, *key_latent, f.a_v.T)):
             load_local(self.qkv_proj, param, w.to(param.dtype).contiguous(), shard)
         loaded = ["qkv_proj.weight"]
         if self.qkv_proj.bias is not None:
@@ -259,14 +286,15 @@ class LatentSelfAttention(nn.Module):
                 kv = plan.shape.kv_width
                 exact_biases = (torch.zeros(kv, dtype=bias.dtype) if k_bias is None
                                 else k_bias.to(bias.dtype), torch.zeros(kv, dtype=bias.dtype))
+            key_bias = (k_bias_here,) if self.k_size else ()
             for shard, b in enumerate((weights["q_proj.bias"].to(bias.dtype), *exact_biases,
-                                       k_bias_here, zeros_v)):
+                                       *key_bias, zeros_v)):
                 load_local(self.qkv_proj, bias, b, shard)
             loaded.append("qkv_proj.bias")
-            if k_bias is not None and not self.post_rope:
+            if k_bias is not None and not self.attn.post_rope:
                 with torch.no_grad():
                     self.attn.k_bias.copy_(k_bias.float())
-        if not self.post_rope:
+        if not self.attn.post_rope:
             with torch.no_grad():
                 self.attn.k_up.copy_(f.k_up)
         if self.token_adaptive:  # B_v is applied in attention, o_proj stays the model's

@@ -172,7 +172,7 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
     ``o[b, h] = sum_t softmax_t(scale * q[b, h] . R_t (c_k[t] @ B_k[g])) c_v[t]``
     over ``t < seq_lens[b]`` (``R_t``: RoPE at position ``t`` from ``rope``), in
     the value latent space: the contract of
-    :func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` for
+    :class:`vllm_lowrank.kernels.triton.decode.LatentLaunch` for
     ``group_size == 1``, ``head_dim == 128``, full rotary, uniform ranks.
 
     Args:

@@ -1,6 +1,6 @@
 // Pre-RoPE decode attention over a bf16/fp16 latent cache, on mma.sync tensor cores.
 //
-// The fast path of triton_kernels/decode.py (`latent_decode_attention`, mode
+// The CudaDecoder of vllm_lowrank/attention/decoders.py (mode
 // "pre_rope") for: one KV head per head group (G = 1), head_dim 128, full rotary,
 // uniform ranks r_k / r_v (multiples of 16, <= 128), an unquantized cache
 // [num_blocks, 1, block_size, Rk + Rv] with block_size a power of two >= 16, and no

@@ -286,19 +286,23 @@ def write_exact_slots(exact_cache: torch.Tensor, slot, key: torch.Tensor, value:
 
 
 @triton.jit(do_not_specialize=("e_blk", "e_tok", "s_blk", "s_tok", "rk", "staged_off",
-                               "share_off", "share_bytes"))
+                               "share_off", "share_bytes", "ek_scale_off", "ek_zero_off"))
 def key_group_write_kernel(
     lat_slot_ptr, ex_slot_ptr, exact_ptr, e_blk, e_tok, cache_ptr, s_blk, s_tok,
-    rk, staged_off, share_off, share_bytes,
+    rk, staged_off, share_off, share_bytes, ek_scale_off, ek_zero_off,
     G: tl.constexpr, EPAGE: tl.constexpr, PAGE: tl.constexpr, BITS: tl.constexpr,
-    OCT: tl.constexpr, STAGED: tl.constexpr,
+    OCT: tl.constexpr, STAGED: tl.constexpr, EXACT_INT8: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """Grid ``(T, cdiv(rk, 8 OCT))``: token ``t``, channels ``8 OCT c ..``. A
     token whose latent slot does not end a group of ``G`` (or a padding
     token) returns at once. Otherwise the program reads the group's ``G``
     staged key latents (``exact_ptr``: the exact cache, uint8, strides
     ``e_blk``/``e_tok``; ``STAGED`` elements from byte ``staged_off`` of a
-    slot, read byte-wise: any alignment), quantizes its channels over the ``G`` tokens and stores each
+    slot, read byte-wise: any alignment) or, for post-RoPE keys (nothing
+    staged: the latent is the key), the exact keys themselves (``EXACT_INT8``:
+    int8 codes per channel from byte 0 with a float16 scale and zero per
+    ``HEAD_DIM`` channels at ``ek_scale_off`` / ``ek_zero_off``; else
+    ``STAGED`` elements from byte ``staged_off = 0``), quantizes its channels over the ``G`` tokens and stores each
     token's packed codes (byte ``c OCT BITS`` of the K codes region) and the
     channels' float16 scales and zeros, byte by byte, where
     :meth:`SlotLayout.encode_key_groups` puts them (parameter byte ``b`` of
@@ -321,8 +325,16 @@ def key_group_write_kernel(
         k = tl.arange(0, 8)
         ch = c * (OCT * 8) + o[:, None] * 8 + k[None, :]  # [OCT, 8]
         m = ch < rk
-        x = _load_raw(ex_row + i[:, None, None] * e_tok, ch[None, :, :], m[None, :, :],
-                      STAGED).to(tl.float32)  # [G, OCT, 8]
+        if EXACT_INT8:  # code * scale + zero, one pair per token and head
+            rows = ex_row + i[:, None, None] * e_tok
+            code = tl.load(rows + ch[None, :, :], mask=m[None, :, :], other=0).to(tl.float32)
+            hd = (ch // HEAD_DIM)[None, :, :]
+            ksc = _load_raw(rows + ek_scale_off, hd, m[None, :, :], tl.float16).to(tl.float32)
+            kze = _load_raw(rows + ek_zero_off, hd, m[None, :, :], tl.float16).to(tl.float32)
+            x = code * ksc + kze  # [G, OCT, 8]
+        else:
+            x = _load_raw(ex_row + i[:, None, None] * e_tok, ch[None, :, :], m[None, :, :],
+                          STAGED).to(tl.float32)  # [G, OCT, 8]
         lo = tl.min(x, 0)
         hi = tl.max(x, 0)
         scale = tl.math.div_rn(hi - lo, levels * 1.0).to(tl.float16)  # [OCT, 8]
@@ -389,13 +401,16 @@ KEY_GROUP_CHANNELS = 64
 @functools.lru_cache(maxsize=None)
 def supports_key_groups(layout, slot) -> bool:
     """Whether :func:`write_key_groups` writes per-channel key groups of
-    ``layout`` staged in ``slot``: packed keys (8/4/3/2 bits), a power-of-two
-    group, and a model dtype of bfloat16, float16 or float32."""
+    ``layout`` staged in ``slot`` (or, with nothing staged, read from its exact
+    post-RoPE keys): packed keys (8/4/3/2 bits), a power-of-two group, and a
+    model dtype of bfloat16, float16 or float32."""
     from vllm_lowrank.format.latent import SUPPORTED_BITS
 
     g = layout.k_channel_tokens
+    rk = sum(layout.k_ranks)
+    keys = slot.staged_width == rk or (slot.staged_width == 0 and rk == slot.kv_width)
     return (layout.k_per_channel and layout.k_bits in SUPPORTED_BITS and g & (g - 1) == 0
-            and slot.staged_width == sum(layout.k_ranks) and slot.dtype in _TL_DTYPES)
+            and keys and slot.dtype in _TL_DTYPES)
 
 
 def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot,
@@ -413,7 +428,8 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot,
     Args:
         kv_cache: Latent cache ``[num_blocks, 1, block_size, layout.slot_bytes]`` uint8.
         exact_cache: Exact cache ``[num_blocks, 1, exact_block_size,
-            slot.slot_bytes]`` uint8 holding the staged latents.
+            slot.slot_bytes]`` uint8 holding the staged latents (or, for
+            post-RoPE keys, the keys themselves).
         slot: Its :class:`~vllm_lowrank.format.exact.ExactSlot`.
         slot_mapping, exact_slots: ``[T]`` int32/int64 slots of this step's
             tokens in the latent and the exact cache (negative: padding).
@@ -433,10 +449,14 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot,
     if n == 0:
         return
     rk = sum(layout.k_ranks)
+    staged = slot.staged_width > 0
+    int8 = not staged and slot.int8_layout is not None
+    ks_off, kz_off = ((slot.int8_layout.k_scale_offset, slot.int8_layout.k_zero_offset)
+                      if int8 else (0, 0))
     key_group_write_kernel[(n, triton.cdiv(rk, KEY_GROUP_CHANNELS))](
         slot_mapping, exact_slots, exact_cache, exact_cache.stride(0), exact_cache.stride(2),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(2), rk, slot.kv_bytes,
-        layout.k_share_offset, layout.k_share_bytes,
+        kv_cache, kv_cache.stride(0), kv_cache.stride(2), rk, slot.kv_bytes if staged else 0,
+        layout.k_share_offset, layout.k_share_bytes, ks_off, kz_off,
         G=layout.k_channel_tokens, EPAGE=exact_cache.shape[2], PAGE=kv_cache.shape[2],
         BITS=layout.k_bits, OCT=KEY_GROUP_CHANNELS // 8, STAGED=_TL_DTYPES[slot.dtype],
-        num_warps=4)
+        EXACT_INT8=int8, HEAD_DIM=slot.head_dim, num_warps=4)

@@ -104,8 +104,7 @@ Uneven ranks: groups are sorted into at most four rank classes (padded
 ``(r_k, r_v)`` powers of two); one launch serves all classes through a runtime
 branch over kernels specialised per class, so a rank-16 group is not computed at
 rank 128. Work scheduling: the plain grid (split x group x sequence, the hardware
-block scheduler assigns programs), or the LPT persistent grid of
-:mod:`vllm_lowrank.kernels.triton.schedule` (ZACK sec. 5.3).
+block scheduler assigns programs).
 
 Output: ``[B, out_width]`` float32, the column layout of
 :attr:`vllm_lowrank.factorization.plan.LayerPlan.out_width` (query heads in order,
@@ -119,9 +118,8 @@ softmax and the accumulators are float32. A float32 cache computes in float32
 (tf32 on NVIDIA tensor cores). A quantized cache computes in the query dtype
 (bf16/fp16; float32 queries use float32).
 
-The host side (preparation, launch parameters, the CUDA-kernel routing) is
-:mod:`.decode`; launch through
-:func:`~vllm_lowrank.kernels.triton.decode.latent_decode_attention`.
+The host side (preparation once per layer, launch parameters, the split
+reduce) is :class:`vllm_lowrank.kernels.triton.decode.LatentLaunch`.
 """
 
 
@@ -734,52 +732,3 @@ def decode_grid_kernel(
         QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
         GPP,
         NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
-
-
-@triton.jit
-def decode_persistent_kernel(
-    items_ptr, n_items, counter_ptr,
-    n_splits, num_groups,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
-    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
-    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
-    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
-    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
-    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
-    SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
-    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
-    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
-):
-    """Persistent grid (one or a few programs per SM). ``items`` holds the work
-    list in longest-first order (item = ``(b * num_groups + g) * n_splits + s``);
-    a program takes the next item from a global counter when it finishes its
-    last, so the next-longest item always goes to the first idle worker:
-    longest-processing-time-first list scheduling, with the real finishing times."""
-    idx = tl.atomic_add(counter_ptr, 1)
-    while idx < n_items:
-        it = tl.load(items_ptr + idx)
-        s = it % n_splits
-        bg = it // n_splits
-        g = (bg % (num_groups // GPP)) * GPP
-        b = bg // (num_groups // GPP)
-        _dispatch(
-            b, g, s, n_splits, num_groups,
-            q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-            w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
-            k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-            po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-            MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-            GPP,
-            NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
-        idx = tl.atomic_add(counter_ptr, 1)

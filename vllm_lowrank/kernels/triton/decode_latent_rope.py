@@ -43,7 +43,7 @@ output format is theirs (``[B, out_width]`` float32). Its first version ran at
 benchmarks/README.md, "Decode without a key rebuild").
 
 Host side: :func:`blocker` and :func:`launch`, called by
-:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` with
+:class:`vllm_lowrank.kernels.triton.decode.LatentLaunch` with
 ``mode="latent_rope"``.
 """
 
@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_prep import WEIGHT_CACHE, cached_for, interpreting, pow2
+from .decode_prep import interpreting, pow2
 from .decode_wide import PER_LAYER_ARGS
 from .tiles import (add_combine, group_row, known_multiple, load_f16_param, load_latent,
                     load_nibbles, max_combine, prefetch_l2, share_half, share_offsets,
@@ -288,7 +288,8 @@ def latent_rope_decode_kernel(
 
 def absorption(plan, k_up: torch.Tensor, rope,
                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w, freq)`` of a RoPE-equivariant layer, cached per ``k_up`` and ``dtype``.
+    """``(w, freq)`` of a RoPE-equivariant layer (computed once per layer, when
+    its launch is prepared: a host copy of ``k_up`` for the structure check).
 
     Args:
         plan: The layer's plan; k_up: ``[Rk, num_kv_heads * head_dim]`` float
@@ -310,25 +311,17 @@ def absorption(plan, k_up: torch.Tensor, rope,
     """
     from vllm_lowrank.factorization.bases import latent_frequencies
 
-    def build():
-        sh = plan.shape
-        if rope.rotary_dim != sh.head_dim:
-            raise ValueError("RoPE-equivariant latents need RoPE over the whole head")
-        d, gs, gw = sh.head_dim, plan.group_size, plan.group_width
-        w = torch.zeros(sh.num_kv_heads, max(plan.k_ranks), d, device=k_up.device)
-        freqs = []
-        for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
-            block = k_up[off:off + r, g * gw:(g + 1) * gw].float()
-            freqs.append(latent_frequencies(block.cpu(), d, rope.neox))
-            w[g * gs:(g + 1) * gs, :block.shape[0]] = block.view(-1, gs, d).transpose(0, 1)
-        return w, torch.cat(freqs).to(device=k_up.device, dtype=torch.int32)
-
-    w, freq = cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox), build)
-    if dtype == torch.float32:
-        return w, freq
-    # from the float32 entry: no second structure check (a host copy)
-    return cached_for(WEIGHT_CACHE, k_up, ("latent_rope", plan, rope.neox, dtype),
-                      lambda: (w.to(dtype), freq))
+    sh = plan.shape
+    if rope.rotary_dim != sh.head_dim:
+        raise ValueError("RoPE-equivariant latents need RoPE over the whole head")
+    d, gs, gw = sh.head_dim, plan.group_size, plan.group_width
+    w = torch.zeros(sh.num_kv_heads, max(plan.k_ranks), d, device=k_up.device)
+    freqs = []
+    for g, (off, r) in enumerate(zip(plan.k_offsets(), plan.k_ranks)):
+        block = k_up[off:off + r, g * gw:(g + 1) * gw].float()
+        freqs.append(latent_frequencies(block.cpu(), d, rope.neox))
+        w[g * gs:(g + 1) * gs, :block.shape[0]] = block.view(-1, gs, d).transpose(0, 1)
+    return w.to(dtype), torch.cat(freqs).to(device=k_up.device, dtype=torch.int32)
 
 
 def absorbed_queries(plan, w: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -372,7 +365,7 @@ def blocker(plan, layout, *, window: int | None = None, sink: int = 0) -> str | 
 def launch(plan, args: tuple, common: dict, value_chunk: int, num_splits: int,
            bsz: int) -> None:
     """Launch :func:`latent_rope_decode_kernel` with the argument tuple and
-    constexprs that :func:`.decode.latent_decode_attention` prepared for the
+    constexprs that :class:`.decode.LatentLaunch` prepared for the
     other kernels (the absorbed queries in place of the queries, the
     frequency table in place of the key weights); ``value_chunk`` value
     channels per program (a power of two, a multiple of the value

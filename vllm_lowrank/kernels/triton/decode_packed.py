@@ -40,8 +40,8 @@ the reduce pass :func:`.tiles.reduce_splits_kernel` with the other kernels; the
 partial and output formats are theirs (output ``[B, out_width]`` float32, query
 heads in order, ``RV`` columns each).
 
-Host side: :func:`blocker` (why a call is out of scope) and :func:`launch`,
-called by :func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention`.
+Host side: :func:`blocker` (why a layer is out of scope) and :func:`launch`,
+called by :class:`vllm_lowrank.kernels.triton.decode.LatentLaunch`.
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def blocker(plan, layout, mode: str, kv_cache) -> str | None:
-    """Why a decode call cannot take :func:`packed_decode_kernel`, or ``None``.
+def blocker(plan, layout, mode: str, slot_stride: int, block_size: int) -> str | None:
+    """Why a layer cannot take :func:`packed_decode_kernel`, or ``None``.
 
     Its scope: ``post_rope`` mode; a packed cache (``layout`` given) with per-token
     keys (no ``k_channel_tokens``), both sides at :data:`SUPPORTED_BITS` with one
@@ -227,13 +227,17 @@ def blocker(plan, layout, mode: str, kv_cache) -> str | None:
     or the rank); one key rank and one value rank for every group, powers of two
     with at least 16 code bytes per side (``RK * bits / 8 >= 16``, the tensor
     cores' smallest K / N); at most 16 query heads per group; slots and cache
-    strides of an even number of bytes (float16 pairs). The plan and layout
-    part is computed once per pair (a host lookup per call)."""
+    strides of an even number of bytes (float16 pairs).
+
+    Args:
+        slot_stride: Bytes from one cache slot to the next.
+        block_size: Tokens per KV block.
+    """
     if mode != "post_rope":
         return "pre_rope mode"
     if layout is None:
         return "unquantized cache"
-    if kv_cache.stride(0) % 2 or kv_cache.stride(2) % 2:
+    if slot_stride % 2 or (slot_stride * block_size) % 2:
         return "odd slot or scale offsets"
     return _layout_blocker(plan, layout)
 
@@ -268,7 +272,7 @@ def launch(plan, layout, query, kv_cache, block_table, seq_lens, *, qk_scale: fl
     B)``. ``po`` / ``plse``: the split partials ``[B, S, out_width]`` /
     ``[B, S, H]`` when ``num_splits > 1``, else the output ``[B, out_width]`` and
     the LSE buffer ``[B, H]`` (unused without ``return_lse``). Arguments are
-    those :func:`.decode.latent_decode_attention` checked; ``qk_scale`` is the
+    those :class:`.decode.LatentLaunch` prepared; ``qk_scale`` is the
     softmax scale times ``log2(e)``."""
     hg = plan.heads_per_group
     packed_decode_kernel[(num_splits, plan.num_groups, query.shape[0])](

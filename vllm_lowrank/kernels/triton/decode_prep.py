@@ -1,12 +1,13 @@
-"""One-time preparation of a decode launch, cached per plan, layout and device.
+"""One-time preparation of a decode launch (:class:`.decode.LatentLaunch`).
 
 - :func:`prepare`: the group table (offsets, ranks, scale/zero indices and
   output columns of every head group), the RoPE-section column maps, the
-  output column -> head map and the rank classes (:class:`Prepared`);
-- :func:`pack_key_weights` / :func:`key_weights`: ``B_k`` of every group in the
-  kernels' RoPE-section layout, cached per weight tensor (:func:`cached_for`);
+  output column -> head map and the rank classes (:class:`Prepared`), cached
+  per plan, layout, RoPE geometry and device (layers of one shape share them);
+- :func:`pack_key_weights`: ``B_k`` of every group in the kernels'
+  RoPE-section layout;
 - :func:`rope_is_rotation`: whether a RoPE table composes as rotations (the
-  kernels' tile-offset trick), cached per table;
+  kernels' tile-offset trick);
 - :func:`sm_count`, :func:`interpreting`, :data:`TL_DTYPES`, :data:`LOG2E`.
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import weakref
 from collections import OrderedDict
 
 import torch
@@ -69,15 +69,10 @@ class Prepared:
 
 
 PREP_CACHE: OrderedDict = OrderedDict()
-WEIGHT_CACHE: OrderedDict = OrderedDict()
-ROPE_CHECK: OrderedDict = OrderedDict()
 SM_COUNTS: dict = {}
-CACHE_SIZE = 1024
-"""Entries per cache, least recently used evicted first. ``WEIGHT_CACHE`` holds
-three entries per RoPE-equivariant token-adaptive layer (the absorption in
-float32 and in the model dtype, and the 16-bit ``B_v`` of
-``token_adaptive.values_up``): 240 for an 80-layer model, and an evicted entry
-is rebuilt in every eager (mixed prefill) step."""
+CACHE_SIZE = 256
+"""Entries of :data:`PREP_CACHE` (one per distinct layer shape), least recently
+used evicted first."""
 
 
 def cache_put(cache: OrderedDict, key, value):
@@ -209,35 +204,13 @@ def pack_key_weights(plan, k_up: torch.Tensor, prep: Prepared, dtype: torch.dtyp
     return out.to(dtype).contiguous()
 
 
-def cached_for(cache: OrderedDict, tensor: torch.Tensor, extra, build):
-    """Cache keyed by a tensor's identity: the entry holds a weak reference and is
-    used only while that very tensor is alive (an address reused by a new tensor
-    does not hit) and unmodified in place (``_version``). Inference tensors
-    (vLLM runs under ``torch.inference_mode()``) keep no version counter: they
-    are keyed by identity alone (the weights read here are not modified in
-    place once serving starts)."""
-    version = -1 if tensor.is_inference() else tensor._version
-    key = (tensor.data_ptr(), version, tuple(tensor.shape), tensor.dtype,
-           str(tensor.device), extra)
-    hit = cache.get(key)
-    if hit is not None and hit[0]() is tensor:
-        return hit[1]
-    value = build()
-    cache_put(cache, key, (weakref.ref(tensor), value))
-    return value
-
-
-def key_weights(plan, k_up, prep, dtype, rotary_dim, neox):
-    return cached_for(WEIGHT_CACHE, k_up, (plan, rotary_dim, neox, dtype),
-                       lambda: pack_key_weights(plan, k_up, prep, dtype))
-
-
 def rope_is_rotation(rope, block_n: int = 128) -> bool:
     """True when ``table[p0 + i] = table[p0] * table[i] / table[0]`` (as complex
     numbers per pair), i.e. the table is ``m_j * exp(1j * t * theta_j)``: the
     assumption of the fast RoPE path. The tolerance allows the float32 rounding of
     the angles ``t * theta_j`` in the table (a few ulp of ``t * theta_max``), far
-    below any structural difference. Checked once per table (one device sync)."""
+    below any structural difference. One device sync per call: the decoders
+    check a layer's table once, when they are prepared."""
     def check() -> bool:
         cos, sin = rope.cos.double(), rope.sin.double()
         n = cos.shape[0]
@@ -255,7 +228,7 @@ def rope_is_rotation(rope, block_n: int = 128) -> bool:
         allowed = 1e-5 + 16 * 2.0 ** -24 * (p0[:, None] + i[None]).double() * theta_max
         return bool((err <= allowed).all()) and bool((sin[0].abs() <= 1e-6 * mag).all())
 
-    return cached_for(ROPE_CHECK, rope.cos, (id(rope.sin), block_n), check)
+    return check()
 
 
 def sm_count(device) -> int:

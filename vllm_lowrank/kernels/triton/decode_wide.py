@@ -40,7 +40,7 @@ kernel reads them). Windows and the token-adaptive latent span bound
 the tiles as in :mod:`.decode`; the partial outputs and their base-2
 log-sum-exp have :mod:`.decode`'s split-K format and are merged by
 :func:`.tiles.reduce_splits_kernel`. The host side is
-:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention`, which
+:class:`vllm_lowrank.kernels.triton.decode.LatentLaunch`, which
 chooses this kernel (``KernelConfig.wide``).
 """
 

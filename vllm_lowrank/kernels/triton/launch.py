@@ -2,7 +2,7 @@
 model of the context split, and when a head group needs the wide-group kernel.
 
 Chosen on the host once per call (cached where they depend only on the plan):
-:func:`vllm_lowrank.kernels.triton.decode.latent_decode_attention` reads
+:class:`vllm_lowrank.kernels.triton.decode.LatentLaunch` reads
 them; :class:`KernelConfig` overrides them (benchmarks, sweeps).
 """
 
