@@ -37,7 +37,7 @@ MIX_CALIBRATION = {"calibration_text": "mix", "calibration_tokens": 65536}
 """Calibration of the ``8x`` preset: 65,536 tokens of Wikipedia, BBC News and
 Shakespeare in turn (no code). Against the 16,384 Wikipedia tokens of the other
 presets it lowers the 8x recipe's worst held-out domain (code) from +11.2 % to
-+5.0 % and lifts its passkey retrieval from 0.30 to 0.62 (benchmarks/README.md,
++5.0 % and lifts its passkey retrieval from 0.30 to 0.62 (benchmarks/README.md's history in git,
 "More calibration tokens"); its first start on a CPU takes about 24 minutes for
 SmolLM2-135M (calibration inside the server's worker, bound to one of 2 cores:
 1,127 s, against 150 s for the 16,384 Wikipedia tokens)."""

@@ -13,7 +13,7 @@ loaded offsets (before ``tiles.known_multiple``), Triton 3.6, the GPU machine's,
 loaded the latent_rope kernel's value codes and the grid kernel's key codes one
 byte per thread, synchronously, and these tests fail there; Triton 3.9 (this
 project's CPU environment) keeps such hints, so on CPU they guard the layouts
-against other regressions only (benchmarks/README.md, "Alignment the compiler
+against other regressions only (benchmarks/README.md's history in git, "Alignment the compiler
 can see"). On the GPU machine they run against its Triton 3.6.
 """
 

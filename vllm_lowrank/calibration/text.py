@@ -205,7 +205,7 @@ DEFAULT_CALIBRATION_TEXT = "wikipedia"
 read by default. At 16,384 tokens the ``mix`` lowers the presets' perplexity on four held-out
 domains (worst domain of the 8x recipe +11.2 % -> +9.2 %) but costs the ``4x``
 preset passkey retrieval (0.84 -> 0.64 at 1,024 tokens, 50 cases):
-benchmarks/README.md, "Calibrated on a mix of domains". The ``8x`` preset
+benchmarks/README.md's history in git, "Calibrated on a mix of domains". The ``8x`` preset
 calibrates on 65,536 tokens of the mix (``calibration_text``), where both
 improve (:data:`vllm_lowrank.presets.MIX_CALIBRATION`)."""
 

@@ -27,7 +27,7 @@ the capacity gain under vLLM's default 8,192-token step budget. 128 rather than
 256: 31-33 % more KV capacity for the ``lossless`` and ``4x`` presets and 1.5-1.8x
 the concurrent sequences in the CPU load test (more preemptions, wall time within
 its run-to-run spread); on a GPU, 1.67x the prefill time of 16 x 4k prompts when
-prefill ran one request at a time (benchmarks/README.md, "The presets under load").
+prefill ran one request at a time (benchmarks/README.md's history in git, "The presets under load").
 Prefill is now batched across requests, but every chunk still rebuilds its
 request's latent history, so prefill work grows as context^2 / chunk: 6.7x stock's
 prefill time at 8 x 32k for the ``8x`` allocation on an H100 (benchmarks/README.md,
@@ -46,7 +46,7 @@ steps, so preemptions cascade. 256 requests of 1,024 + 1,024 tokens at 8 GiB of
 KV cache (``alloc-8x-re``, Llama-3-8B shape, H200): 902 preemptions and 1,698
 output tokens/s without a watermark, 55 and 3,201 with 0.1 (stock vLLM: 2,764
 tokens/s beside the default); 128 requests, which fit without preemption, are
-admitted alike (benchmarks/README.md, "Under overload")."""
+admitted alike (benchmarks/README.md's history in git, "Under overload")."""
 
 
 def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:

@@ -5,7 +5,7 @@
 // uniform ranks r_k / r_v (multiples of 16, <= 128), an unquantized cache
 // [num_blocks, 1, block_size, Rk + Rv] with block_size a power of two >= 16, and no
 // key transform / window / token-adaptive span. Same math as the Triton kernel
-// (benchmarks/decode_attention_notes.md); per sequence b, KV head g and token t:
+// (benchmarks/decode_attention_notes.md in git history); per sequence b, KV head g and token t:
 //
 //   k_t   = c_k[t] @ B_k[g]                  rebuilt key, [128]
 //   s_h,t = scale * q_h . R_t k_t            RoPE by the absolute position t
@@ -98,7 +98,7 @@ struct Params {
 // 256 bytes). Other ranks (48, 96) keep a 16-byte pad per row. Unpadded rows keep
 // each row's cp.async destination inside its own 128-byte lines: padded 16-byte
 // pitches cost about 10 % of the copy rate (H200, 16 x 32k: loads alone 280 -> 254
-// us at r = 64, 151 -> 140 us at r = 32; benchmarks/decode_attention_notes.md).
+// us at r = 64, 151 -> 140 us at r = 32; benchmarks/decode_attention_notes.md in git history).
 template <int R>
 struct RowLayout {
   static constexpr int CH = R / 8;                           // 16-byte chunks per row
@@ -117,7 +117,7 @@ struct RowLayout {
 // its rope rows, one slot ahead of those being read) are issued as soon as tile k's
 // key fragments sit in registers, its value rows right after tile k's value product,
 // so one stage already gives every copy about a tile of compute to land. Resident
-// warps beat prefetch depth (H200, benchmarks/decode_attention_notes.md, 16 x 32k:
+// warps beat prefetch depth (H200, benchmarks/decode_attention_notes.md in git history, 16 x 32k:
 // r = 64, 16 warps x 1 stage 296 us, 8 x 2 335; r = 32, 16 x 1 215, 16 x 2 222; with
 // the unpadded rows, where 16 x 2 fits at r <= 32: r = 32 194.5 vs 203.7, r = 16 150.3
 // vs 158.6); 16 warps cap the registers at 128 (8 bytes of spills at r = 32).
@@ -188,7 +188,7 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 // heads read at about the same time: DRAM then serves whole lines instead of
 // 32/64-byte pieces (H200, 16 x 32k, r = 32: 223 -> 209 us). Off for sections of
 // a line or more (r >= 64): there it gained nothing (307 -> 305-306 us at 16 x 32k,
-// r = 64; benchmarks/decode_attention_notes.md).
+// r = 64; benchmarks/decode_attention_notes.md in git history).
 template <bool L2_LINE = false>
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   if (L2_LINE)

@@ -484,7 +484,7 @@ class LatentLaunch:
         # Alignment hints for float caches only: they vectorize the latent loads,
         # 1.12-1.13x on the 16-bit J-LRD setting; on packed caches they made the
         # 4x preset 7-8 % slower (more spills) and the others 1-2 % faster (H200,
-        # benchmarks/README.md, "Alignment the compiler can see").
+        # benchmarks/README.md's history in git, "Alignment the compiler can see").
         quant = common["QUANT"]
         wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
             n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,

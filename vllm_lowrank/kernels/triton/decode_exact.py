@@ -52,7 +52,7 @@ pointer plus 32-bit offsets. Tiles of positions that crossed blocks computed a
 64-bit slot address per row in every register layout that used it (1,828 SASS
 instructions per 64-position tile and 254 registers, against 554 per
 32-position tile and 101 registers, sm_90, triton 3.6); 2.2x faster at 128 x
-2k on an H200 with the same warps (benchmarks/README.md, "Fewer instructions
+2k on an H200 with the same warps (benchmarks/README.md's history in git, "Fewer instructions
 per tile")."""
 
 STAGES = 1

@@ -98,7 +98,7 @@ goes through shared memory). Several head groups of equal power-of-two ranks can
 share one score tile (``groups_per_program`` 2 or 4: 8 or 16 real query heads in
 the 16-wide tile instead of 4), which shares the softmax, the value product and
 the per-tile bookkeeping; the defaults per case are measured
-(:func:`.decode._default_config`, benchmarks/decode_attention_notes.md).
+(:func:`.decode._default_config`, benchmarks/decode_attention_notes.md in git history).
 
 Uneven ranks: groups are sorted into at most four rank classes (padded
 ``(r_k, r_v)`` powers of two); one launch serves all classes through a runtime

@@ -35,12 +35,12 @@ one token group per tile), the byte offsets of the group's parameters; a tile
 that lies in one block addresses its slots as one pointer plus 32-bit offsets.
 Earlier versions looped over key chunks inside the tile loop, re-reading
 those operands and waiting on a chain of dependent loads per chunk (this one is
-1.54-1.58x faster on an H200, benchmarks/README.md, "Fewer instructions per
+1.54-1.58x faster on an H200, benchmarks/README.md's history in git, "Fewer instructions per
 tile"). Split-K, windows and the token-adaptive span share
 :func:`.tiles.split_tiles` and the reduce pass with the other kernels; the
 output format is theirs (``[B, out_width]`` float32). Its first version ran at
 1.8-2.3x the wide kernel's speed on the ``8x`` storage (H200,
-benchmarks/README.md, "Decode without a key rebuild").
+benchmarks/README.md's history in git, "Decode without a key rebuild").
 
 Host side: :func:`blocker` and :func:`launch`, called by
 :class:`vllm_lowrank.kernels.triton.decode.LatentLaunch` with
@@ -63,7 +63,7 @@ PREFETCH_LINES = tl.constexpr(4)
 """128-byte lines of each slot that a per-channel-key tile asks L2 to fetch for
 the next tile (``min(128 k, slot bytes - 1)``, so any slot up to 512 bytes is
 covered whole: the ~8x storage's are 400, every layer's padded to the largest).
-One tile ahead beat two and four (H200, benchmarks/README.md, "An L2 prefetch
+One tile ahead beat two and four (H200, benchmarks/README.md's history in git, "An L2 prefetch
 of the next tile")."""
 
 

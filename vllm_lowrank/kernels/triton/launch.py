@@ -69,7 +69,7 @@ def _default_gpp(plan, prep, hg: int) -> int:
 
 SPLIT_OVERHEAD_TILES = 4
 """Per-program fixed cost (prologue: B_k, cos/sin, q; epilogue: partial store), in
-tiles; measured on an H200 (benchmarks/decode_attention_notes.md)."""
+tiles; measured on an H200 (benchmarks/decode_attention_notes.md in git history)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,14 +102,14 @@ PACKED_G1_CONFIGS = {
 grid kernel for packed per-token caches with one KV head per group and one rank
 class, by ``(mode, rank classes)``: the fastest correct variant of the H100
 sweep (``benchmarks/decode_attention.py --quant-sweep``, 24 variants, triton
-3.6, benchmarks/README.md "Launch parameters on packed caches"), 1.11-1.20x the
+3.6, benchmarks/README.md's history in git, "Launch parameters on packed caches"), 1.11-1.20x the
 earlier defaults at 16 x 4k and 1 x 32k. (Post-RoPE K8/V4, swept too, now
 decodes on :mod:`.decode_packed`.)"""
 
 
 def _default_config(plan, prep: Prepared, mode: str, device, quant: bool) -> dict:
     """Launch parameters per case, measured on an H200 with triton 3.6
-    (benchmarks/decode_attention_notes.md has the sweep). Only variants that were
+    (benchmarks/decode_attention_notes.md, in git history, has the sweep). Only variants that were
     checked correct on that compiler are chosen: triton 3.6 miscompiles several
     transposed bf16 variants (BLOCK_N=64 with 4 warps; 2 or 4 groups per
     program; the rank-128 class at BLOCK_N >= 64); tests/kernels/test_gpu_kernels.py
@@ -176,7 +176,7 @@ def _latent_rope_config(prep: Prepared, device) -> dict:
     program per SM: at 255 registers and 8 warps no second one is resident
     (``ncu``: 12.5 % occupancy), and counting two split the context into twice
     the programs, run in two waves (H200, ``8x rope_equivariant``: 209.5 against 229.6 us at
-    16 x 4k, 759.4 against 778.4 us at 128 x 2k; benchmarks/README.md, "The
+    16 x 4k, 759.4 against 778.4 us at 128 x 2k; benchmarks/README.md's history in git, "The
     exact part of token-adaptive decode")."""
     if device.type != "cuda":
         return dict(block_n=16, num_warps=4, num_stages=1, transposed=False,

@@ -222,7 +222,7 @@ def known_multiple(x, M: tl.constexpr):
     compiled kernel; through this form the loads addressed from ``x`` are
     vectorized and the software pipeliner copies them asynchronously
     (``cp.async``), which it does only for loads of 32 bits or more per thread
-    (Triton 3.6, sm_90; benchmarks/README.md, "Alignment the compiler can
+    (Triton 3.6, sm_90; benchmarks/README.md's history in git, "Alignment the compiler can
     see")."""
     return x // M * M
 
