@@ -52,36 +52,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import load_f16_param, split_tiles
+from .tiles import add_pair, centred, offset_pair, split_tiles
 
 SUPPORTED_BITS = (8, 4)
 """Code widths of this kernel (one or two codes per byte)."""
-
-
-@triton.jit
-def _centred(x, OFFSET: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr):
-    """``x - OFFSET`` in ``DT`` for integer codes ``0 <= x < 256`` (exact).
-    ``F16``: through the float16 exponent (``0x6400 | x`` is ``1024 + x``)."""
-    if F16:
-        y = (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-        return y - (1024.0 + OFFSET)
-    else:
-        return (x.to(tl.int32) - OFFSET).to(DT)
-
-
-@triton.jit
-def _pair(rows, valid, scale_at, zero_at, OFFSET: tl.constexpr):
-    """Per-token ``(scale, zero + OFFSET * scale)`` float32 [N] of the float16
-    pair at byte offsets ``scale_at`` / ``zero_at`` of each slot (0 on invalid
-    rows)."""
-    s = load_f16_param(rows + scale_at, valid, True)
-    return s, load_f16_param(rows + zero_at, valid, True) + OFFSET * s
-
-
-@triton.jit
-def _add_pair(a0, a1, b0, b1):
-    """Combine of a two-value sum reduction."""
-    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -89,12 +63,12 @@ def _tile_pairs(bt_row, cache_ptr, s_blk, s_tok, pos, valid, g, k_scale_off, k_z
                 v_scale_off, v_zero_off, PAGE: tl.constexpr, K_OFF: tl.constexpr,
                 V_OFF: tl.constexpr):
     """The slot pointers [N] of positions ``pos`` and the key and value pairs
-    of head group ``g`` there (:func:`_pair`; 0 where not ``valid``):
+    of head group ``g`` there (:func:`.tiles.offset_pair`; 0 where not ``valid``):
     ``(rows, s_k, z_k', s_v, z_v')``, the pairs float32."""
     blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
     rows = cache_ptr + (blk * s_blk + (pos % PAGE) * s_tok)
-    ks, kz = _pair(rows, valid, k_scale_off + 2 * g, k_zero_off + 2 * g, K_OFF)
-    vs, vz = _pair(rows, valid, v_scale_off + 2 * g, v_zero_off + 2 * g, V_OFF)
+    ks, kz = offset_pair(rows, valid, k_scale_off + 2 * g, k_zero_off + 2 * g, K_OFF)
+    vs, vz = offset_pair(rows, valid, v_scale_off + 2 * g, v_zero_off + 2 * g, V_OFF)
     return rows, ks, kz, vs, vz
 
 
@@ -172,26 +146,26 @@ def packed_decode_kernel(
         # Keys, transposed [KB, BLOCK_N]: S = q~ C_k^T.
         kx = tl.load(rows[None, :] + k_codes + kj[:, None], mask=valid[None, :], other=0)
         if KC == 1:
-            sc = tl.dot(q0, _centred(kx, K_OFF, DT, F16))
+            sc = tl.dot(q0, centred(kx, K_OFF, DT, F16))
         else:
-            sc = tl.dot(q0, _centred(kx & 15, K_OFF, DT, F16))
-            sc = tl.dot(q1, _centred(kx >> 4, K_OFF, DT, F16), sc)
+            sc = tl.dot(q0, centred(kx & 15, K_OFF, DT, F16))
+            sc = tl.dot(q1, centred(kx >> 4, K_OFF, DT, F16), sc)
         sc = (sc * ks[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
         # sum_t p and sum_t p z_v in one reduction (one pass over the warps).
-        p_sum, pz_sum = tl.reduce((p, p * vz[None, :]), 1, _add_pair)
+        p_sum, pz_sum = tl.reduce((p, p * vz[None, :]), 1, add_pair)
         l_i = l_i * alpha + p_sum
         z_i = z_i * alpha + pz_sum
         ps = (p * vs[None, :]).to(DT)
         vx = tl.load(rows[:, None] + v_codes + vj[None, :], mask=valid[:, None], other=0)
         if VC == 1:
-            acc0 = tl.dot(ps, _centred(vx, V_OFF, DT, F16), acc0 * alpha[:, None])
+            acc0 = tl.dot(ps, centred(vx, V_OFF, DT, F16), acc0 * alpha[:, None])
         else:
-            acc0 = tl.dot(ps, _centred(vx & 15, V_OFF, DT, F16), acc0 * alpha[:, None])
-            acc1 = tl.dot(ps, _centred(vx >> 4, V_OFF, DT, F16), acc1 * alpha[:, None])
+            acc0 = tl.dot(ps, centred(vx & 15, V_OFF, DT, F16), acc0 * alpha[:, None])
+            acc1 = tl.dot(ps, centred(vx >> 4, V_OFF, DT, F16), acc1 * alpha[:, None])
         m_i = m_new
         rows_c, ks, kz, vs, vz = rows_n, ks_n, kz_n, vs_n, vz_n
 

@@ -63,7 +63,8 @@ import triton.language as tl
 
 from .decode_prep import LOG2E, TL_DTYPES, interpreting, pow2, sm_count
 from .launch import choose_num_splits
-from .tiles import add_combine, load_latent, max_combine, reduce_splits_kernel
+from .tiles import (add_combine, add_pair, centred, load_latent, max_combine, offset_pair,
+                    reduce_splits_kernel)
 
 EXACT_BLOCK = 32
 """Exact positions per tile (16 under the interpreter)."""
@@ -73,30 +74,24 @@ PROGRAMS_PER_SM = 4
 own softmax state, as the packed kernel)."""
 
 WARPS, STAGES = 2, 2
-"""Warps per program and software-pipelining stages on a GPU."""
+"""Warps per program and software-pipelining stages on a GPU: 2 warps issue about
+a third fewer instructions per token than 4 (the query and scale operands are
+replicated across warps; Triton 3.9 for sm_90, ``nvdisasm``), 2.5x faster than
+the first version on an H200 (benchmarks/README.md, "Decode without a key
+rebuild: post-RoPE keys")."""
 
 KEY_BITS = (4, 2)
 VALUE_BITS = (8, 4, 2)
-
-
-@triton.jit
-def _centred(x, OFFSET: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr):
-    """``x - OFFSET`` in ``DT`` for integer codes ``0 <= x < 256`` (exact).
-    ``F16``: through the float16 exponent (``0x6400 | x`` is ``1024 + x``)."""
-    if F16:
-        y = (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-        return y - (1024.0 + OFFSET)
-    else:
-        return (x.to(tl.int32) - OFFSET).to(DT)
+"""Code widths the kernel reads: keys (two or four per byte) and values."""
 
 
 @triton.jit
 def _code(x, n: tl.constexpr, BITS: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr):
     """Centred codes of field ``n`` of every byte of ``x`` (``BITS``-bit codes)."""
     if BITS == 8:
-        return _centred(x, 128, DT, F16)
+        return centred(x, 128, DT, F16)
     else:
-        return _centred((x >> (n * BITS)) & ((1 << BITS) - 1), 1 << (BITS - 1), DT, F16)
+        return centred((x >> (n * BITS)) & ((1 << BITS) - 1), 1 << (BITS - 1), DT, F16)
 
 
 @triton.jit
@@ -108,26 +103,8 @@ def _key_field(kx, group_ptr, s_at, z_at, n: tl.constexpr, BITS: tl.constexpr,
     from its first slot (``group_ptr``)."""
     sc = tl.load((group_ptr + s_at + 2 * n).to(tl.pointer_type(tl.float16)))
     ze = tl.load((group_ptr + z_at + 2 * n).to(tl.pointer_type(tl.float16)))
-    code = _centred((kx >> (n * BITS)) & ((1 << BITS) - 1), 0, DT, F16)
+    code = centred((kx >> (n * BITS)) & ((1 << BITS) - 1), 0, DT, F16)
     return code * sc.to(DT)[:, None] + ze.to(DT)[:, None]
-
-
-@triton.jit
-def _value_pairs(rows, valid, scale_at, zero_at, VOFF: tl.constexpr):
-    """Per-token value ``(scale, zero + VOFF * scale)`` float32 [N] of the head
-    group whose float16 pair is at byte offsets ``scale_at`` / ``zero_at`` of
-    each slot (0 on invalid rows)."""
-    vs = tl.load((rows + scale_at).to(tl.pointer_type(tl.float16)), mask=valid,
-                 other=0.0).to(tl.float32)
-    vz = tl.load((rows + zero_at).to(tl.pointer_type(tl.float16)), mask=valid,
-                 other=0.0).to(tl.float32)
-    return vs, vz + VOFF * vs
-
-
-@triton.jit
-def _add_pair(a0, a1, b0, b1):
-    """Combine of a two-value sum reduction."""
-    return a0 + b0, a1 + b1
 
 
 @triton.jit
@@ -223,7 +200,7 @@ def post_rope_decode_kernel(
     gptr_n = cache_ptr + blk_n * s_blk + (p0 % PAGE) * s_tok
     valid_n = (p0 + i < lat_end) & (i * 0 + t_lo < lat_hi)  # (vector compares: the
     # interpreter's masks)
-    vs_n, vz_n = _value_pairs(gptr_n + i * s_tok, valid_n, v_scale_off + 2 * g,
+    vs_n, vz_n = offset_pair(gptr_n + i * s_tok, valid_n, v_scale_off + 2 * g,
                               v_zero_off + 2 * g, VOFF)
     for t in range(t_lo, lat_hi):
         p0 = sink + t * KCT                          # a key group's first position
@@ -245,7 +222,7 @@ def post_rope_decode_kernel(
         blk_n = tl.load(bt_row + pn // PAGE).to(tl.int64)
         gptr_n = cache_ptr + blk_n * s_blk + (pn % PAGE) * s_tok
         valid_n = (pn + i < lat_end) & (i * 0 + t + 1 < lat_hi)
-        vs_n, vz_n = _value_pairs(gptr_n + i * s_tok, valid_n, v_scale_off + 2 * g,
+        vs_n, vz_n = offset_pair(gptr_n + i * s_tok, valid_n, v_scale_off + 2 * g,
                                   v_zero_off + 2 * g, VOFF)
         sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
@@ -253,7 +230,7 @@ def post_rope_decode_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         # values: per-token pairs on the probabilities, codes in the dot
-        pl, pz = tl.reduce((p, p * vz[None, :]), 1, _add_pair)
+        pl, pz = tl.reduce((p, p * vz[None, :]), 1, add_pair)
         l_i = l_i * alpha + pl
         zl_i = zl_i * alpha + pz
         ps = (p * vs[None, :]).to(DT)

@@ -30,6 +30,24 @@ def add_combine(a, b):
 
 
 @triton.jit
+def add_pair(a0, a1, b0, b1):
+    """Combine of a two-value sum reduction (``tl.reduce((x, y), axis, add_pair)``)."""
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def centred(x, OFFSET: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr):
+    """``x - OFFSET`` in ``DT`` for integer codes ``0 <= x < 256`` (exact).
+    ``F16``: through the float16 exponent (``0x6400 | x`` is the float16
+    ``1024 + x``): one OR and one subtraction, no integer conversion."""
+    if F16:
+        y = (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        return y - (1024.0 + OFFSET)
+    else:
+        return (x.to(tl.int32) - OFFSET).to(DT)
+
+
+@triton.jit
 def load_f16_param(ptrs, mask, ALIGNED: tl.constexpr):
     """fp16 values at byte pointers ``ptrs`` (uint8), as float32."""
     if ALIGNED:
@@ -100,6 +118,16 @@ def codes_f32(codes, OFFSET: tl.constexpr):
     exact, and two full-rate ALU/FMA operations instead of one quarter-rate
     integer conversion."""
     return (codes | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def offset_pair(rows, valid, scale_at, zero_at, OFFSET: tl.constexpr):
+    """Per-token ``(scale, zero + OFFSET * scale)`` float32 [N] of the aligned
+    float16 pair at byte offsets ``scale_at`` / ``zero_at`` of each slot
+    (``rows`` [N] uint8 slot pointers; 0 on invalid rows): the parameters that
+    centred codes ``code - OFFSET`` meet after a dot."""
+    s = load_f16_param(rows + scale_at, valid, True)
+    return s, load_f16_param(rows + zero_at, valid, True) + OFFSET * s
 
 
 @triton.jit
