@@ -49,7 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from allocations import ALLOC_8X_SMOLLM2, scale_rank  # noqa: E402
-from vllm_lowrank.presets import PRESETS  # noqa: E402
+from vllm_lowrank.presets import PRESETS, TALE_CHANNEL_KEYS  # noqa: E402
 from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
 from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan  # noqa: E402
@@ -872,7 +872,8 @@ RECOMMENDED = (
     ("2x (default)", {"preset": "2x"}, None),
     ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),
     ("lossless (4.04x)", {"preset": "lossless"}, None),
-    ("4x (5.18x)", {"preset": "4x"}, None),
+    ("J-LRD 0.5 K4c/V4 TALE (5.18x)", {"rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
+                                       **TALE_CHANNEL_KEYS}, None),
     ("8x (8.45x allocation)", {"preset": "8x"}, ALLOC_8X_SMOLLM2),
     # the same storage with key bases that commute with RoPE: queries absorbed
     ("8x rope_equivariant", {**PRESETS["8x"].settings, "method": "rope_equivariant"},

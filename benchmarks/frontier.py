@@ -134,6 +134,7 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
            (4, 32, 1.0, "full rank ", 2, "", {}),
            (4, 32, 1.0, "full rank ", 2, " G=1", {"head_group_size": 1}),
            (4, 64, 1.0, "full rank ", 2, " G=1", {"head_group_size": 1}),
+           (4, 64, 1.0, "full rank ", 4, " G=1", {"head_group_size": 1}),
            (2, 32, 1.0, "full rank ", 4, " G=1", {"head_group_size": 1}),
        )},
     # the presets as a user selects them (vllm_lowrank/presets.py)

@@ -44,7 +44,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allocations import alloc_8x_ranks  # noqa: E402
 
-from vllm_lowrank.presets import PRESETS  # noqa: E402
+from vllm_lowrank.presets import PRESETS, TALE_CHANNEL_KEYS  # noqa: E402
 
 CONFIGS = {
     "stock": {},
@@ -78,6 +78,11 @@ CONFIGS = {
     # 8x allocates from a calibration artifact, which the GPU machine cannot make
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
+    # J-LRD latents at 0.5 with per-channel 4-bit keys and 4-bit values, exact sinks and
+    # recent tokens (the keys rebuilt at each step: the wide-group kernel)
+    "jlrd-0.5-tale": {"compression": {"rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
+                                      **TALE_CHANNEL_KEYS},
+                      "block_size": 32},
     "preset-lossless": {"compression": {"preset": "lossless"}},
     # the 8x preset's settings (without its allocation, which needs calibration
     # text) with its SmolLM2 allocation's ranks stretched to 32 layers of 1,024

@@ -23,8 +23,8 @@ on timing it. The figures come from this machine's Triton, which may differ
 from the GPU machine's (3.6 there, ``../shared/gpu-vllm/README.md``): the
 timings stay the GPU's.
 
-    .venv/bin/python -P benchmarks/kernel_resources.py --only "4x (" "8x"
-    .venv/bin/python -P benchmarks/kernel_resources.py --only "4x (" \\
+    .venv/bin/python -P benchmarks/kernel_resources.py --only "J-LRD 0.5" "8x"
+    .venv/bin/python -P benchmarks/kernel_resources.py --only "J-LRD 0.5" \\
         --variant '{"wide": true, "heads_per_program": 4, "block_n": 64}'
     .venv/bin/python -P benchmarks/kernel_resources.py --only "8x rope" --bits "4 4" \\
         --loads --variant '{"num_warps": 8, "num_stages": 2, "value_chunk": 512}'

@@ -27,7 +27,7 @@ def test_every_preset_is_a_valid_config_with_its_settings(name):
 def test_keys_beside_a_preset_override_it_and_count_as_given():
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "preset": "4x", "recent_tokens": 64,
                                    "v_bits": 8})
-    assert (cfg.recent_tokens, cfg.v_bits, cfg.k_bits, cfg.rank_fraction) == (64, 8, 4, 0.5)
+    assert (cfg.recent_tokens, cfg.v_bits, cfg.k_bits, cfg.rank_fraction) == (64, 8, 4, 1.0)
     assert {"recent_tokens", "v_bits"} <= cfg.explicit
     assert "k_bits" not in cfg.explicit
 
