@@ -492,6 +492,10 @@ def main() -> None:
                    help="rows of our settings saved by --save-rows: print and plot them "
                         "instead of running engines")
     p.add_argument("--save-rows", default=None, help="write the rows of this run here")
+    p.add_argument("--gpu", default=None,
+                   help="JSON of benchmarks/gpu_serving.py --json with an --equal-memory "
+                        "load: adds each setting's output tokens/s vs stock at equal KV "
+                        "memory (GPU_CONFIGS names which gpu_serving config serves it)")
     p.add_argument("--corpus", default=DEFAULT_TEXT,
                    help="calibration text of our settings (a name of "
                         "vllm_lowrank.calibration.text.CALIBRATION_TEXTS); rows are named "
@@ -514,20 +518,51 @@ def main() -> None:
              + ("; vLLM's caches simulated (same windows)" if args.peers else ""))
     print(f"\n{title}\n")
     head = " | ".join(f"{t} ppl" for t in args.texts)
+    gpu = gpu_ratios(args.gpu) if args.gpu else None
     print(f"| setting | kind | bytes / token (of 16-bit K+V) | compression ratio | {head} "
-          "| mean change | worst domain |")
-    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|---|")
+          "| mean change | worst domain |" + (" GPU tok/s vs stock |" if gpu else ""))
+    print("|---|---|---|---|" + "---|" * len(args.texts) + "---|---|" + ("---|" if gpu else ""))
     for row in sorted(rows, key=lambda x: x["ratio"]):
         base = row["kind"] == "peer" and row["ratio"] == 1.0
         cells = [f"{q:.3f}" + ("" if base else f" ({d:+.1f} %)")
                  for q, d in zip(row["ppl"], row["deltas"])]
         mean = "" if base else f"{row['delta']:+.1f} %"
         worst = "" if base else f"{max(row['deltas']):+.1f} %"
+        extra = ""
+        if gpu is not None:
+            ratio = gpu.get(GPU_CONFIGS.get(row["name"], ""))
+            extra = f" {ratio:.2f} |" if ratio is not None else " |"
         print(f"| {row['name']} | {row['kind']} | {1 / row['ratio']:.3f} | {row['ratio']:.2f}x | "
-              f"{' | '.join(cells)} | {mean} | {worst} |")
+              f"{' | '.join(cells)} | {mean} | {worst} |{extra}")
     if args.plot:
         plot(rows, args.plot, title)
         print(f"\nplot: {args.plot}")
+
+
+GPU_CONFIGS = {
+    "uncompressed": "stock",
+    "preset 2x": "default",
+    "preset lossless": "preset-lossless",
+    "preset 4x": "preset-4x",
+    "post-RoPE full rank, K4/V4 per token": "pr-k4v4",
+    "post-RoPE keys K4/32 per channel, values full rank V2 G=1, int8 exact": "prk-v2r1.0",
+    "post-RoPE keys K4/32 per channel, values full rank V4 G=1, int8 exact": "prk-v4r1.0",
+    "post-RoPE keys K4/32 per channel, values latent 0.5 V4 G=1, int8 exact": "prk-v4r0.5",
+    "latent 0.5, K4 per channel, V4, sink 32 + recent 128": "jlrd-0.5-tale",
+}
+"""Frontier setting -> the ``benchmarks/gpu_serving.py`` config that serves the same
+storage at the Llama-3-8B shape (dummy weights), for ``--gpu``."""
+
+
+def gpu_ratios(path: str) -> dict[str, float]:
+    """``{gpu_serving config: output tokens/s over stock's}`` of the equal-memory
+    load rows in a ``gpu_serving.py --json`` file (stock of the same file)."""
+    with open(path) as f:
+        rows = [r for r in json.load(f) if r.get("mode") == "load" and "out_tok_s" in r]
+    stock = next((r["out_tok_s"] for r in rows if r["config"] == "stock"), None)
+    if stock is None:
+        raise SystemExit(f"{path} has no stock row of an --equal-memory load")
+    return {r["config"]: r["out_tok_s"] / stock for r in rows}
 
 
 def load_rows(path: str) -> list[dict]:
