@@ -27,13 +27,14 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 
 from . import decode_latent_rope, decode_packed
 from .decode_kernels import decode_grid_kernel
-from .decode_prep import (LOG2E, MAX_CLASSES, TL_DTYPES, interpreting, pack_key_weights, pow2,
+from .decode_prep import (LOG2E, TL_DTYPES, interpreting, pack_key_weights, pow2,
                           pow2_divisor, prepare, rope_is_rotation, sm_count)
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _latent_rope_config, _packed_config, _wide_config, choose_num_splits,
@@ -50,6 +51,49 @@ KERNELS = {
 the label the start-up log line gives them."""
 
 MODES = ("pre_rope", "post_rope", "latent_rope")
+
+
+class DecodeArgs(NamedTuple):
+    """The runtime arguments of one call of the grid, wide-group and latent-RoPE
+    kernels, in the kernels' order: groups of related arguments as tuples, then
+    the slot layout's offsets as scalars (the arguments the wide-group and
+    latent-RoPE kernels do not specialize on, :data:`.decode_wide.PER_LAYER_ARGS`,
+    from index :attr:`PER_LAYER` on). Strides in elements of the tensor (bytes
+    for a uint8 cache), offsets in bytes of a slot."""
+
+    n_splits: int
+    """Context splits per sequence (1: the kernel writes ``out`` itself)."""
+    qk_scale: float
+    """Softmax scale times ``log2 e`` (the kernels' scores are base 2)."""
+    query: tuple
+    """``(q [B, H, *], stride(0), stride(1))``."""
+    pages: tuple
+    """``(kv_cache, block stride, slot stride, block_table, its row stride,
+    seq_lens)``."""
+    keys: tuple
+    """``(packed key bases or the latent-RoPE frequency table, group stride,
+    section stride, column maps, cos, sin, RoPE row stride, RoPE rows)``."""
+    groups: tuple
+    """``(group table [8, num_groups] int32, num_groups)``."""
+    outs: tuple
+    """``(split partials or out, their LSE or lse, out, out_width, num_heads)``."""
+    norm: tuple
+    """``(key bias, key norm weight, head_dim, norm eps)`` (the key transform)."""
+    span: tuple
+    """``(window, sink, recent)`` (0 for none)."""
+    k_scale_off: int
+    k_zero_off: int
+    v_scale_off: int
+    v_zero_off: int
+    share_off: int
+    """Per-channel key parameters' offset (0 without them)."""
+    rk_total: int
+    """Key channels of the layer (the sum of its key ranks)."""
+    share: int
+    """Per-channel key parameter bytes per slot."""
+
+    PER_LAYER = 9
+    """Index of the first per-layer offset."""
 
 
 def choose_kernel(plan, layout, mode: str, block_size: int, rotary_dim: int,
@@ -256,7 +300,6 @@ class LatentLaunch:
         """The kernels' compile-time arguments that do not depend on the call."""
         plan, layout, prep, cfg, dflt = self.plan, self.layout, self.prep, self.cfg, self.dflt
         sh, quant = plan.shape, layout is not None
-        classes = list(prep.classes) + [(16, 16)] * (MAX_CLASSES - len(prep.classes))
         if quant:
             k_qg = 0 if chan or all(q == r for q, r in zip(layout.k_groups, layout.k_ranks)) \
                 else layout.k_groups[0]
@@ -272,7 +315,7 @@ class LatentLaunch:
                 # Dequantized value tile of the GPP groups' contiguous segment: one
                 # scale/zero pair per group = per RV_PAD channels. (Post-RoPE mode
                 # keeps V_QG = 0: per-group pairs applied after the dot.)
-                v_qg = classes[0][1]
+                v_qg = prep.classes[0][1]
         else:
             k_qg = v_qg = 0
             aligned = True
@@ -303,12 +346,10 @@ class LatentLaunch:
             DT=TL_DTYPES[self.dt],
             QUANT=quant, K_BITS=k_bits, V_BITS=v_bits, K_QG=k_qg, V_QG=v_qg,
             ALIGNED=aligned, OFF_MULT=off_mult, RANK_MULT=rank_mult,
-            NUM_CLS=len(prep.classes), K_BIAS=self.has_bias, K_NORM=self.has_norm,
+            RANKS=prep.classes, K_BIAS=self.has_bias, K_NORM=self.has_norm,
             SPAN=self.sink > 0 or self.recent > 0, K_CHAN=chan,
             KCT=layout.k_channel_tokens if chan else 1,
             SHARE=layout.k_share_bytes if chan else 1,
-            RK0=classes[0][0], RV0=classes[0][1], RK1=classes[1][0], RV1=classes[1][1],
-            RK2=classes[2][0], RV2=classes[2][1], RK3=classes[3][0], RV3=classes[3][1],
             num_warps=cfg.num_warps or dflt["num_warps"],
             num_stages=cfg.num_stages or dflt["num_stages"],
         )
@@ -411,27 +452,30 @@ class LatentLaunch:
                       WINDOW=use_window, PAGE=kv_cache.shape[2],
                       SLOT_MULT=pow2_divisor(kv_cache.stride(2), kv_cache.stride(0)))
         w = self.weights
-        args = (
-            num_splits, plan.num_groups,
-            query, query.stride(0), query.stride(1),
-            kv_cache, kv_cache.stride(0), kv_cache.stride(2),
-            block_table, block_table.stride(0), seq_lens,
-            w, w.stride(0) if w.dim() == 4 else 0, w.stride(1) if w.dim() == 4 else 0,
-            self.prep.maps, self.cos, self.sin, self.s_rope, self.max_pos,
-            self.prep.group_table, *self.q_offs,
-            po, plse, out, plan.out_width, num_heads, self.qk_scale,
-            self.k_bias, self.k_norm, sh.head_dim, self.norm_eps,
-            window, self.sink, self.recent,
-            self.layout.k_share_offset if common["K_CHAN"] else 0, sum(plan.k_ranks),
+        args = DecodeArgs(
+            n_splits=num_splits, qk_scale=self.qk_scale,
+            query=(query, query.stride(0), query.stride(1)),
+            pages=(kv_cache, kv_cache.stride(0), kv_cache.stride(2),
+                   block_table, block_table.stride(0), seq_lens),
+            keys=(w, w.stride(0) if w.dim() == 4 else 0, w.stride(1) if w.dim() == 4 else 0,
+                  self.prep.maps, self.cos, self.sin, self.s_rope, self.max_pos),
+            groups=(self.prep.group_table, plan.num_groups),
+            outs=(po, plse, out, plan.out_width, num_heads),
+            norm=(self.k_bias, self.k_norm, sh.head_dim, self.norm_eps),
+            span=(window, self.sink, self.recent),
+            k_scale_off=self.q_offs[0], k_zero_off=self.q_offs[1],
+            v_scale_off=self.q_offs[2], v_zero_off=self.q_offs[3],
+            share_off=self.layout.k_share_offset if common["K_CHAN"] else 0,
+            rk_total=sum(plan.k_ranks), share=common["SHARE"],
         )
         if self.kernel == "wide":
-            self._launch_wide(args, common, hpp, num_splits, bsz)
+            self._launch_wide(args, common, hpp, bsz)
         elif self.kernel == "latent_rope":
             vc = min(self.cfg.value_chunk or self.dflt["value_chunk"], self.prep.rv_max_pad)
             v_qg = common["V_QG"]
             if v_qg and (vc % v_qg or v_qg & (v_qg - 1)):
                 vc = self.prep.rv_max_pad  # a chunk must start on a scale group: one chunk
-            decode_latent_rope.launch(plan, args, common, vc, num_splits, bsz)
+            decode_latent_rope.launch(plan, args, common, vc, bsz)
         else:
             decode_grid_kernel[(num_splits, plan.num_groups // self.gpp, bsz)](*args, **common)
         return self._merge(out, lse, po, plse, num_splits, return_lse)
@@ -460,8 +504,7 @@ class LatentLaunch:
         if kv_cache.stride(-1) != 1:
             raise ValueError("kv_cache must be contiguous in its last dimension")
 
-    def _launch_wide(self, args: tuple, common: dict, hpp: int, num_splits: int,
-                     bsz: int) -> None:
+    def _launch_wide(self, args: DecodeArgs, common: dict, hpp: int, bsz: int) -> None:
         """Launch :func:`.decode_wide.wide_decode_kernel` with the arguments of
         the grid kernel (same pointers, tables and split-K buffers): ``hpp`` KV
         heads per program (:func:`.launch.wide_heads_per_program`), the
@@ -478,17 +521,14 @@ class LatentLaunch:
         if k_qg and (k_qg & (k_qg - 1)):
             rc = prep.rk_max_pad  # a chunk must start on a group boundary: one chunk
         rc = min(max(rc, k_qg), prep.rk_max_pad)
-        (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
-         weights, s_wg, s_wsec, maps, cos, sin, s_rope, _max_pos, gt, *rest_args) = args
         chunk_outer = (cfg.chunk_outer is not False) and hpp > 1 and not common["K_NORM"]
         # Alignment hints for float caches only: they vectorize the latent loads,
         # 1.12-1.13x on the 16-bit J-LRD setting; on packed caches they made the
         # 4x preset 7-8 % slower (more spills) and the others 1-2 % faster (H200,
         # benchmarks/README.md's history in git, "Alignment the compiler can see").
         quant = common["QUANT"]
-        wide_decode_kernel[(num_splits, sh.num_kv_heads // hpp, bsz)](
-            n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
-            weights, s_wg, s_wsec, maps, cos, sin, s_rope, gt, ng, *rest_args, common["SHARE"],
+        wide_decode_kernel[(args.n_splits, sh.num_kv_heads // hpp, bsz)](
+            *args,
             G=plan.group_size, HPP=hpp, QPK=sh.queries_per_kv,
             HG_PAD=pow2(hpp * sh.queries_per_kv),
             HALF=half, H1=pow2(half), REST=rest, H3=pow2(rest) if rest else 0, CW=prep.cw,

@@ -229,17 +229,8 @@ def _group_latent_scores(sc, ck, qk, ks, j, h, HG: tl.constexpr, TRANS: tl.const
 
 @triton.jit
 def _attend_chunk(
-    b, g, s, n_splits, num_groups,
-    q_ptr, s_qb, s_qh,
-    cache_ptr, s_blk, s_tok,
-    bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec,
-    maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos,
-    gt_ptr,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads,
-    qk_scale, kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent,
-    share_off, rk_total,
+    b, g, s, n_splits, qk_scale, query, pages, keys, groups, outs, norm, span,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off, share_off, rk_total,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -285,6 +276,13 @@ def _attend_chunk(
     seq_len - recent`` (``window`` only with ``WINDOW``). ``LSE`` without
     ``SPLIT``: also store the natural log-sum-exp of the scaled scores per head
     into ``plse_ptr`` ``[B, num_heads]`` (``-inf`` for an empty span)."""
+    q_ptr, s_qb, s_qh = query
+    cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr = pages
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos = keys
+    gt_ptr, num_groups = groups
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads = outs
+    kb_ptr, kn_ptr, head_dim, norm_eps = norm
+    window, sink, recent = span
     KPOST: tl.constexpr = QUANT and MODE == 1 and K_QG == 0
     VPOST: tl.constexpr = QUANT and MODE == 1 and V_QG == 0
     # Group table rows (see .decode_prep.Prepared.group_table).
@@ -618,91 +616,10 @@ def _attend_chunk(
             tl.store(plse_ptr + b.to(tl.int64) * num_heads + g * HG + h, lse_n, mask=hmask)
 
 
-# The two launch skeletons share _attend_chunk; the argument list is spelled once
-# here and forwarded by name through _dispatch.
-@triton.jit
-def _dispatch(
-    b, g, s, n_splits, num_groups,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-    MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
-    TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
-    C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
-    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
-    OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
-    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
-    K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
-    SPAN: tl.constexpr, LSE: tl.constexpr,
-    K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
-    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
-    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
-):
-    if NUM_CLS == 1:
-        cls = 0
-    else:
-        cls = tl.load(gt_ptr + 7 * num_groups + g)
-    if cls == 0:
-        _attend_chunk(
-            b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
-            bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
-            s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-            po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-            kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-            MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK0, RV0, BLOCK_N, PAGE, DT,
-            QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-            GPP,
-            K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
-    if NUM_CLS > 1:
-        if cls == 1:
-            _attend_chunk(
-                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
-                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
-                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK1, RV1, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-                GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
-    if NUM_CLS > 2:
-        if cls == 2:
-            _attend_chunk(
-                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
-                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
-                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK2, RV2, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-                GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
-    if NUM_CLS > 3:
-        if cls == 3:
-            _attend_chunk(
-                b, g, s, n_splits, num_groups, q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok,
-                bt_ptr, s_bt, seq_lens_ptr, w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr,
-                s_rope, max_pos, gt_ptr, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-                po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-                kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RK3, RV3, BLOCK_N, PAGE, DT,
-                QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-                GPP,
-                K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)
-
-
 @triton.jit
 def decode_grid_kernel(
-    n_splits, num_groups,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
+    n_splits, qk_scale, query, pages, keys, groups, outs, norm, span,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off, share_off, rk_total, share,
     MODE: tl.constexpr, ROPE_DIRECT: tl.constexpr,
     TRANS: tl.constexpr, HG: tl.constexpr, HG_PAD: tl.constexpr, QPK: tl.constexpr,
     C1: tl.constexpr, C3: tl.constexpr, CW: tl.constexpr,
@@ -710,25 +627,38 @@ def decode_grid_kernel(
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_QG: tl.constexpr, V_QG: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr,
     OFF_MULT: tl.constexpr, RANK_MULT: tl.constexpr, SLOT_MULT: tl.constexpr,
-    GPP: tl.constexpr, NUM_CLS: tl.constexpr,
+    GPP: tl.constexpr, RANKS: tl.constexpr,
     K_BIAS: tl.constexpr, K_NORM: tl.constexpr, WINDOW: tl.constexpr,
     SPAN: tl.constexpr, LSE: tl.constexpr,
     K_CHAN: tl.constexpr, KCT: tl.constexpr, SHARE: tl.constexpr,
-    RK0: tl.constexpr, RV0: tl.constexpr, RK1: tl.constexpr, RV1: tl.constexpr,
-    RK2: tl.constexpr, RV2: tl.constexpr, RK3: tl.constexpr, RV3: tl.constexpr,
 ):
-    """Plain grid: ``(num_splits, num_groups / GPP, B)``, one work item per program."""
+    """Plain grid: ``(num_splits, num_groups / GPP, B)``, one work item per program.
+
+    Runtime arguments (grouped as :class:`.decode.DecodeArgs` builds them):
+    ``query (q_ptr, s_qb, s_qh)``; ``pages (cache_ptr, s_blk, s_tok, bt_ptr,
+    s_bt, seq_lens_ptr)`` the latent cache, its block table and the sequence
+    lengths; ``keys (w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope,
+    max_pos)`` the packed key bases, column maps and RoPE table; ``groups
+    (gt_ptr, num_groups)`` the group table; ``outs (po_ptr, plse_ptr, out_ptr,
+    out_width, num_heads)``; ``norm (kb_ptr, kn_ptr, head_dim, norm_eps)`` the
+    key transform; ``span (window, sink, recent)``; then the slot layout's
+    offsets as scalars (``share``: unused here, the ``SHARE`` constexpr).
+    ``RANKS``: the ``(RK_PAD, RV_PAD)`` of each rank class (one to four; the
+    group table's row 7 names a group's class), one specialisation of
+    :func:`_attend_chunk` per class behind a runtime branch."""
     s = tl.program_id(0)
     g = tl.program_id(1) * GPP
     b = tl.program_id(2)
-    _dispatch(
-        b, g, s, n_splits, num_groups,
-        q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-        w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, max_pos, gt_ptr,
-        k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-        po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-        kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total,
-        MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, BLOCK_N, PAGE, DT,
-        QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT, RANK_MULT, SLOT_MULT,
-        GPP,
-        NUM_CLS, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE, RK0, RV0, RK1, RV1, RK2, RV2, RK3, RV3)
+    if len(RANKS) == 1:
+        cls = 0
+    else:
+        gt_ptr, num_groups = groups
+        cls = tl.load(gt_ptr + 7 * num_groups + g)
+    for c in tl.static_range(len(RANKS)):
+        if cls == c:
+            _attend_chunk(
+                b, g, s, n_splits, qk_scale, query, pages, keys, groups, outs, norm, span,
+                k_scale_off, k_zero_off, v_scale_off, v_zero_off, share_off, rk_total,
+                MODE, ROPE_DIRECT, TRANS, HG, HG_PAD, QPK, C1, C3, CW, RANKS[c][0], RANKS[c][1],
+                BLOCK_N, PAGE, DT, QUANT, K_BITS, V_BITS, K_QG, V_QG, ALIGNED, SPLIT, OFF_MULT,
+                RANK_MULT, SLOT_MULT, GPP, K_BIAS, K_NORM, WINDOW, SPAN, LSE, K_CHAN, KCT, SHARE)

@@ -100,12 +100,8 @@ def _pair_codes(base, rows_t, code_off, lp, um, BITS: tl.constexpr):
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS)
 def latent_rope_decode_kernel(
-    n_splits,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    fr_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    window, sink, recent, share_off, rk_total, share,
+    n_splits, qk_scale, query, pages, keys, groups, outs, span,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off, share_off, rk_total, share,
     HG: tl.constexpr, HG_PAD: tl.constexpr, PAIRS: tl.constexpr, VC: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DT: tl.constexpr,
     QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
@@ -133,6 +129,12 @@ def latent_rope_decode_kernel(
     (:func:`.tiles.prefetch_l2`), whose loads then wait on L2 rather than HBM
     (the kernel runs one program per SM and stalls on its global loads). Other
     arguments as :func:`.decode_wide.wide_decode_kernel`."""
+    q_ptr, s_qb, s_qh = query
+    cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr = pages
+    fr_ptr, _s_wg, _s_wsec, _maps, cos_ptr, sin_ptr, s_rope, _max_pos = keys
+    gt_ptr, num_groups = groups
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads = outs
+    window, sink, recent = span
     s = tl.program_id(0)
     n_vc = tl.num_programs(1) // num_groups
     g = tl.program_id(1) // n_vc
@@ -362,27 +364,20 @@ def blocker(plan, layout, *, window: int | None = None, sink: int = 0) -> str | 
     return None
 
 
-def launch(plan, args: tuple, common: dict, value_chunk: int, num_splits: int,
-           bsz: int) -> None:
-    """Launch :func:`latent_rope_decode_kernel` with the argument tuple and
-    constexprs that :class:`.decode.LatentLaunch` prepared for the
-    other kernels (the absorbed queries in place of the queries, the
-    frequency table in place of the key weights); ``value_chunk`` value
-    channels per program (a power of two, a multiple of the value
-    quantization group). Every key pair of a group is in one tile
-    (``PAIRS``: the largest key rank's pairs, a power of two of at least 16,
-    the dots' smallest K)."""
-    (n_splits, ng, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
-     freq, _s_wg, _s_wsec, _maps, cos, sin, s_rope, _max_pos, gt, k_so, k_zo, v_so, v_zo,
-     po, plse, out, out_width, num_heads, qk_scale, _kb, _kn, _hd, _eps,
-     window, sink, recent, share_off, rk_total) = args
+def launch(plan, args, common: dict, value_chunk: int, bsz: int) -> None:
+    """Launch :func:`latent_rope_decode_kernel` with the
+    :class:`.decode.DecodeArgs` and constexprs that :class:`.decode.LatentLaunch`
+    prepared for the other kernels (the absorbed queries in place of the
+    queries, the frequency table in place of the key weights; no key
+    transform); ``value_chunk`` value channels per program (a power of two, a
+    multiple of the value quantization group). Every key pair of a group is in
+    one tile (``PAIRS``: the largest key rank's pairs, a power of two of at
+    least 16, the dots' smallest K)."""
     hg = plan.heads_per_group
     n_vc = triton.cdiv(max(plan.v_ranks), value_chunk)
-    latent_rope_decode_kernel[(num_splits, ng * n_vc, bsz)](
-        n_splits, query, s_qb, s_qh, cache, s_blk, s_tok, table, s_bt, lens,
-        freq, cos, sin, s_rope, gt, ng, k_so, k_zo, v_so, v_zo,
-        po, plse, out, out_width, num_heads, qk_scale,
-        window, sink, recent, share_off, rk_total, common["SHARE"],
+    latent_rope_decode_kernel[(args.n_splits, plan.num_groups * n_vc, bsz)](
+        args.n_splits, args.qk_scale, args.query, args.pages, args.keys, args.groups,
+        args.outs, args.span, *args[args.PER_LAYER:],
         HG=hg, HG_PAD=pow2(hg, 16), PAIRS=pow2(max(plan.k_ranks) // 2, 16), VC=value_chunk,
         BLOCK_N=common["BLOCK_N"], PAGE=common["PAGE"], DT=common["DT"],
         QUANT=common["QUANT"], K_BITS=common["K_BITS"], V_BITS=common["V_BITS"],

@@ -18,15 +18,18 @@ Nothing is rebuilt: no key basis exists (the keys are the model's own), and
 the value latents are lifted once per program, after the softmax (Palu eq. 6
 applied per KV head: ``B_v[g][:, j]`` is ``r_v x d``, loaded once).
 
-Codes enter the tensor-core dots as they are stored, the scales after them:
+Codes enter the tensor-core dots with as little work per element as the
+scales allow:
 
-- keys, per channel ``c`` of the tile's group (``scale_c``, ``zero_c``): with
-  centred codes ``c' = code - 2^(b-1)``, ``q . k_t = (q * scale) . c'_t +
-  q . (zero + 2^(b-1) scale)``: the query is scaled once per tile (one group)
-  and the second term is one number per head and tile;
-- values, per token ``t`` (``scale_t``, ``zero_t``): ``sum_t p_t v_t = (p *
-  scale) C' + (sum_t p_t (zero_t + 2^(b-1) scale_t)) 1`` (the last added to
-  every channel before the lift);
+- keys, per channel ``c`` of the tile's group (``scale_c``, ``zero_c``): each
+  code is dequantized in the dot's second operand, ``code * scale_c +
+  zero_c`` (one fused multiply-add per element; scaling the query once per
+  tile instead needs layout conversions, 25 barriers per tile in a version
+  measured at a third of this one's speed on an H200, benchmarks/README.md,
+  "Decode without a key rebuild");
+- values, per token ``t`` (``scale_t``, ``zero_t``): with centred codes ``c' =
+  code - 2^(b-1)``, ``sum_t p_t v_t = (p * scale) C' + (sum_t p_t (zero_t +
+  2^(b-1) scale_t)) 1`` (the last added to every channel before the lift);
 - int8 exact tokens: the same per-token algebra on both sides
   (:mod:`.decode_exact`).
 

@@ -58,9 +58,10 @@ PER_LAYER_ARGS = ("k_scale_off", "k_zero_off", "v_scale_off", "v_zero_off", "sha
 """Runtime arguments that differ between the layers of one model when ranks
 differ per layer (a byte-budget allocation): not specialized on (Triton would
 otherwise compile one variant per divisibility pattern, dozens of minutes-long
-compiles at start-up for the ``8x`` preset's 32 layers). The slot and block
-strides keep their alignment hints (a few values per model: the code loads'
-vector width depends on them)."""
+compiles at start-up for the ``8x`` preset's 32 layers). Scalars, not a tuple:
+Triton specializes a tuple's elements whatever ``do_not_specialize`` says
+(3.6, 3.9). The slot and block strides keep their alignment hints (a few values
+per model: the code loads' vector width depends on them)."""
 
 
 @triton.jit
@@ -119,12 +120,8 @@ def _score_head(sc, k1, k2, k3, ci, si, q1, q2, q3, head_kv, u, DT: tl.constexpr
 
 @triton.jit(do_not_specialize=PER_LAYER_ARGS)
 def wide_decode_kernel(
-    n_splits,
-    q_ptr, s_qb, s_qh, cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr,
-    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, gt_ptr, num_groups,
-    k_scale_off, k_zero_off, v_scale_off, v_zero_off,
-    po_ptr, plse_ptr, out_ptr, out_width, num_heads, qk_scale,
-    kb_ptr, kn_ptr, head_dim, norm_eps, window, sink, recent, share_off, rk_total, share,
+    n_splits, qk_scale, query, pages, keys, groups, outs, norm, span,
+    k_scale_off, k_zero_off, v_scale_off, v_zero_off, share_off, rk_total, share,
     G: tl.constexpr, HPP: tl.constexpr, QPK: tl.constexpr, HG_PAD: tl.constexpr,
     HALF: tl.constexpr, H1: tl.constexpr, REST: tl.constexpr, H3: tl.constexpr,
     CW: tl.constexpr, RC: tl.constexpr, RV_PAD: tl.constexpr,
@@ -153,6 +150,13 @@ def wide_decode_kernel(
     layer). ``OFF_MULT``, ``RANK_MULT``, ``SLOT_MULT``: powers of two that
     divide every group's offsets, every rank, and the slot and block strides
     (host-checked alignment, as in :func:`.decode_kernels.decode_grid_kernel`)."""
+    q_ptr, s_qb, s_qh = query
+    cache_ptr, s_blk, s_tok, bt_ptr, s_bt, seq_lens_ptr = pages
+    w_ptr, s_wg, s_wsec, maps_ptr, cos_ptr, sin_ptr, s_rope, _max_pos = keys
+    gt_ptr, num_groups = groups
+    po_ptr, plse_ptr, out_ptr, out_width, num_heads = outs
+    kb_ptr, kn_ptr, head_dim, norm_eps = norm
+    window, sink, recent = span
     s = tl.program_id(0)
     kv0 = tl.program_id(1) * HPP  # first KV head of the program
     b = tl.program_id(2)
