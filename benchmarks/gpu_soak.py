@@ -181,6 +181,7 @@ def _engine(args, name: str):
         model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_len, seed=0,
         max_num_seqs=args.max_num_seqs, enable_prefix_caching=True,
         kv_cache_memory_bytes=int(gib * 2**30),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_config={"backend": spec.get("backend", "TRITON_ATTN")},
         ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
@@ -323,6 +324,9 @@ def main() -> None:
                         "the soak is about three times as many)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="the fraction of GPU memory vLLM checks is free at start-up (the KV "
+                        "cache is sized by --kv-tokens): low, so that soaks share one GPU")
     p.add_argument("--probe-tokens", type=int, default=32)
     p.add_argument("--tie", type=float, default=0.05,
                    help="nats: a probe step whose two best log-probabilities are closer "
