@@ -10,7 +10,7 @@ demo: setup
 	.venv/bin/python scripts/demo.py
 
 test: setup
-	.venv/bin/python -P -m pytest -q -ra tests
+	.venv/bin/python -P -m pytest -q -ra --durations=20 tests
 
 # Unit tests only (no vLLM engine).
 test-fast: setup
