@@ -456,3 +456,20 @@ def test_prefill_spans_widen_the_latent_reads_to_whole_key_groups():
     assert spans.cu_lat.tolist() == [0, 11]
     assert spans.ex_pos.tolist() == list(range(6)) + list(range(17, 28))
     assert spans.cu_ex.tolist() == [0, 17] and spans.cu_q.tolist() == [0, 3]
+
+
+def test_exact_spec_keeps_its_sink_blocks_in_the_block_table():
+    """The exact-token spec asks vLLM's worker (0.33's model runner V2) to
+    null no block-table entry below the window: its sink blocks stay readable
+    however far the window has moved. Its admission bound still counts the
+    window and the sinks."""
+    from vllm_lowrank.attention.exact_cache import ExactTokensSpec
+
+    spec = ExactTokensSpec(block_size=16, num_kv_heads=1, head_size=8, head_size_v=8,
+                           dtype=torch.uint8, state_content_bytes=32, sliding_window=65,
+                           sink=32)
+    assert spec.num_retained_tokens == 0
+    assert spec.sink_blocks == 2
+    window_only = dataclasses.replace(spec, sink=0)
+    assert spec.max_admission_blocks_per_request(256, 4096) == \
+        window_only.max_admission_blocks_per_request(256, 4096) + 2

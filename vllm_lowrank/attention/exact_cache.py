@@ -74,6 +74,18 @@ class ExactTokensSpec(SlidingWindowSpec):
         """Leading blocks never freed."""
         return cdiv(self.sink, self.block_size)
 
+    @property
+    def num_retained_tokens(self) -> int:
+        """0: vLLM's worker keeps every block-table entry of this group.
+
+        vLLM 0.33's model runner (V2, its default on CUDA) nulls, in each
+        step's block table of a sliding-window group, the entries wholly below
+        ``num_retained_tokens`` tokens before a request's first scheduled one
+        (``SlidingWindowSpec.num_retained_tokens``; 0 turns it off). Here that
+        would null the sink blocks, which every step reads. vLLM 0.32 does not
+        read it."""
+        return 0
+
     def max_admission_blocks_per_request(self, max_in_flight_tokens: int,
                                          max_model_len: int) -> int:
         """Sliding-window bound plus the sink blocks. A request holds exact
