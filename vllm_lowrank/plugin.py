@@ -19,7 +19,7 @@ def register() -> None:
     cache spec of the token-adaptive mode (in vLLM's ``KVCacheSpecRegistry``:
     the scheduler process looks its manager up there), the model classes of
     every supported architecture and the ``vllm_lowrank_*`` Prometheus metrics
-    (idempotent). On a vLLM release series other than
+    (idempotent). On a vLLM release series not in
     :data:`vllm_lowrank.compat.SUPPORTED_VLLM` it registers nothing and logs one
     error line naming the versions (stock vLLM keeps working)."""
     from vllm_lowrank import compat
