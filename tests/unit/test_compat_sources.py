@@ -51,9 +51,9 @@ CACHE = pathlib.Path.home() / ".cache" / "vllm-lowrank-test"
 """Downloaded vLLM wheels and their unpacked Python sources
 (``vllm-VERSION/vllm/...``)."""
 
-LOCAL_WHEELS = (CACHE, pathlib.Path("/tmp/v033"))
+LOCAL_WHEELS = (CACHE,)
 """Folders searched for a ``vllm-VERSION-*.whl`` before ``pip download``
-fetches one (``/tmp/v033``: where the 0.33.0 wheel of issue 53 was put)."""
+fetches one."""
 
 OTHER_LIBRARIES = {"_attn_implementation": "transformers' PretrainedConfig (calibration)"}
 """Private names of other libraries that vLLM's sources happen to define too."""
