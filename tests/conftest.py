@@ -5,9 +5,9 @@ factorization, calibration, the torch attention path), ``kernels/`` (Triton and
 CUDA kernels against float64 references; in the interpreter on CPU),
 ``engine/`` (vLLM's engine with the plugin), ``serving/`` (``vllm serve``
 subprocesses), ``deploy/`` (Kubernetes manifests), ``gpu_engine/`` (vLLM on
-the GPU machine). Tests marked ``slow`` start vLLM engines or servers (about
-30 s each on 2 CPU cores); engines are shared per module through module-scoped
-fixtures. Tests marked ``isolated`` run in a pytest process of their own.
+the GPU machine). Tests marked ``slow`` start vLLM engines (about 10 s each
+on 2 CPU cores, in this process: :func:`make_llm`) or servers (about 30 s);
+engines are shared per module through module-scoped fixtures. Tests marked ``isolated`` run in a pytest process of their own.
 """
 
 from __future__ import annotations
@@ -92,16 +92,54 @@ def model_path() -> str:
     return embedded.prepare()
 
 
+CALIBRATION_TOKENS = 2048
+"""Calibration tokens of the engine and server tests' settings that calibrate
+(``artifact: "auto"``), unless a test sets its own. The default, 16,384, costs
+about 400 s per method and head grouping on 2 cores; these tests check serving
+mechanics (tokens against the uncompressed engine at full rank, capacity,
+prefix hits, preemption), which hold for any basis; ``benchmarks/frontier.py``
+measures accuracy at the default. Every test that names an artifact by its
+config (``auto_artifact_path``, ``load_or_calibrate``) uses :func:`calibrated`
+too, so each setting is calibrated once per suite."""
+
+
+def calibrated(compression: dict) -> dict:
+    """``compression`` (a ``kv_compression`` dict) with
+    :data:`CALIBRATION_TOKENS` unless it sets ``calibration_tokens``."""
+    return {"calibration_tokens": CALIBRATION_TOKENS, **compression}
+
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM's switch for an engine core in a process of its own."""
+
+
 def make_llm(model: str, compression: dict | None = None, **kwargs):
-    """A ``vllm.LLM`` on CPU, float32 (4x faster than bf16 on AVX2), eager."""
+    """A ``vllm.LLM`` on CPU, float32 (4x faster than bf16 on AVX2), eager;
+    ``compression`` as :func:`calibrated` gives it.
+
+    The engine core and its worker run in this process: built with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's CPU platform keeps the
+    uniprocess executor, which saves two process starts (about 15 s of 25 on 2
+    cores) per engine; a tensor-parallel engine still starts its workers. The
+    variable is restored afterwards, so ``vllm serve`` subprocesses keep
+    vLLM's default layout (this process keeps 0: vLLM caches its environment
+    once an in-process engine core starts)."""
     from vllm import LLM
 
     args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=2048,
                 seed=0)
     args.update(kwargs)
     if compression is not None:
-        args["additional_config"] = {"kv_compression": compression}
-    return LLM(**args)
+        args["additional_config"] = {"kv_compression": calibrated(compression)}
+    before = os.environ.get(IN_PROCESS_ENV)
+    os.environ[IN_PROCESS_ENV] = "0"
+    try:
+        return LLM(**args)
+    finally:
+        if before is None:
+            os.environ.pop(IN_PROCESS_ENV)
+        else:
+            os.environ[IN_PROCESS_ENV] = before
 
 
 TIE = 1e-3

@@ -3,9 +3,12 @@ with the tests' settings, ready on return."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+
+from conftest import calibrated
 
 from vllm_lowrank.local_server import VLLM, LocalServer, free_port, parse_metrics
 
@@ -20,12 +23,17 @@ class Server(LocalServer):
 
     Args:
         model: Model folder.
-        *args: Extra ``vllm serve`` arguments.
+        *args: Extra ``vllm serve`` arguments; a ``--kv-compression-config``
+            JSON gets the suite's calibration size (``conftest.calibrated``).
         log_dir: Folder for the server log.
         env: Extra environment variables.
     """
 
     def __init__(self, model, *args, log_dir, env=None):
+        args = list(args)
+        if "--kv-compression-config" in args:  # the suite's calibration size
+            i = args.index("--kv-compression-config") + 1
+            args[i] = json.dumps(calibrated(json.loads(args[i])))
         super().__init__(model, ["--served-model-name", "m", "--dtype", "float32",
                                  "--max-model-len", "2048", "--enforce-eager", *args],
                          log_dir=log_dir, env={**os.environ, **(env or {})})

@@ -15,7 +15,14 @@ import os
 
 import pytest
 
-from conftest import PROMPTS, clear_worker_states, greedy_with_gaps, make_llm, worker_states
+from conftest import (
+    PROMPTS,
+    calibrated,
+    clear_worker_states,
+    greedy_with_gaps,
+    make_llm,
+    worker_states,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +40,7 @@ def fisher(model_path):
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.calibration.cache import load_or_calibrate
 
-    return load_or_calibrate(model_path, LowRankConfig(mode="lowrank"))[0]
+    return load_or_calibrate(model_path, LowRankConfig.from_dict(calibrated({"mode": "lowrank"})))[0]
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,12 @@ calibrates on its text (the mix) and allocates ranks and bits on first start,
 caches the allocation and loads it on the next start; it stores latents at >=
 7.5x and still answers.
 
-The test gives ``calibration_tokens: 4096`` beside the preset (a key the user may
-override) to keep the first start short; the preset's own 65,536 tokens are
-measured by ``benchmarks/frontier.py --only "preset 8x"``."""
+The test gives ``calibration_tokens`` (the suite's
+:data:`conftest.CALIBRATION_TOKENS`, a key the user may override) beside the
+preset to keep the first start short; the prompt and its answer lie inside the
+exact recent window, so the answer does not depend on the calibration. The
+preset's own 65,536 tokens are measured by ``benchmarks/frontier.py --only
+"preset 8x"``."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import os
 
 import pytest
 
-from conftest import clear_worker_states, make_llm, worker_states
+from conftest import CALIBRATION_TOKENS, calibrated, clear_worker_states, make_llm, worker_states
 
 from vllm_lowrank.calibration.text import CALIBRATION_TEXTS
 from vllm_lowrank.presets import PRESETS
@@ -43,7 +46,7 @@ def test_8x_preset_allocates_once_caches_and_answers(model_path):
     from vllm_lowrank.calibration.cache import auto_artifact_path
     from vllm_lowrank.config import LowRankConfig
 
-    compression = {"mode": "lowrank", "preset": "8x", "calibration_tokens": 4096}
+    compression = calibrated({"mode": "lowrank", "preset": "8x"})
     # this setting's calibration, and its allocations beside it (one from an
     # earlier run is kept: then this start loads it)
     base = auto_artifact_path(model_path, LowRankConfig.from_dict(compression))
@@ -55,7 +58,7 @@ def test_8x_preset_allocates_once_caches_and_answers(model_path):
     with open(os.path.join(made[0], "manifest.json")) as f:
         calibration = json.load(f)["calibration"]
     assert calibration["text"] == CALIBRATION_TEXTS[PRESETS["8x"].settings["calibration_text"]]
-    assert calibration["tokens"] == 4096
+    assert calibration["tokens"] == CALIBRATION_TOKENS
     assert "Paris" in text, text
     layers = state["layers"]
     assert {tuple(la["bits"]) for la in layers.values()} != {(4, 4)}  # bits per layer

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 import torch
+from conftest import calibrated
 from server_harness import Server, parse_metrics
 
 from vllm_lowrank import metrics
@@ -277,7 +278,7 @@ def test_compressed_server_exports_the_values_in_force(servers, model_path):
     # ranks: recomputed here from the artifact the server used and the settings
     (info,) = [labels for n, labels, _ in samples if n == "vllm_lowrank_info"]
     hf = AutoConfig.from_pretrained(model_path)
-    cfg = LowRankConfig(mode="lowrank", rank_fraction=0.5)
+    cfg = LowRankConfig.from_dict(calibrated({"mode": "lowrank", "rank_fraction": 0.5}))
     artifact = art.load_artifact(auto_artifact_path(model_path, cfg))
     assert info == {"method": "fisher", "artifact": artifact.digest}
     plans = comp.layer_plans(cfg, comp.model_shapes(hf), artifact)

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 import requests
+from conftest import calibrated
 from server_harness import VLLM, Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -104,7 +105,8 @@ def _artifact_in_use(server, model_path: str) -> str:
     from vllm_lowrank.calibration.cache import auto_artifact_path
     from vllm_lowrank.config import LowRankConfig
 
-    path = auto_artifact_path(model_path, LowRankConfig(mode="lowrank", rank_fraction=0.5))
+    path = auto_artifact_path(model_path, LowRankConfig.from_dict(
+        calibrated({"mode": "lowrank", "rank_fraction": 0.5})))
     (digest,) = [labels["artifact"] for name, labels, _ in server.metrics()
                  if name == "vllm_lowrank_info"]
     assert digest == art.load_artifact(path).digest
