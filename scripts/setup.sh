@@ -22,4 +22,4 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   .venv/bin/python scripts/repair_cpu_install.py
   touch "$STAMP"
 fi
-.venv/bin/vllm-lowrank prepare-model smollm2-135m --calibrate
+.venv/bin/vllm-lowrank prepare-model smollm2-135m  # convert the embedded model once (the default preset needs no calibration)

@@ -5,8 +5,8 @@ On a machine without CUDA vLLM's kernels run under ``TRITON_INTERPRET=1`` (set
 by ``conftest.py``) on CPU tensors. vLLM's CPU build switches its Triton off
 (``vllm.triton_utils`` hands out placeholders when Triton has no CPU backend);
 this module hands the real ``triton`` to ``vllm.triton_utils`` and (re)imports
-vLLM's kernel modules after that (``peer_caches.use_real_triton``), so their
-``@triton.jit`` functions run in the interpreter.
+vLLM's kernel modules after that (``peer_caches.use_real_triton``, for this
+module's tests only), so their ``@triton.jit`` functions run in the interpreter.
 
     python -P -m pytest tests/kernels/test_peer_quantizers.py -q
 """
@@ -30,7 +30,26 @@ import triton.language as tl  # noqa: E402
 sys.path.insert(0, str(REPO))
 import benchmarks.peer_caches as pc  # noqa: E402
 
-pc.use_real_triton()  # CPU build: vLLM's kernels in the interpreter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_triton_for_vllm():
+    """vLLM's kernels in the interpreter (CPU build) for this module's tests
+    only (:func:`benchmarks.peer_caches.use_real_triton`), undone afterwards: an
+    in-process engine built later (``conftest.make_llm``) would otherwise see
+    Triton and run vLLM's model runner V2 with every kernel interpreted."""
+    import vllm.triton_utils as tu
+
+    names = ("HAS_TRITON", "triton", "tl", "tldevice")
+    saved = {n: getattr(tu, n) for n in names}
+    modules = {m: mod for m, mod in sys.modules.items() if m.startswith("vllm.v1.attention.ops")}
+    pc.use_real_triton()
+    yield
+    for n, value in saved.items():
+        setattr(tu, n, value)
+    for m in [m for m in sys.modules if m.startswith("vllm.v1.attention.ops")]:
+        del sys.modules[m]
+    sys.modules.update(modules)
 
 DEV = torch.device("cuda" if ON_GPU else "cpu")
 NUM_BLOCKS, BLOCK, HEADS = 3, 16, 2
