@@ -36,6 +36,7 @@ from . import decode_latent_rope, decode_packed
 from .decode_kernels import decode_grid_kernel
 from .decode_prep import (LOG2E, TL_DTYPES, interpreting, pack_key_weights, pow2,
                           pow2_divisor, prepare, rope_is_rotation, sm_count)
+from .decode_wide import PER_LAYER_ARGS
 from .launch import (KernelConfig, _default_config, _gpp_ok, _key_tile_too_large,
                      _latent_rope_config, _packed_config, _wide_config, choose_num_splits,
                      wide_heads_per_program)
@@ -58,7 +59,7 @@ class DecodeArgs(NamedTuple):
     kernels, in the kernels' order: groups of related arguments as tuples, then
     the slot layout's offsets as scalars (the arguments the wide-group and
     latent-RoPE kernels do not specialize on, :data:`.decode_wide.PER_LAYER_ARGS`,
-    from index :attr:`PER_LAYER` on). Strides in elements of the tensor (bytes
+    the last fields, in that order). Strides in elements of the tensor (bytes
     for a uint8 cache), offsets in bytes of a slot."""
 
     n_splits: int
@@ -92,8 +93,8 @@ class DecodeArgs(NamedTuple):
     share: int
     """Per-channel key parameter bytes per slot."""
 
-    PER_LAYER = 9
-    """Index of the first per-layer offset."""
+
+assert DecodeArgs._fields[-len(PER_LAYER_ARGS):] == PER_LAYER_ARGS
 
 
 def choose_kernel(plan, layout, mode: str, block_size: int, rotary_dim: int,

@@ -377,7 +377,7 @@ def launch(plan, args, common: dict, value_chunk: int, bsz: int) -> None:
     n_vc = triton.cdiv(max(plan.v_ranks), value_chunk)
     latent_rope_decode_kernel[(args.n_splits, plan.num_groups * n_vc, bsz)](
         args.n_splits, args.qk_scale, args.query, args.pages, args.keys, args.groups,
-        args.outs, args.span, *args[args.PER_LAYER:],
+        args.outs, args.span, *(getattr(args, name) for name in PER_LAYER_ARGS),
         HG=hg, HG_PAD=pow2(hg, 16), PAIRS=pow2(max(plan.k_ranks) // 2, 16), VC=value_chunk,
         BLOCK_N=common["BLOCK_N"], PAGE=common["PAGE"], DT=common["DT"],
         QUANT=common["QUANT"], K_BITS=common["K_BITS"], V_BITS=common["V_BITS"],
