@@ -55,7 +55,8 @@ LOCAL_WHEELS = (CACHE,)
 """Folders searched for a ``vllm-VERSION-*.whl`` before ``pip download``
 fetches one."""
 
-OTHER_LIBRARIES = {"_attn_implementation": "transformers' PretrainedConfig (calibration)"}
+OTHER_LIBRARIES = {"_attn_implementation": "transformers' PretrainedConfig (calibration)",
+                   "_fields": "the standard library's typing.NamedTuple (kernel launch arguments)"}
 """Private names of other libraries that vLLM's sources happen to define too."""
 
 
