@@ -113,7 +113,7 @@ IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch for an engine core in a process of its own."""
 
 
-def make_llm(model: str, compression: dict | None = None, **kwargs):
+def make_llm(model: str, compression: dict | None = None, in_process: bool = True, **kwargs):
     """A ``vllm.LLM`` on CPU, float32 (4x faster than bf16 on AVX2), eager;
     ``compression`` as :func:`calibrated` gives it.
 
@@ -123,7 +123,12 @@ def make_llm(model: str, compression: dict | None = None, **kwargs):
     cores) per engine; a tensor-parallel engine still starts its workers. The
     variable is restored afterwards, so ``vllm serve`` subprocesses keep
     vLLM's default layout (this process keeps 0: vLLM caches its environment
-    once an in-process engine core starts)."""
+    once an in-process engine core starts).
+
+    ``in_process=False`` keeps vLLM's own layout (the engine core in a child
+    process): for engines that import libraries which break a later in-process
+    engine's start-up (the n-gram proposer's numba: vLLM's kernel-override scan
+    of ``sys.modules`` fails on an llvmlite object)."""
     from vllm import LLM
 
     args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=2048,
@@ -132,7 +137,7 @@ def make_llm(model: str, compression: dict | None = None, **kwargs):
     if compression is not None:
         args["additional_config"] = {"kv_compression": calibrated(compression)}
     before = os.environ.get(IN_PROCESS_ENV)
-    os.environ[IN_PROCESS_ENV] = "0"
+    os.environ[IN_PROCESS_ENV] = "0" if in_process else "1"
     try:
         return LLM(**args)
     finally:

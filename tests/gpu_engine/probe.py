@@ -8,7 +8,10 @@ Scenarios (greedy, ``ignore_eos``): ``short`` (4 short prompts, one batch),
 ``mixed`` (10 prompts of 40..1,500 tokens at once: decode and chunked prefill
 steps mixed, ``max_num_batched_tokens`` 512), ``hit`` (the longest prompt of
 ``mixed`` again: a prefix-cache hit). With ``--blocks N`` the cache holds only
-``N`` blocks, so ``mixed`` preempts and recomputes.
+``N`` blocks, so ``mixed`` preempts and recomputes. ``repeat`` (4 prompts
+of a 50-token pattern repeated 10 times, 48 tokens each): with
+``--speculative`` vLLM's n-gram proposer drafts 3 tokens per step from the
+repeats, so its verify steps decode several query tokens per request.
 """
 
 from __future__ import annotations
@@ -54,6 +57,15 @@ def engine_paths(llm) -> tuple[list[str], str]:
     return paths, str(cc.cudagraph_mode)
 
 
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+               "prompt_lookup_min": 2}
+
+
+def repeated(n: int, period: int = 50, times: int = 10) -> list[dict]:
+    return [{"prompt_token_ids": [(i * 104729 + j * 613) % 30000 + 100
+                                  for j in range(period)] * times} for i in range(n)]
+
+
 def greedy(llm, batch, max_tokens):
     from vllm import SamplingParams
 
@@ -78,6 +90,7 @@ def main() -> None:
     p.add_argument("--eager", action="store_true")
     p.add_argument("--kv-bytes", type=int, default=1 << 30)
     p.add_argument("--blocks", type=int, default=None)
+    p.add_argument("--speculative", action="store_true", help="n-gram speculative decoding")
     args = p.parse_args()
     from vllm import LLM
 
@@ -99,6 +112,8 @@ def main() -> None:
                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
     if args.blocks:
         kw["num_gpu_blocks_override"] = args.blocks
+    if args.speculative:
+        kw["speculative_config"] = SPECULATION
     if config is not None:
         kw["additional_config"] = {"kv_compression": {"mode": "lowrank", "artifact": "none",
                                                       **config}}
@@ -117,10 +132,12 @@ def main() -> None:
         lengths = [40, 1500, 300, 900, 75, 1200, 600, 150, 1000, 450]
         result["mixed"] = greedy(llm, prompts(10, lengths, salt=1), 24)
         result["hit"] = greedy(llm, [prompts(10, lengths, salt=1)[1]], 24)
-        hits = [m for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"]
-        result["prefix_hits"] = hits[0].value if hits else 0
-        pre = [m for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
-        result["preemptions"] = pre[0].value if pre else 0
+        result["repeat"] = greedy(llm, repeated(4), 48)
+        counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        result["prefix_hits"] = counters.get("vllm:prefix_cache_hits", 0)
+        result["preemptions"] = counters.get("vllm:num_preemptions", 0)
+        result["accepted"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+        result["drafted"] = counters.get("vllm:spec_decode_num_draft_tokens", 0)
     except Exception as exc:  # noqa: BLE001 (the test reports it)
         import traceback
 

@@ -75,8 +75,8 @@ _CACHE: dict = {}
 
 
 def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=None,
-          eager: bool = False) -> dict:
-    key = (model, json.dumps(config, sort_keys=True), dtype, blocks, eager)
+          eager: bool = False, speculative: bool = False) -> dict:
+    key = (model, json.dumps(config, sort_keys=True), dtype, blocks, eager, speculative)
     if key not in _CACHE:
         cmd = [sys.executable, "-P", PROBE, "--model", model, "--config", json.dumps(config),
                "--dtype", dtype]
@@ -84,6 +84,8 @@ def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=No
             cmd += ["--blocks", str(blocks)]
         if eager:
             cmd.append("--eager")
+        if speculative:
+            cmd.append("--speculative")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT ")]
@@ -96,7 +98,8 @@ def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=No
                                         **{k: _CACHE[key].get(k) for k in (
                                             "paths", "cudagraph_mode", "kv_tokens",
                                             "compression_ratio", "preemptions",
-                                            "prefix_hits", "error")})) + "\n")
+                                            "prefix_hits", "accepted", "drafted",
+                                            "error")})) + "\n")
     out = _CACHE[key]
     assert "error" not in out, out["error"]
     return out
@@ -118,7 +121,7 @@ def _float32_steps_agree(got_run: dict, ref_run: dict, tol: float) -> int:
     near tie (``TIE32``), the chosen tokens' log-probabilities within ``tol``
     nats at those steps and the next; returns how many steps were compared."""
     compared = 0
-    for scenario in ("short", "mixed", "hit"):
+    for scenario in ("short", "mixed", "hit", "repeat"):
         for got, ref in zip(got_run[scenario], ref_run[scenario]):
             n = _same_until_tie(got, ref, TIE32)
             for a, b in zip(got["top"][:n + 1], ref["top"][:n + 1]):
@@ -225,3 +228,30 @@ def test_post_rope_keys_decode_in_one_kernel_inside_graphs(model):
     assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
     eager = probe(model, setting, dtype="float32", eager=True)
     assert _float32_steps_agree(graphs, eager, 1e-4) >= 15
+
+
+SPECULATED = ["default", "jlrd", "token-adaptive-k4c", "preset-4x", "preset-lossless",
+              "rope-equivariant-tale", "post-rope-keys"]
+
+
+@pytest.mark.parametrize("setting", SPECULATED)
+def test_speculative_decoding_keeps_the_tokens(setting):
+    """With n-gram speculative decoding (3 drafts), verify steps decode several
+    query tokens per request (one decode row each, causal over the drafts),
+    inside CUDA graphs where the decoder allows (``UNIFORM_BATCH``); in float32
+    the tokens and log-probabilities equal the same engine without
+    speculation. The repeated prompts make the proposer draft; the tokens the
+    dummy weights accept are reported, not required (the CPU engine tests,
+    with real weights, require acceptance)."""
+    plain = probe("small-h128", SETTINGS[setting], dtype="float32")
+    spec = probe("small-h128", SETTINGS[setting], dtype="float32", speculative=True)
+    assert spec["drafted"] > 0
+    assert "FULL" in spec["cudagraph_mode"], spec["cudagraph_mode"]
+    assert _float32_steps_agree(spec, plain, 1e-4) >= 19
+
+
+def test_full_rank_speculation_equals_stock_speculation():
+    stock = probe("small-h128", None, dtype="float32", speculative=True)
+    full = probe("small-h128", {"rank_fraction": 1.0, "head_group_size": 1}, dtype="float32",
+                 speculative=True)
+    assert _float32_steps_agree(full, stock, 1e-5) >= 19

@@ -12,10 +12,19 @@ on a CPU); on CUDA all prefill chunks of a step run as one varlen Triton call
 (:func:`vllm_lowrank.kernels.triton.prefill.latent_prefill_attention`) over keys
 rebuilt once per step; on a CPU prefill runs per request.
 
+Speculative decoding: a verify step gives a request its last accepted token
+plus the drafts (up to ``1 + num_speculative_tokens`` query tokens). Such
+requests are decodes too (vLLM's spec-as-decode reorder threshold): each of
+their tokens is one decode row whose context ends at that token
+(:class:`DecodeRows`), so the drafts are attended causally by the same
+decoder as any one-token step, never by the prefill path.
+
 CUDA graphs: the builder reads host copies only (no device sync) and the
-decode path uses vLLM's persistent buffers, so decode-only batches are
-captured (``UNIFORM_SINGLE_TOKEN_DECODE``) when every layer decodes with a
-fused kernel (:func:`~vllm_lowrank.attention.decoders.graph_safe`).
+decode path uses vLLM's persistent buffers (and the builder's own for the
+decode rows), so decode-only batches are captured when every layer decodes
+with a fused kernel (:func:`~vllm_lowrank.attention.decoders.graph_safe`):
+``UNIFORM_SINGLE_TOKEN_DECODE``, or ``UNIFORM_BATCH`` with speculative
+decoding.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
     MultipleOf,
+    max_decode_query_len,
 )
 
 from vllm.model_executor.layers.attention.attention import get_attention_context
@@ -113,20 +123,72 @@ class PrefillBatch:
 
 
 @dataclasses.dataclass
+class DecodeRows:
+    """The decode tokens of a step in which some decode request has several
+    (speculative decoding's verify step), one decode row per token.
+
+    Row ``t`` (token ``t`` of the step) attends as a one-token decode of
+    request ``req[t]`` whose context ends at the token itself: ``seq_len -
+    back[t]`` tokens, ``back[t]`` being the request's tokens after ``t``. So
+    the drafts see each other causally, and each token sees the same context
+    (and, in token-adaptive mode, the same exact/latent split) as a step that
+    decoded it alone. The decoders read rows, not requests
+    (:meth:`LatentAttentionMetadata.decode_batch`).
+
+    Attributes:
+        req: ``[T]`` int64 (device) request of each row; a view of the
+            builder's persistent buffer, so CUDA graphs replay it.
+        back: ``[T]`` int32 (device) the request's tokens after the row's.
+    """
+
+    req: torch.Tensor
+    back: torch.Tensor
+
+
+def decode_rows(query_start_loc: torch.Tensor, num_decodes: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Host ``(req, back)`` of :class:`DecodeRows` for the first
+    ``num_decodes`` requests, or ``None`` when each has at most one token.
+
+    A uniform batch (every request ``q`` tokens, CUDA-graph padding requests
+    none) gets ``q`` rows per request, padding included (``seq_len 0``: they
+    attend nothing), as the captured graph does.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's
+            query tokens.
+        num_decodes: Leading decode requests.
+    """
+    qsl = query_start_loc[:num_decodes + 1].long()
+    q = qsl[1:] - qsl[:-1]
+    width = int(q.max()) if num_decodes else 0
+    if width <= 1:
+        return None
+    if bool(((q == width) | (q == 0)).all()):
+        q = torch.full_like(q, width)
+    req = torch.repeat_interleave(torch.arange(num_decodes), q)
+    back = torch.cumsum(q, 0)[req] - 1 - torch.arange(req.shape[0])
+    return req, back.to(torch.int32)
+
+
+@dataclasses.dataclass
 class LatentAttentionMetadata:
-    """Per-step metadata. The batch is reordered by vLLM (``reorder_batch_threshold
-    = 1``): the first ``num_decodes`` requests have one new token each (the
-    first ``num_decodes`` tokens), the rest are prefill chunks.
+    """Per-step metadata. The batch is reordered by vLLM (``reorder_batch_threshold``
+    1, or ``1 + num_speculative_tokens`` with speculative decoding): the first
+    ``num_decodes`` requests are decodes (one new token, or a verify step's
+    few: :class:`DecodeRows`), the rest are prefill chunks.
 
     Attributes:
         num_actual_tokens: Tokens of this step (with CUDA-graph padding).
-        num_decodes: One-token requests (padding requests of a CUDA graph
+        num_decodes: Decode requests (padding requests of a CUDA graph
             included: they have ``seq_len 0`` and write nothing).
         query_start_loc_cpu: ``[num_reqs + 1]`` int32 host offsets of each
             request's query tokens.
         seq_lens: ``[num_reqs]`` int32 context length after this step (device;
             a slice of vLLM's persistent buffer, so CUDA graphs replay it).
-        seq_lens_cpu: Same on the host (no device sync: vLLM's host copy).
+        seq_lens_cpu: Same on the host (no device sync: vLLM's host copy);
+            with speculative decoding an upper bound (vLLM assumes the last
+            step's drafts accepted), exact for prefill requests.
         block_table: ``[num_reqs, max_blocks]`` int32 (device, persistent).
         slot_mapping: ``[num_tokens]`` int64 (device, persistent).
         max_decode_seq_len: Upper bound of the decode requests' lengths (host;
@@ -141,6 +203,12 @@ class LatentAttentionMetadata:
         key_group_ends: The step's tokens that end a per-channel key group,
             per group size (:func:`~vllm_lowrank.attention.token_adaptive.key_group_ends`;
             made by the first layer of a long step that needs them).
+        rows: The decode tokens as rows when a decode request has several,
+            else ``None`` (one row per decode request).
+        row_tables: Block tables gathered per row (:meth:`decode_batch`),
+            made by the first layer of the step that needs each.
+        speculative: Speculative decoding is on (``seq_lens_cpu`` of decode
+            requests are upper bounds).
     """
 
     num_actual_tokens: int
@@ -155,20 +223,56 @@ class LatentAttentionMetadata:
     prefill: PrefillBatch | None = None
     tale_spans: dict = dataclasses.field(default_factory=dict)
     key_group_ends: dict = dataclasses.field(default_factory=dict)
+    rows: DecodeRows | None = None
+    row_tables: dict = dataclasses.field(default_factory=dict)
+    speculative: bool = False
 
     @property
     def prefill_reqs(self) -> range:
         """Batch rows of the prefill requests."""
         return range(self.num_decodes, self.query_start_loc_cpu.shape[0] - 1)
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """Leading tokens that decode: one per decode request, or one per row."""
+        return self.num_decodes if self.rows is None else self.rows.req.shape[0]
+
+    def decode_batch(self, exact_cache: torch.Tensor | None = None,
+                     exact_block_table: torch.Tensor | None = None) -> decoders.DecodeBatch:
+        """The decode tokens as a :class:`~vllm_lowrank.attention.decoders.DecodeBatch`
+        (one row per token of :attr:`num_decode_tokens`).
+
+        Args:
+            exact_cache, exact_block_table: A token-adaptive layer's exact
+                cache and its group's ``[num_reqs, max_blocks]`` block table.
+        """
+        nd = self.num_decodes
+        table, seq_lens = self.block_table[:nd], self.seq_lens[:nd]
+        exact_table = None if exact_block_table is None else exact_block_table[:nd]
+        if self.rows is not None:
+            rows = self.rows
+            if "latent" not in self.row_tables:
+                self.row_tables["latent"] = (
+                    table.index_select(0, rows.req),
+                    (seq_lens.index_select(0, rows.req) - rows.back).clamp_min(0))
+            table, seq_lens = self.row_tables["latent"]
+            if exact_table is not None:
+                if "exact" not in self.row_tables:
+                    self.row_tables["exact"] = exact_table.index_select(0, rows.req)
+                exact_table = self.row_tables["exact"]
+        return decoders.DecodeBatch(table, seq_lens, self.max_decode_seq_len,
+                                    self.min_decode_seq_len, exact_cache=exact_cache,
+                                    exact_block_table=exact_table)
+
 
 class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMetadata]):
-    """Splits the reordered batch into one-token (decode) requests, attended in
-    one batched call, and multi-token (prefill / chunked-prefill) requests,
-    attended in one batched call on CUDA. Reads host copies only (no device
-    sync); decode-only batches can be captured in CUDA graphs
-    (``UNIFORM_SINGLE_TOKEN_DECODE``) when :func:`~vllm_lowrank.attention.decoders.graph_safe`
-    holds."""
+    """Splits the reordered batch into decode requests (one new token, or up
+    to ``1 + num_speculative_tokens`` with speculative decoding), attended in
+    one batched call, and prefill / chunked-prefill requests, attended in one
+    batched call on CUDA. Reads host copies only (no device sync); decode-only
+    batches can be captured in CUDA graphs (``UNIFORM_SINGLE_TOKEN_DECODE``, or
+    ``UNIFORM_BATCH`` with speculative decoding) when
+    :func:`~vllm_lowrank.attention.decoders.graph_safe` holds."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = \
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -176,8 +280,18 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # spec-as-decode: a verify step's requests are decodes (1 without speculation)
+        self.reorder_batch_threshold = max_decode_query_len(vllm_config)
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
+        # a verify step's context lengths on the host are upper bounds (vLLM
+        # assumes every draft of the last step accepted)
+        self.max_rejected = self.reorder_batch_threshold - 1
+        self.row_buffers = None
+        if self.reorder_batch_threshold > 1:  # persistent: CUDA graphs replay them
+            n = vllm_config.scheduler_config.max_num_batched_tokens
+            self.row_buffers = (torch.zeros(n, dtype=torch.int64, device=device),
+                                torch.zeros(n, dtype=torch.int32, device=device))
         # the exact-token group's metadata serves its block table only; token-adaptive
         # layers flatten their own prefill spans (LatentAttentionMetadata.tale_spans)
         self.batch_prefill = (device.type == "cuda"
@@ -188,6 +302,8 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and decoders.graph_safe(vllm_config, device):
+            if max_decode_query_len(vllm_config) > 1:
+                return AttentionCGSupport.UNIFORM_BATCH
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
@@ -205,13 +321,23 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
         fast_build: bool = False,
     ) -> LatentAttentionMetadata:
         m = common_attn_metadata
-        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        num_decodes, num_prefills, _, _ = split_decodes_and_prefills(
+            m, decode_threshold=self.reorder_batch_threshold)
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
         seq_lens_cpu = m.seq_lens_cpu_upper_bound
         if seq_lens_cpu is None:  # not provided by this runner: one sync
             seq_lens_cpu = m.seq_lens[: m.num_reqs].cpu()
         seq_lens_cpu = seq_lens_cpu[: m.num_reqs]
         dec = seq_lens_cpu[:num_decodes]
+        rows = None
+        if self.row_buffers is not None and num_decodes:
+            host = decode_rows(qsl, num_decodes)
+            if host is not None:
+                n = host[0].shape[0]
+                rows = DecodeRows(*(buf[:n].copy_(h, non_blocking=True)
+                                    for buf, h in zip(self.row_buffers, host)))
+                dec = dec[host[0]] - host[1]
+            dec = (dec - self.max_rejected).clamp_min(0)
         prefill = None
         if num_prefills and self.batch_prefill:
             prefill = prefill_batch(qsl, seq_lens_cpu, num_decodes, self.window, self.device)
@@ -226,6 +352,8 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
             max_decode_seq_len=min(int(m.max_seq_len), self.max_model_len) if num_decodes else 0,
             min_decode_seq_len=int(dec.min()) if num_decodes else 0,
             prefill=prefill,
+            rows=rows,
+            speculative=self.max_rejected > 0,
         )
 
 
@@ -358,7 +486,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
             m = get_attention_context(layer.layer_name)[0]
             fused = tale.fused_key_groups(kv_cache, layer.layout, exact.slot)
             if not fused and isinstance(m, LatentAttentionMetadata) and \
-                    m.num_actual_tokens > tale.GRAPH_SAFE_TOKENS:
+                    m.num_actual_tokens > tale.GRAPH_SAFE_TOKENS and not m.speculative:
                 g = layer.layout.k_channel_tokens
                 if g not in m.key_group_ends:
                     m.key_group_ends[g] = tale.key_group_ends(
@@ -411,17 +539,14 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
 
     def _decode(self, layer, query, kv_cache, m, output, exact_cache=None,
                 exact_block_table=None) -> None:
-        """The step's decode rows (the first ``m.num_decodes``) through the
-        layer's decoder (chosen on first use), into ``output``."""
-        nd = m.num_decodes
-        if not nd:
+        """The step's decode tokens (the first ``m.num_decode_tokens``) through
+        the layer's decoder (chosen on first use), into ``output``."""
+        if not m.num_decodes:
             return
         decoder = decoders.for_layer(layer, self.vllm_config, query.device)
-        batch = decoders.DecodeBatch(
-            m.block_table[:nd], m.seq_lens[:nd], m.max_decode_seq_len, m.min_decode_seq_len,
-            exact_cache=exact_cache,
-            exact_block_table=None if exact_block_table is None else exact_block_table[:nd])
-        decoder.run(query[:nd], kv_cache, batch, decoder.plan(batch), output[:nd])
+        batch = m.decode_batch(exact_cache, exact_block_table)
+        n = m.num_decode_tokens
+        decoder.run(query[:n], kv_cache, batch, decoder.plan(batch), output[:n])
 
     def _prefill_batched(self, layer, query, kv_cache, m, output) -> None:
         """The step's prefill chunks in one call (:func:`batched_prefill`)."""
