@@ -10,7 +10,9 @@ calibrated rank allocation; an allocation preset reports its target only).
 
 The token count is vLLM's for one KV cache group: ``kv_cache_bytes`` over the
 bytes every layer stores per token (``num_blocks = bytes // (block_size x
-bytes per token)``, times ``block_size``). The token-adaptive mode keeps a
+bytes per token)``, times ``block_size``; ``get_kv_cache_config_from_groups``,
+in ``vllm/v1/core/kv_cache_utils.py`` in 0.32 and ``kv_cache_planning.py`` in
+0.33, the same code). The token-adaptive mode keeps a
 second group of exact tokens per sequence; for it the estimate gives the
 sequences of ``context`` tokens that fit (latent slots plus exact slots).
 """
@@ -182,7 +184,7 @@ def admitted_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_si
     """vLLM's "maximum concurrency" for requests of ``context`` tokens: the KV
     blocks over the blocks one such request may hold at worst, by the rule its
     scheduler sizes and admits with (``get_max_concurrency_for_kv_cache_config``
-    in ``vllm/v1/core/kv_cache_utils.py``).
+    in ``vllm/v1/core/kv_cache_utils.py``, the same in 0.32 and 0.33).
 
     Without exact tokens one cache group: ``kv_bytes // (num_layers x
     block_size x slot_bytes)`` blocks, ``ceil(context / block_size)`` per request.
