@@ -25,6 +25,12 @@ Two measurements per engine (CUDA graphs, ``FULL_DECODE_ONLY``, no torch.compile
   ``stock-all-memory`` is the exception: stock with the KV memory vLLM sizes,
   every request at once, the load's ceiling for a cache with stock's attention.
 
+``--speculative``: every engine (stock too) with vLLM's n-gram speculative
+decoding (3 drafts per step) over prompts that repeat a 64-token pattern, so
+the proposer drafts and verify steps decode 4 query tokens per request; rows
+add the draft tokens proposed and accepted (dummy weights accept few: compare
+the decode step, and tokens/s at the same acceptance).
+
 Each row names the decoders the latent layers took
 (:mod:`vllm_lowrank.attention.decoders`). The engines run the product as it
 ships: nothing here replaces a product function.
@@ -154,6 +160,11 @@ def _spec(name: str) -> dict:
     return CONFIGS[name]
 
 
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+               "prompt_lookup_min": 2}
+"""``--speculative``: vLLM's n-gram prompt lookup."""
+
+
 def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
     from vllm import LLM
 
@@ -177,6 +188,8 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
     )
     if kv_bytes:
         kw["kv_cache_memory_bytes"] = kv_bytes
+    if args.speculative:
+        kw.update(speculative_config=SPECULATION, disable_log_stats=False)
     if "block_size" in spec:
         kw["block_size"] = spec["block_size"]
     if "kv_cache_dtype" in spec:
@@ -187,9 +200,24 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
     return LLM(**kw)
 
 
+PERIOD = 0
+"""Tokens after which every prompt repeats (0: none; 64 with ``--speculative``,
+so that the n-gram proposer finds matches)."""
+
+
 def _prompts(n: int, length: int, salt: int) -> list[dict]:
-    return [{"prompt_token_ids": [(i * 7919 + j * 31 + salt * 104729) % 40000 + 100
+    period = PERIOD or length
+    return [{"prompt_token_ids": [(i * 7919 + (j % period) * 31 + salt * 104729) % 40000 + 100
                                   for j in range(length)]} for i in range(n)]
+
+
+def _speculation(llm) -> dict:
+    """Draft tokens proposed and accepted so far (``--speculative``), else ``{}``."""
+    if llm.llm_engine.vllm_config.speculative_config is None:
+        return {}
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return dict(drafted=counters.get("vllm:spec_decode_num_draft_tokens"),
+                accepted=counters.get("vllm:spec_decode_num_accepted_tokens"))
 
 
 _REQ = iter(range(10**9))
@@ -402,7 +430,8 @@ def run_one(args) -> list[dict]:
                 continue
             try:
                 pre, step = _stepped(llm, _prompts(b, length, salt), extra[b, length])
-                rows.append(dict(row, prefill_s=round(pre, 3), decode_ms=round(step, 2)))
+                rows.append(dict(row, prefill_s=round(pre, 3), decode_ms=round(step, 2),
+                                 **_speculation(llm)))
             except Exception as exc:  # noqa: BLE001 (reported in the table)
                 rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
                 break
@@ -428,7 +457,8 @@ def run_one(args) -> list[dict]:
                          fit_seqs=cap // per_seq,
                          **{k: round(v, 2) if isinstance(v, float) else v
                             for k, v in got.items()},
-                         out_tok_s=round(args.load_prompts * args.load_out / got["wall_s"], 1)))
+                         out_tok_s=round(args.load_prompts * args.load_out / got["wall_s"], 1),
+                         **_speculation(llm)))
     return rows
 
 
@@ -459,6 +489,9 @@ def main() -> None:
                    help="vLLM's --watermark (default: vLLM's, or what the plugin sets)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--speculative", action="store_true",
+                   help="n-gram speculative decoding (3 drafts) in every engine, over "
+                        "prompts that repeat every 64 tokens")
     p.add_argument("--timeout", type=int, default=420, help="seconds per engine")
     p.add_argument("--json", default=None)
     p.add_argument("--log-dir", default=None, metavar="DIR",
@@ -471,6 +504,8 @@ def main() -> None:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="shapes", help=argparse.SUPPRESS)
     args = p.parse_args()
+    global PERIOD
+    PERIOD = 64 if args.speculative else 0
     if args.one:
         print("ROWS " + json.dumps(run_one(args)), flush=True)
         os._exit(0)  # vLLM's engine threads may otherwise delay the exit
@@ -531,7 +566,7 @@ def main() -> None:
         print(_table(shape_rows, ["config", "path", "graphs", "startup_s", "batch", "context",
                                   "kv_tokens", "prefill_s",
                                   "prefill_vs_stock", "decode_ms", "decode_vs_stock",
-                                  "error"]))
+                                  "drafted", "accepted", "error"]))
     load_rows = [r for r in rows if r["mode"] == "load"]
     if load_rows:
         ref = next((r for r in load_rows if r["config"] == "stock" and "out_tok_s" in r), None)
@@ -545,7 +580,7 @@ def main() -> None:
                                  "fit_vs_stock", "peak_running", "mean_running",
                                  "queued_running", "queued_vs_stock", "preemptions",
                                  "steps", "mixed_steps", "out_tok_s", "tok_s_vs_stock",
-                                 "wall_s", "error"]))
+                                 "wall_s", "drafted", "accepted", "error"]))
 
 
 if __name__ == "__main__":
