@@ -372,6 +372,35 @@ def test_packed_post_rope_kernel(k_bits, v_bits, group_size, kr, vr, splits, win
     assert rel_err(out, ref) < TOL32
 
 
+@pytest.mark.parametrize("q_lens,splits", [([4, 1, 3], 1), ([3, 4, 0], 3)])
+def test_packed_kernel_reads_a_verify_steps_query_tokens(q_lens, splits):
+    """Several query tokens per sequence (a speculative verify step,
+    ``query_start_loc``): token ``t`` of ``q_b`` equals a one-token decode over
+    the first ``seq_len - (q_b - 1 - t)`` positions (float64 reference per
+    token); a sequence with no tokens writes nothing."""
+    plan, k_up, lens, bt, nblk, page, g = make_problem(k_ranks=(16,) * 4, v_ranks=(32,) * 4,
+                                                       seed=7)
+    layout = SlotLayout(plan.k_ranks, plan.v_ranks, 8, 4)
+    lat = torch.randn(nblk * page, plan.k_width + plan.v_width, generator=g) * 2 + 5
+    slots = layout.encode(lat[:, :plan.k_width], lat[:, plan.k_width:])
+    kd, vd = layout.decode(slots)
+    kl, vl = gather(kd, bt, lens, page), gather(vd, bt, lens, page)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), 8, 16, generator=g)
+    launch = prepare(plan, k_up, None, q, slots.view(nblk, 1, page, -1), layout=layout,
+                     mode="post_rope")
+    assert launch.takes_query_tokens
+    out = torch.full((q.shape[0], plan.out_width), float("nan"), device=DEV)
+    launch(q.to(DEV), slots.view(nblk, 1, page, -1).to(DEV), bt.to(DEV), lens.to(DEV),
+           int(lens.max()), num_splits=splits, out=out, query_start_loc=qsl.to(DEV),
+           max_query_len=max(q_lens))
+    rows = [(b, int(lens[b]) - (q_b - 1 - t)) for b, q_b in enumerate(q_lens) for t in range(q_b)]
+    row_lens = torch.tensor([n for _, n in rows])
+    ref = reference(plan, k_up, None, 0.2, q, [kl[b][:n] for b, n in rows],
+                    [vl[b][:n] for b, n in rows], row_lens, mode="post_rope")
+    assert rel_err(out.double().cpu(), ref) < TOL32
+
+
 def test_packed_post_rope_kernel_scope():
     """Layers outside the packed kernel's scope say why; forcing it there is a
     ValueError naming the reason, and ``packed=False`` takes the grid kernel."""
@@ -1084,16 +1113,18 @@ def test_wide_errors():
 # ---------------------------------------------------------------------------------
 # Start-up choice of a layer's decoder (vllm_lowrank.attention.decoders)
 # ---------------------------------------------------------------------------------
-def decoder_layer(group_size, bits, mode, span, seed):
+def decoder_layer(group_size, bits, mode, span, seed, ranks=None):
     """A stand-in layer (``tests/decoder_layer.py``) with random factors: uneven
     ranks, a float (``bits`` None), packed (``(k_bits, v_bits)``) or per-channel
     key (``"channel"``, 16-token groups) cache, and with ``span`` a
     token-adaptive span (16 sink and 32 recent tokens, float32 exact slots);
-    and its :class:`DecoderContext` (float32, 16-token blocks, 1,024 tokens)."""
+    and its :class:`DecoderContext` (float32, 16-token blocks, 1,024 tokens).
+    ``ranks``: ``(key ranks, value ranks)`` per group instead."""
     from decoder_layer import StandInLayer, exact_span
     from vllm_lowrank.attention.decoders import DecoderContext
 
-    kr, vr = ((40, 16), (24, 64)) if group_size == 2 else ((8, 24, 16, 32), (16, 8, 32, 24))
+    kr, vr = ranks or (((40, 16), (24, 64)) if group_size == 2
+                       else ((8, 24, 16, 32), (16, 8, 32, 24)))
     plan, k_up, *_ = make_problem(group_size=group_size, k_ranks=kr, v_ranks=vr, seed=seed)
     layout = (SlotLayout(kr, vr, 4, 4, k_channel_tokens=16) if bits == "channel"
               else SlotLayout(kr, vr, *bits) if bits else None)
@@ -1161,6 +1192,30 @@ def test_self_check(group_size, bits, mode, span):
     else:
         off = admitted(family, factor=1.1)
     assert decoders.self_check(off(layer, ctx), reference) > decoders.SELF_CHECK_TOL
+
+
+def test_self_check_covers_a_verify_step():
+    """A decoder that takes several query tokens per sequence (the packed
+    kernel) is self-checked on a verify step too: it agrees with the torch
+    path's one-token rows, and one wrong only on verify steps is refused."""
+    from decoder_layer import triton_family
+    from vllm_lowrank.attention import decoders
+
+    layer, ctx = decoder_layer(1, (8, 4), "post_rope", False, 53,
+                               ranks=((16,) * 4, (32,) * 4))
+    family = triton_family(layer, ctx)
+    decoder = family(layer, ctx)
+    assert family is decoders.PackedDecoder and decoder.takes_query_tokens
+    reference = decoders.TorchDecoder(layer, ctx)
+    assert decoders.self_check(decoder, reference) < (1e-2 if ON_GPU else 1e-4)
+
+    class OffOnVerify(family):
+        def run(self, query, kv_cache, batch, plan, out):
+            super().run(query, kv_cache, batch, plan, out)
+            if batch.query_start_loc is not None:
+                out.mul_(1.1)
+
+    assert decoders.self_check(OffOnVerify(layer, ctx), reference) > decoders.SELF_CHECK_TOL
 
 
 def test_decoder_choice(monkeypatch, caplog):

@@ -11,7 +11,8 @@ import torch
 
 from test_latent_attention import BLOCK, fill, setup_case
 from vllm_lowrank.attention import latent_attention as ops
-from vllm_lowrank.attention.backend import DecodeRows, LatentAttentionMetadata, decode_rows
+from vllm_lowrank.attention.backend import DecodeRows, LatentAttentionMetadata
+from vllm_lowrank.attention.decoders import decode_rows
 
 
 def _naive_rows(q_lens):
@@ -59,11 +60,16 @@ def test_verify_rows_equal_the_prefill_path(window):
     req, back = decode_rows(qsl, 3)
     m = LatentAttentionMetadata(
         num_actual_tokens=int(qsl[-1]), num_decodes=3, query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(lens, dtype=torch.int32), seq_lens_cpu=torch.tensor(lens),
-        block_table=tables, slot_mapping=torch.zeros(0), max_decode_seq_len=max(lens),
-        min_decode_seq_len=0, rows=DecodeRows(req, back))
+        query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        seq_lens_cpu=torch.tensor(lens), block_table=tables, slot_mapping=torch.zeros(0),
+        max_decode_seq_len=max(lens), min_decode_seq_len=0,
+        rows=DecodeRows(req, back, max_query_len=max(q_lens)))
     batch = m.decode_batch()
-    assert m.num_decode_tokens == query.shape[0]
+    assert m.num_decode_tokens == query.shape[0] == batch.size
+    # a decoder that takes several query tokens per sequence gets the requests
+    per_request = m.decode_batch(query_tokens=True)
+    assert per_request.size == 3 and per_request.max_query_len == 4
+    assert per_request.query_start_loc.tolist() == qsl.tolist()
     got = ops.decode_attention(plan, k_up, rope, 0.25, query, cache, batch.block_table,
                                batch.seq_lens, batch.max_seq_len, window=window,
                                min_seq_len=batch.min_seq_len)

@@ -135,40 +135,21 @@ class DecodeRows:
     decoded it alone. The decoders read rows, not requests
     (:meth:`LatentAttentionMetadata.decode_batch`).
 
+    A decoder that takes several query tokens per sequence
+    (:attr:`~vllm_lowrank.attention.decoders.Decoder.takes_query_tokens`) gets
+    the requests instead, with their query offsets, and reads each cached
+    token once for all of a request's rows.
+
     Attributes:
         req: ``[T]`` int64 (device) request of each row; a view of the
             builder's persistent buffer, so CUDA graphs replay it.
         back: ``[T]`` int32 (device) the request's tokens after the row's.
+        max_query_len: Most tokens of a decode request (host int).
     """
 
     req: torch.Tensor
     back: torch.Tensor
-
-
-def decode_rows(query_start_loc: torch.Tensor, num_decodes: int
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Host ``(req, back)`` of :class:`DecodeRows` for the first
-    ``num_decodes`` requests, or ``None`` when each has at most one token.
-
-    A uniform batch (every request ``q`` tokens, CUDA-graph padding requests
-    none) gets ``q`` rows per request, padding included (``seq_len 0``: they
-    attend nothing), as the captured graph does.
-
-    Args:
-        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's
-            query tokens.
-        num_decodes: Leading decode requests.
-    """
-    qsl = query_start_loc[:num_decodes + 1].long()
-    q = qsl[1:] - qsl[:-1]
-    width = int(q.max()) if num_decodes else 0
-    if width <= 1:
-        return None
-    if bool(((q == width) | (q == 0)).all()):
-        q = torch.full_like(q, width)
-    req = torch.repeat_interleave(torch.arange(num_decodes), q)
-    back = torch.cumsum(q, 0)[req] - 1 - torch.arange(req.shape[0])
-    return req, back.to(torch.int32)
+    max_query_len: int
 
 
 @dataclasses.dataclass
@@ -184,6 +165,7 @@ class LatentAttentionMetadata:
             included: they have ``seq_len 0`` and write nothing).
         query_start_loc_cpu: ``[num_reqs + 1]`` int32 host offsets of each
             request's query tokens.
+        query_start_loc: The same on the device (vLLM's persistent buffer).
         seq_lens: ``[num_reqs]`` int32 context length after this step (device;
             a slice of vLLM's persistent buffer, so CUDA graphs replay it).
         seq_lens_cpu: Same on the host (no device sync: vLLM's host copy);
@@ -214,6 +196,7 @@ class LatentAttentionMetadata:
     num_actual_tokens: int
     num_decodes: int
     query_start_loc_cpu: torch.Tensor
+    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: torch.Tensor
     block_table: torch.Tensor
@@ -238,17 +221,26 @@ class LatentAttentionMetadata:
         return self.num_decodes if self.rows is None else self.rows.req.shape[0]
 
     def decode_batch(self, exact_cache: torch.Tensor | None = None,
-                     exact_block_table: torch.Tensor | None = None) -> decoders.DecodeBatch:
-        """The decode tokens as a :class:`~vllm_lowrank.attention.decoders.DecodeBatch`
-        (one row per token of :attr:`num_decode_tokens`).
+                     exact_block_table: torch.Tensor | None = None,
+                     query_tokens: bool = False) -> decoders.DecodeBatch:
+        """The decode tokens (:attr:`num_decode_tokens`) as a
+        :class:`~vllm_lowrank.attention.decoders.DecodeBatch`: one sequence per
+        token (:class:`DecodeRows`), or with ``query_tokens`` (a decoder that
+        takes several per sequence) one per request with its query offsets.
 
         Args:
             exact_cache, exact_block_table: A token-adaptive layer's exact
                 cache and its group's ``[num_reqs, max_blocks]`` block table.
+            query_tokens: The decoder takes several query tokens per sequence.
         """
         nd = self.num_decodes
         table, seq_lens = self.block_table[:nd], self.seq_lens[:nd]
         exact_table = None if exact_block_table is None else exact_block_table[:nd]
+        if self.rows is not None and query_tokens:
+            return decoders.DecodeBatch(table, seq_lens, self.max_decode_seq_len,
+                                        self.min_decode_seq_len,
+                                        query_start_loc=self.query_start_loc[:nd + 1],
+                                        max_query_len=self.rows.max_query_len)
         if self.rows is not None:
             rows = self.rows
             if "latent" not in self.row_tables:
@@ -331,11 +323,13 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
         dec = seq_lens_cpu[:num_decodes]
         rows = None
         if self.row_buffers is not None and num_decodes:
-            host = decode_rows(qsl, num_decodes)
+            host = decoders.decode_rows(qsl, num_decodes)
             if host is not None:
                 n = host[0].shape[0]
                 rows = DecodeRows(*(buf[:n].copy_(h, non_blocking=True)
-                                    for buf, h in zip(self.row_buffers, host)))
+                                    for buf, h in zip(self.row_buffers, host)),
+                                  max_query_len=int((qsl[1:num_decodes + 1]
+                                                     - qsl[:num_decodes]).max()))
                 dec = dec[host[0]] - host[1]
             dec = (dec - self.max_rejected).clamp_min(0)
         prefill = None
@@ -345,6 +339,7 @@ class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMet
             num_actual_tokens=m.num_actual_tokens,
             num_decodes=num_decodes,
             query_start_loc_cpu=qsl,
+            query_start_loc=m.query_start_loc[: m.num_reqs + 1],
             seq_lens=m.seq_lens[: m.num_reqs],
             seq_lens_cpu=seq_lens_cpu,
             block_table=m.block_table_tensor[: m.num_reqs],
@@ -544,7 +539,7 @@ class LatentAttentionImpl(AttentionImpl[LatentAttentionMetadata]):
         if not m.num_decodes:
             return
         decoder = decoders.for_layer(layer, self.vllm_config, query.device)
-        batch = m.decode_batch(exact_cache, exact_block_table)
+        batch = m.decode_batch(exact_cache, exact_block_table, decoder.takes_query_tokens)
         n = m.num_decode_tokens
         decoder.run(query[:n], kv_cache, batch, decoder.plan(batch), output[:n])
 

@@ -97,16 +97,21 @@ class DecoderContext:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
-    """The decode rows of one step (one new token per sequence).
+    """The decode sequences of one step: one new token each, or, for a decoder
+    that :attr:`~Decoder.takes_query_tokens`, a speculative verify step's few.
 
     Attributes:
         block_table: ``[B, max_blocks]`` int32 rows of the latent cache's block table.
-        seq_lens: ``[B]`` int32 context lengths, this token included.
+        seq_lens: ``[B]`` int32 context lengths, this step's tokens included.
         max_seq_len, min_seq_len: Host bounds of ``seq_lens`` (``max_model_len``
             and 0 while a CUDA graph is captured).
         exact_cache: The token-adaptive layer's exact cache (``None`` otherwise),
             this step's token already written.
         exact_block_table: ``[B, max_blocks]`` int32 rows of its block table.
+        query_start_loc: ``[B + 1]`` int32 (device) offsets of each sequence's
+            query tokens (``None``: one each); token ``t`` of ``q_b`` attends
+            the first ``seq_len - (q_b - 1 - t)`` positions.
+        max_query_len: Most query tokens of a sequence (host int).
     """
 
     block_table: torch.Tensor
@@ -115,11 +120,39 @@ class DecodeBatch:
     min_seq_len: int = 0
     exact_cache: torch.Tensor | None = None
     exact_block_table: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    max_query_len: int = 1
 
     @property
     def size(self) -> int:
         """Sequences in the batch."""
         return self.seq_lens.shape[0]
+
+
+def decode_rows(query_start_loc: torch.Tensor, num_decodes: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Host ``(req, back)`` of ``vllm_lowrank.attention.backend.DecodeRows`` for the first
+    ``num_decodes`` requests, or ``None`` when each has at most one token.
+
+    A uniform batch (every request ``q`` tokens, CUDA-graph padding requests
+    none) gets ``q`` rows per request, padding included (``seq_len 0``: they
+    attend nothing), as the captured graph does.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` host offsets of each request's
+            query tokens.
+        num_decodes: Leading decode requests.
+    """
+    qsl = query_start_loc[:num_decodes + 1].long()
+    q = qsl[1:] - qsl[:-1]
+    width = int(q.max()) if num_decodes else 0
+    if width <= 1:
+        return None
+    if bool(((q == width) | (q == 0)).all()):
+        q = torch.full_like(q, width)
+    req = torch.repeat_interleave(torch.arange(num_decodes), q)
+    back = torch.cumsum(q, 0)[req] - 1 - torch.arange(req.shape[0])
+    return req, back.to(torch.int32)
 
 
 def query_width(layer) -> int:
@@ -147,6 +180,10 @@ class Decoder:
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""
+    takes_query_tokens: bool = False
+    """Whether :meth:`run` takes several query tokens per sequence
+    (:attr:`DecodeBatch.query_start_loc`); otherwise each token of a verify
+    step is a sequence of its own (``vllm_lowrank.attention.backend.DecodeRows``)."""
 
     def __init__(self, layer, ctx: DecoderContext) -> None:
         self.layer, self.ctx = layer, ctx
@@ -162,8 +199,9 @@ class Decoder:
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, plan,
             out: torch.Tensor) -> None:
-        """Write the attention of ``query [B, H, query_width]`` into ``out
-        [B, layer.out_width]`` (any float dtype)."""
+        """Write the attention of ``query [T, H, query_width]`` into ``out
+        [T, layer.out_width]`` (any float dtype); ``T = B`` unless
+        ``batch.query_start_loc`` is given."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -328,6 +366,7 @@ class TritonDecoder(Decoder):
             rope=None if layer.post_rope else layer.rope_table(ctx.device),
             cache_dtype=ctx.cache_dtype, transform=layer.key_transform(), window=ctx.window,
             sink=sink, recent=recent)
+        self.takes_query_tokens = self.launch.takes_query_tokens and layer.exact is None
 
     def plan(self, batch: DecodeBatch) -> int:
         return self.launch.geometry(batch.size, batch.max_seq_len)[0]
@@ -339,7 +378,9 @@ class TritonDecoder(Decoder):
 
     def run(self, query, kv_cache, batch, plan, out) -> None:
         out.copy_(self.launch(query, kv_cache, batch.block_table, batch.seq_lens,
-                              batch.max_seq_len, num_splits=plan))
+                              batch.max_seq_len, num_splits=plan,
+                              query_start_loc=batch.query_start_loc,
+                              max_query_len=batch.max_query_len))
 
 
 class GridDecoder(TritonDecoder):
@@ -542,28 +583,49 @@ def _rows(batch: DecodeBatch, n: int) -> DecodeBatch:
         else batch.exact_block_table[:n])
 
 
+def _verify_step(batch: DecodeBatch, q_lens: list[int]) -> tuple[DecodeBatch, DecodeBatch]:
+    """A speculative verify step over the first ``len(q_lens)`` sequences of
+    ``batch``, ``q_lens[b]`` query tokens each: ``(per sequence, per token)``,
+    the batch with ``query_start_loc`` and the same tokens as one-token rows
+    (:func:`decode_rows`)."""
+    n, dev = len(q_lens), batch.seq_lens.device
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    req, back = (x.to(dev) for x in decode_rows(qsl, n))
+    sub = _rows(batch, n)
+    rows = dataclasses.replace(sub, block_table=sub.block_table[req],
+                               seq_lens=sub.seq_lens[req] - back)
+    return dataclasses.replace(sub, query_start_loc=qsl.to(dev),
+                               max_query_len=max(q_lens)), rows
+
+
 def self_check(decoder: Decoder, reference: Decoder) -> float:
     """Disagreement of ``decoder`` with ``reference`` (the torch path) on its
     layer's real factors and :func:`random_batch`: the relative L2 error of the
-    outputs (float32), the larger over the first two sequences alone and all four
+    outputs (float32), the largest over the first two sequences alone, all four
     (the wide-group kernel runs one KV head per program for the first and several
-    for the second). ``inf`` for a non-finite output.
+    for the second) and, for a decoder that :attr:`~Decoder.takes_query_tokens`,
+    a verify step of 3 and 2 query tokens on the first two (against the torch
+    path's one-token rows). ``inf`` for a non-finite output.
 
     Raises:
         Whatever the kernel raises (compilation, resources).
     """
-    ctx = decoder.ctx
+    ctx, width = decoder.ctx, decoder.layer.out_width
     q, cache, batch = random_batch(decoder.layer, ctx)
-    want = torch.empty(q.shape[0], decoder.layer.out_width, device=ctx.device)
-    reference.run(q.float(), cache, batch, reference.plan(batch), want)
+    cases = [(q[:n], _rows(batch, n), _rows(batch, n)) for n in (2, q.shape[0])]
+    if decoder.takes_query_tokens:
+        verify, rows = _verify_step(batch, [3, 2])
+        qv = torch.randn(rows.size, *q.shape[1:], generator=torch.Generator().manual_seed(1))
+        cases.append((qv.to(q), verify, rows))
     err = 0.0
-    for n in (2, q.shape[0]):
-        sub = _rows(batch, n)
-        got = torch.full((n, decoder.layer.out_width), float("nan"), device=ctx.device)
-        decoder.run(q[:n], cache, sub, decoder.plan(sub), got)
+    for query, sub, rows in cases:
+        want = torch.empty(query.shape[0], width, device=ctx.device)
+        reference.run(query.float(), cache, rows, reference.plan(rows), want)
+        got = torch.full((query.shape[0], width), float("nan"), device=ctx.device)
+        decoder.run(query, cache, sub, decoder.plan(sub), got)
         if not torch.isfinite(got).all():
             return math.inf
-        err = max(err, ((got - want[:n]).norm() / want[:n].norm().clamp_min(1e-30)).item())
+        err = max(err, ((got - want).norm() / want.norm().clamp_min(1e-30)).item())
     return err
 
 

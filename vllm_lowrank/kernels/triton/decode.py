@@ -394,8 +394,10 @@ class LatentLaunch:
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, max_seq_len: int, *, num_splits: int | None = None,
-                 return_lse: bool = False, out: torch.Tensor | None = None):
-        """Decode attention of one new token per sequence.
+                 return_lse: bool = False, out: torch.Tensor | None = None,
+                 query_start_loc: torch.Tensor | None = None, max_query_len: int = 1):
+        """Decode attention of one new token per sequence, or (the packed
+        kernel, :attr:`takes_query_tokens`) of a speculative verify step's few.
 
         Args:
             query: ``[B, H, head_dim]`` post-RoPE queries (``pre_rope``,
@@ -410,16 +412,28 @@ class LatentLaunch:
                 wave model of :func:`.launch.choose_num_splits`).
             return_lse: Also return the log-sum-exp of the attended scores.
             out: Optional ``[B, out_width]`` float32 output buffer.
+            query_start_loc: ``[B + 1]`` int32 (device) offsets of each
+                sequence's query rows in ``query [T, H, ..]`` (``None``: one
+                row per sequence); token ``t`` of ``q_b`` attends the first
+                ``seq_len - (q_b - 1 - t)`` positions. ``out`` is then ``[T,
+                out_width]``.
+            max_query_len: Most query rows of a sequence (host int).
 
         Returns:
             ``[B, plan.out_width]`` float32; with ``return_lse`` the pair ``(out,
             lse)``, ``lse [B, num_heads]`` float32 natural log (``-inf`` where
             the span is empty).
+
+        Raises:
+            ValueError: ``query_start_loc`` for a launch that does not
+                :attr:`takes_query_tokens`.
         """
         plan, sh, device = self.plan, self.plan.shape, query.device
         bsz, num_heads, _ = query.shape
         self._check_call(query, kv_cache)
-        splits, hpp, block_n = self.geometry(bsz, max_seq_len)
+        if query_start_loc is not None and not self.takes_query_tokens:
+            raise ValueError(f"the {self.kernel} kernel decodes one query token per sequence")
+        splits, hpp, block_n = self.geometry(seq_lens.shape[0], max_seq_len)
         num_splits = int(num_splits or splits)
         split = num_splits > 1
         use_window = self.window is not None and self.window < max_seq_len
@@ -445,7 +459,8 @@ class LatentLaunch:
                 num_warps=self._common["num_warps"], num_stages=self._common["num_stages"],
                 po=po, plse=plse, window=window, sink=self.sink, recent=self.recent,
                 use_window=use_window, use_span=self._common["SPAN"],
-                return_lse=return_lse, interpreting=interpreting())
+                return_lse=return_lse, interpreting=interpreting(),
+                query_start_loc=query_start_loc, max_query_len=max_query_len)
             return self._merge(out, lse, po, plse, num_splits, return_lse)
         # the cache's own block size: vLLM may give a layer's cache a multiple of the
         # configured one (one page size for the latent and exact caches)
@@ -480,6 +495,12 @@ class LatentLaunch:
         else:
             decode_grid_kernel[(num_splits, plan.num_groups // self.gpp, bsz)](*args, **common)
         return self._merge(out, lse, po, plse, num_splits, return_lse)
+
+    @property
+    def takes_query_tokens(self) -> bool:
+        """Whether a call may give a sequence several query tokens
+        (``query_start_loc``): the packed kernel without a window or span."""
+        return self.kernel == "packed" and self.window is None and not self._common["SPAN"]
 
     def _check_call(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Shape, dtype and stride checks of a call against what was prepared

@@ -79,16 +79,24 @@ def packed_decode_kernel(
     bt_ptr, s_bt, seq_lens_ptr,
     v_codes_off, k_scale_off, k_zero_off, v_scale_off, v_zero_off,
     po_ptr, plse_ptr, out_width, num_heads, n_splits, qk_scale,
-    window, sink, recent,
+    window, sink, recent, qsl_ptr,
     HG: tl.constexpr, Q_PAD: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr,
     SPLIT: tl.constexpr, LSE: tl.constexpr, WINDOW: tl.constexpr, SPAN: tl.constexpr,
+    QT: tl.constexpr,
 ):
     """One program per (split ``s``, head group ``g``, sequence ``b``). See the
     module docstring for the math; ``SPLIT``: store the normalised partial and
-    its base-2 LSE at ``[b, s]`` of ``po_ptr`` / ``plse_ptr``; otherwise the
-    output row (and with ``LSE`` the natural LSE into ``plse_ptr [B, H]``)."""
+    its base-2 LSE at ``[row, s]`` of ``po_ptr`` / ``plse_ptr``; otherwise the
+    output row (and with ``LSE`` the natural LSE into ``plse_ptr [rows, H]``).
+
+    ``QT > 1``: sequence ``b`` has up to ``QT`` query tokens, rows ``qsl[b] ..
+    qsl[b + 1] - 1`` of the queries and outputs (a speculative verify step);
+    its token ``t`` attends positions ``< seq_len - (q_b - 1 - t)`` (causal
+    over the drafts). Their ``QT x HG`` query rows share each key and value
+    tile: the cache is read once for all of them. No window, no span.
+    ``QT == 1``: one query row per sequence, row ``b`` (``qsl_ptr`` unused)."""
     s = tl.program_id(0)
     g = tl.program_id(1)
     b = tl.program_id(2)
@@ -99,10 +107,20 @@ def packed_decode_kernel(
     K_OFF: tl.constexpr = 1 << (K_BITS - 1)
     V_OFF: tl.constexpr = 1 << (V_BITS - 1)
 
-    h = tl.arange(0, Q_PAD)
-    hm = h < HG
+    r = tl.arange(0, Q_PAD)
+    if QT == 1:
+        h = r
+        hm = h < HG
+        tok = b.to(tl.int64) + 0 * r  # [Q_PAD] the query / output row of each tile row
+    else:
+        q_first = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_first
+        t_of = r // HG
+        h = r - t_of * HG
+        hm = (t_of < q_len) & (r < QT * HG)
+        tok = (q_first + t_of).to(tl.int64)
     head = g * HG + h
-    qrow = q_ptr + b.to(tl.int64) * s_qb + head.to(tl.int64) * s_qh
+    qrow = q_ptr + tok * s_qb + head.to(tl.int64) * s_qh
     kj = tl.arange(0, KB)
     vj = tl.arange(0, VB)
     # Query channels of each key operand: q~[KC j + n] meets nibble / byte n of byte j.
@@ -116,6 +134,8 @@ def packed_decode_kernel(
     v_codes = v_codes_off + g * VB
 
     seq_len = tl.load(seq_lens_ptr + b)
+    if QT > 1:
+        row_end = seq_len - (q_len - 1 - t_of)  # [Q_PAD] causal over the drafts
     first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
                                          BLOCK_N, WINDOW, SPAN)
     i = tl.arange(0, BLOCK_N)
@@ -151,10 +171,18 @@ def packed_decode_kernel(
             sc = tl.dot(q0, centred(kx & 15, K_OFF, DT, F16))
             sc = tl.dot(q1, centred(kx >> 4, K_OFF, DT, F16), sc)
         sc = (sc * ks[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
+        if QT == 1:
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            m_use = m_new
+        else:
+            sc = tl.where(valid[None, :] & (pos[None, :] < row_end[:, None]), sc,
+                          float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            # a row whose context ends before this tile has seen no position yet
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(sc - m_use[:, None])
         # sum_t p and sum_t p z_v in one reduction (one pass over the warps).
         p_sum, pz_sum = tl.reduce((p, p * vz[None, :]), 1, add_pair)
         l_i = l_i * alpha + p_sum
@@ -175,17 +203,16 @@ def packed_decode_kernel(
     zc = (z_i * inv_l)[:, None]
     lse2 = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     if SPLIT:
-        o_row = po_ptr + (b.to(tl.int64) * n_splits + s) * out_width
-        tl.store(plse_ptr + (b.to(tl.int64) * n_splits + s) * num_heads + head, lse2, mask=hm)
+        o_row = po_ptr + (tok * n_splits + s) * out_width  # [Q_PAD]
+        tl.store(plse_ptr + (tok * n_splits + s) * num_heads + head, lse2, mask=hm)
     else:
-        o_row = po_ptr + b.to(tl.int64) * out_width
+        o_row = po_ptr + tok * out_width
         if LSE:
-            tl.store(plse_ptr + b.to(tl.int64) * num_heads + head, lse2 * 0.6931471805599453,
-                     mask=hm)
-    col = head[:, None] * RV + VC * vj[None, :]
-    tl.store(o_row + col, acc0 * inv_l[:, None] + zc, mask=hm[:, None])
+            tl.store(plse_ptr + tok * num_heads + head, lse2 * 0.6931471805599453, mask=hm)
+    col = o_row[:, None] + (head[:, None] * RV + VC * vj[None, :])
+    tl.store(col, acc0 * inv_l[:, None] + zc, mask=hm[:, None])
     if VC == 2:
-        tl.store(o_row + col + 1, acc1 * inv_l[:, None] + zc, mask=hm[:, None])
+        tl.store(col + 1, acc1 * inv_l[:, None] + zc, mask=hm[:, None])
 
 
 def _pow2(n: int) -> bool:
@@ -241,24 +268,38 @@ def _layout_blocker(plan, layout) -> str | None:
 def launch(plan, layout, query, kv_cache, block_table, seq_lens, *, qk_scale: float,
            num_splits: int, block_n: int, num_warps: int, num_stages: int,
            po: torch.Tensor, plse: torch.Tensor, window: int, sink: int, recent: int,
-           use_window: bool, use_span: bool, return_lse: bool, interpreting: bool) -> None:
+           use_window: bool, use_span: bool, return_lse: bool, interpreting: bool,
+           query_start_loc: torch.Tensor | None = None, max_query_len: int = 1) -> None:
     """Launch :func:`packed_decode_kernel` on the grid ``(num_splits, num_groups,
-    B)``. ``po`` / ``plse``: the split partials ``[B, S, out_width]`` /
-    ``[B, S, H]`` when ``num_splits > 1``, else the output ``[B, out_width]`` and
-    the LSE buffer ``[B, H]`` (unused without ``return_lse``). Arguments are
-    those :class:`.decode.LatentLaunch` prepared; ``qk_scale`` is the
-    softmax scale times ``log2(e)``."""
+    B)``. ``po`` / ``plse``: the split partials ``[T, S, out_width]`` /
+    ``[T, S, H]`` when ``num_splits > 1``, else the output ``[T, out_width]`` and
+    the LSE buffer ``[T, H]`` (unused without ``return_lse``), for ``T`` query
+    rows. Arguments are those :class:`.decode.LatentLaunch` prepared;
+    ``qk_scale`` is the softmax scale times ``log2(e)``.
+
+    ``query_start_loc``: ``[B + 1]`` int32 (device) offsets of each sequence's
+    query rows, at most ``max_query_len`` each (a verify step); ``None``: one
+    row per sequence (``T = B``).
+
+    Raises:
+        ValueError: several query tokens per sequence with a window or a span.
+    """
     hg = plan.heads_per_group
-    packed_decode_kernel[(num_splits, plan.num_groups, query.shape[0])](
+    qt = 1
+    if query_start_loc is not None:
+        if use_window or use_span:
+            raise ValueError("several query tokens per sequence take no window or span")
+        qt = max(2, triton.next_power_of_2(max_query_len))
+    packed_decode_kernel[(num_splits, plan.num_groups, seq_lens.shape[0])](
         query, query.stride(0), query.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(2),
         block_table, block_table.stride(0), seq_lens,
         layout.v_codes_offset, layout.k_scale_offset, layout.k_zero_offset,
         layout.v_scale_offset, layout.v_zero_offset,
         po, plse, plan.out_width, plan.shape.num_heads, num_splits, qk_scale,
-        window, sink, recent,
-        HG=hg, Q_PAD=max(16, triton.next_power_of_2(hg)), RK=plan.k_ranks[0],
+        window, sink, recent, seq_lens if query_start_loc is None else query_start_loc,
+        HG=hg, Q_PAD=max(16, triton.next_power_of_2(qt * hg)), RK=plan.k_ranks[0],
         RV=plan.v_ranks[0], K_BITS=layout.k_bits, V_BITS=layout.v_bits, BLOCK_N=block_n,
         PAGE=kv_cache.shape[2], DT=tl.float32 if interpreting else tl.float16,
         F16=not interpreting, SPLIT=num_splits > 1, LSE=bool(return_lse),
-        WINDOW=use_window, SPAN=use_span, num_warps=num_warps, num_stages=num_stages)
+        WINDOW=use_window, SPAN=use_span, QT=qt, num_warps=num_warps, num_stages=num_stages)
