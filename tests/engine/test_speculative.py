@@ -6,7 +6,9 @@ drafts before it (:class:`vllm_lowrank.attention.backend.DecodeRows`), and
 vLLM rewinds the cache past the rejected ones. The prompts repeat a paragraph,
 so the n-gram proposer's drafts are mostly accepted and sometimes rejected,
 and the longest reaches past the exact sink and recent tokens of the
-token-adaptive presets (their latent span is read).
+token-adaptive presets (their latent span is read). Steps of at most 128
+tokens: the long prompt's prefill chunks share steps with the others' verify
+steps.
 
 Reference: the same engine without speculation (greedy tokens equal up to a
 near tie of that engine), and, at ratio 1.0, stock vLLM with speculation.
@@ -40,7 +42,7 @@ def _run(model_path, compression, block_size, speculation):
     # the n-gram proposer imports numba, which breaks a later in-process engine
     llm = make_llm(model_path, compression, in_process=speculation is None,
                    block_size=block_size, speculative_config=speculation,
-                   disable_log_stats=speculation is None)
+                   disable_log_stats=speculation is None, max_num_batched_tokens=128)
     tokens, gaps = greedy_with_gaps(llm, PROMPTS, max_tokens=MAX_TOKENS)
     counts = (0, 0)
     if speculation is not None:
