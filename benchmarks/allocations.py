@@ -24,19 +24,21 @@ SMOLLM2_WIDTH = 192
 """K (or V) channels per layer of SmolLM2-135M: 3 KV heads x 64."""
 
 
-def scale_rank(rank: int, width: int) -> int:
+def scale_rank(rank: int, width: int, multiple: int = 8) -> int:
     """A SmolLM2 latent width scaled to a layer of ``width`` K (or V) channels,
-    in multiples of 8 (at least 8)."""
-    return max(8, 8 * round(rank * width / SMOLLM2_WIDTH / 8))
+    in multiples of ``multiple`` (at least one)."""
+    return max(multiple, multiple * round(rank * width / SMOLLM2_WIDTH / multiple))
 
 
-def alloc_8x_ranks(num_layers: int, width: int) -> dict[str, list[int]]:
+def alloc_8x_ranks(num_layers: int, width: int, tp: int = 1) -> dict[str, list[int]]:
     """``ranks`` config override (``{"layer": [r_k, r_v]}``) of the ``8x``
     allocation stretched over ``num_layers`` layers of ``width`` channels per
-    side: layer ``i`` takes SmolLM2's layer ``i * 30 // num_layers``."""
+    side: layer ``i`` takes SmolLM2's layer ``i * 30 // num_layers``. In
+    multiples of ``8 * tp``: each of ``tp`` tensor-parallel ranks caches its
+    share, and packed latents need multiples of 8 (a share of 84 is refused)."""
     n = len(ALLOC_8X_SMOLLM2)
     out = {}
     for i in range(num_layers):
         kr, vr, _, _ = ALLOC_8X_SMOLLM2[i * n // num_layers]
-        out[str(i)] = [scale_rank(kr, width), scale_rank(vr, width)]
+        out[str(i)] = [scale_rank(kr, width, 8 * tp), scale_rank(vr, width, 8 * tp)]
     return out

@@ -31,6 +31,14 @@ the proposer drafts and verify steps decode 4 query tokens per request; rows
 add the draft tokens proposed and accepted (dummy weights accept few: compare
 the decode step, and tokens/s at the same acceptance).
 
+``--tensor-parallel-size N``: every engine on ``N`` GPUs (:func:`parallel_args`:
+vLLM's ``mp`` executor, one worker process per GPU, the engine core still in
+this process, so its scheduler stays reachable; an NCCL all-reduce, vLLM's
+custom one being a compiled kernel; no NVLink multicast, :data:`NO_MULTICAST`).
+``--equal-memory`` is per GPU (vLLM's ``kv_cache_memory_bytes`` is per worker);
+``kv_tokens`` counts tokens, each rank holding its KV heads of every token in
+its own memory.
+
 Each row names the decoders the latent layers took
 (:mod:`vllm_lowrank.attention.decoders`). The engines run the product as it
 ships: nothing here replaces a product function.
@@ -96,6 +104,10 @@ CONFIGS = {
     # cannot give bits per layer); the preset's block size
     "alloc-8x": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024)},
                  "block_size": PRESETS["8x"].block_size},
+    # the same at --tensor-parallel-size 2: ranks in multiples of 16 (8 per rank)
+    "alloc-8x-tp2": {"compression": {**PRESETS["8x"].settings,
+                                     "ranks": alloc_8x_ranks(32, 1024, tp=2)},
+                     "block_size": PRESETS["8x"].block_size},
     # the same with key bases that commute with RoPE (weight-only `rope_equivariant`
     # bases): decoded with the queries absorbed, no key rebuild (decode_latent_rope)
     "alloc-8x-re": {"compression": {**PRESETS["8x"].settings, "ranks": alloc_8x_ranks(32, 1024),
@@ -129,14 +141,35 @@ CONFIGS = {
 }
 
 
+LLAMA3_70B = dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=28672, max_position_embeddings=131072)
+"""Llama-3-70B's widths: hidden 8,192, 64 query / 8 KV heads of 128, MLP 28,672."""
+
+SHAPES = {
+    # Llama-3-70B's widths with 8 of its 80 layers: 7.65 B parameters (the recipe's
+    # 49,152-token vocabulary), 7.1 GiB bf16 per GPU at TP=2; 32 KiB of bf16 K+V per
+    # token (16 KiB per rank): speed at 70B width, not a model that needs two GPUs
+    "llama3-70b-width-8l": ("llama3-8b-shape", dict(LLAMA3_70B, num_hidden_layers=8)),
+    # the whole Llama-3-70B shape: 69.3 B parameters, 129 GiB bf16, more than vLLM
+    # gives one H200 (0.9 x 140 GiB); at TP=2 64.5 GiB per GPU, 160 KiB of K+V per
+    # token and rank
+    "llama3-70b-shape": ("llama3-8b-shape", dict(LLAMA3_70B, num_hidden_layers=80)),
+}
+"""``--model`` names beyond the recipe's folders: ``name: (recipe folder,
+config.json overrides)``."""
+
+
 def model_dir(name: str, **overrides) -> str:
     """A copy of the GPU recipe's model folder ``name`` (config + tokenizer)
     with ``overrides`` written into its ``config.json`` (the Llama-3-8B shape
-    ships ``max_position_embeddings`` 8192; long contexts need more)."""
+    ships ``max_position_embeddings`` 8192; long contexts need more). ``name``
+    may be a :data:`SHAPES` entry: its folder with its overrides, then these."""
     import shutil
     import tempfile
 
-    src = os.path.join(os.environ["GPUVLLM_MODELS"], name)
+    base, shape = SHAPES.get(name, (name, {}))
+    overrides = {**shape, **overrides}
+    src = os.path.join(os.environ["GPUVLLM_MODELS"], base)
     dst = os.path.join(tempfile.gettempdir(), "vllm_lowrank_models",
                        name + "".join(f"-{k}{v}" for k, v in sorted(overrides.items())))
     if not os.path.exists(os.path.join(dst, "config.json")):
@@ -164,6 +197,30 @@ SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_ma
                "prompt_lookup_min": 2}
 """``--speculative``: vLLM's n-gram prompt lookup."""
 
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",  # NCCL's NVLink SHARP collectives (multicast objects)
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    # vLLM's all-reduce over torch symmetric memory (multimem on Hopper at 4+ GPUs)
+    # and FlashInfer's (IPC / multicast buffers): NCCL alone
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+}
+"""Environment of every engine: no NVLink multicast, which on the lent machines
+can put the host's shared GPUs out of service (the device README's KINDS.md)."""
+
+
+def parallel_args(tp: int) -> dict:
+    """``LLM`` keyword arguments for ``tp`` GPUs (none at 1): vLLM's ``mp``
+    executor (a worker process per GPU; the engine core stays where ``LLM`` is
+    built when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and its custom all-reduce
+    off (a compiled kernel the GPU recipe does not carry), so the all-reduce is
+    NCCL's (vLLM's PyNccl, else ``torch.distributed``)."""
+    if tp == 1:
+        return {}
+    return dict(tensor_parallel_size=tp, distributed_executor_backend="mp",
+                disable_custom_all_reduce=True)
+
 
 def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
     from vllm import LLM
@@ -186,8 +243,9 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
                             "cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128,
                                                                256, max_num_seqs})},
     )
+    kw.update(parallel_args(args.tensor_parallel_size))
     if kv_bytes:
-        kw["kv_cache_memory_bytes"] = kv_bytes
+        kw["kv_cache_memory_bytes"] = kv_bytes  # per GPU
     if args.speculative:
         kw.update(speculative_config=SPECULATION, disable_log_stats=False)
     if "block_size" in spec:
@@ -294,7 +352,13 @@ def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
     (:func:`prefill_tokens_bound`) for full-batch steps to follow the last first
     token. (Before 2026-11-27 every request asked for ``--decode-tokens``
     tokens, so at long context most had finished by then: "8 x 32k" steps
-    decoded about half the batch.)"""
+    decoded about half the batch.)
+
+    With ``--tensor-parallel-size`` > 1 the GPUs belong to the worker
+    processes and ``torch.cuda.synchronize`` here waits for none of their work:
+    a step is timed until the engine core has the outputs it waits for (with
+    async scheduling, those of the step before), so the median is the steady
+    step time of the pipeline, stock and plugin alike."""
     import statistics
 
     import torch
@@ -383,16 +447,26 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
                                               max_name_column_width=90) + "\n")
 
 
-def _paths(llm) -> dict:
-    """The decoders of the latent layers (in-process engine: their names, e.g.
-    ``triton-grid``, and descriptions, :mod:`vllm_lowrank.attention.decoders`)
-    and the CUDA graph mode vLLM resolved."""
-    cc = llm.llm_engine.vllm_config.compilation_config
+def _worker_paths(worker) -> dict:
+    """In a worker (``LLM.collective_rpc``): the names and descriptions of its
+    latent layers' decoders and the CUDA graph mode it resolved."""
+    cc = worker.vllm_config.compilation_config
     decs = [d for layer in cc.static_forward_context.values()
             if (d := layer.__dict__.get("decoder")) is not None]
-    return dict(path="/".join(sorted({d.name for d in decs})) or "stock",
-                why="; ".join(sorted({d.describe()[:160] for d in decs})),
+    return dict(names=sorted({d.name for d in decs}),
+                whys=sorted({d.describe()[:160] for d in decs}),
                 graphs=str(cc.cudagraph_mode).split(".")[-1])
+
+
+def _paths(llm) -> dict:
+    """The decoders of the latent layers (their names, e.g. ``triton-grid``,
+    and descriptions, :mod:`vllm_lowrank.attention.decoders`) and the CUDA
+    graph mode vLLM resolved, over every worker (with the ``mp`` executor the
+    layers live in the worker processes, not in this one)."""
+    got = llm.collective_rpc(_worker_paths)
+    return dict(path="/".join(sorted({n for g in got for n in g["names"]})) or "stock",
+                why="; ".join(sorted({w for g in got for w in g["whys"]})),
+                graphs="/".join(sorted({g["graphs"] for g in got})))
 
 
 def _capacity(llm) -> int:
@@ -410,7 +484,7 @@ def run_one(args) -> list[dict]:
 
     rows = []
     name = args.one
-    base = dict(config=name, device=torch.cuda.get_device_name())
+    base = dict(config=name, device=torch.cuda.get_device_name(), tp=args.tensor_parallel_size)
     if args.mode == "shapes":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         extra = {(b, length): 1 + args.decode_tokens
@@ -459,6 +533,8 @@ def run_one(args) -> list[dict]:
                             for k, v in got.items()},
                          out_tok_s=round(args.load_prompts * args.load_out / got["wall_s"], 1),
                          **_speculation(llm)))
+    if args.tensor_parallel_size > 1:  # stop the workers (their GPUs free) before os._exit
+        llm.llm_engine.engine_core.shutdown()
     return rows
 
 
@@ -471,12 +547,13 @@ def _table(rows: list[dict], keys: list[str]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama3-8b-shape")
+    p.add_argument("--model", default="llama3-8b-shape",
+                   help=f"a folder of the GPU recipe's models or one of {sorted(SHAPES)}")
     p.add_argument("--configs", default="stock,default,g1")
     p.add_argument("--shapes", default="1x4096,16x4096,64x4096,1x32768,8x32768")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--equal-memory", type=float, default=0.0,
-                   help="GiB of KV cache for the equal-memory load (0: skip)")
+                   help="GiB of KV cache per GPU for the equal-memory load (0: skip)")
     p.add_argument("--load-prompts", type=int, default=256)
     p.add_argument("--load-len", type=int, default=4096)
     p.add_argument("--load-out", type=int, default=128)
@@ -489,6 +566,8 @@ def main() -> None:
                    help="vLLM's --watermark (default: vLLM's, or what the plugin sets)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs per engine (vLLM's mp executor, NCCL all-reduce)")
     p.add_argument("--speculative", action="store_true",
                    help="n-gram speculative decoding (3 drafts) in every engine, over "
                         "prompts that repeat every 64 tokens")
@@ -504,6 +583,10 @@ def main() -> None:
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="shapes", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.profile and args.tensor_parallel_size > 1:
+        p.error("--profile traces this process's GPU work: with --tensor-parallel-size > 1 "
+                "the model runs in worker processes")
+    os.environ.update(NO_MULTICAST)  # before any engine or subprocess starts
     global PERIOD
     PERIOD = 64 if args.speculative else 0
     if args.one:
@@ -563,8 +646,8 @@ def main() -> None:
             if ref and "decode_ms" in r:
                 r["decode_vs_stock"] = round(r["decode_ms"] / ref["decode_ms"], 2)
                 r["prefill_vs_stock"] = round(r["prefill_s"] / ref["prefill_s"], 2)
-        print(_table(shape_rows, ["config", "path", "graphs", "startup_s", "batch", "context",
-                                  "kv_tokens", "prefill_s",
+        print(_table(shape_rows, ["config", "tp", "path", "graphs", "startup_s", "batch",
+                                  "context", "kv_tokens", "prefill_s",
                                   "prefill_vs_stock", "decode_ms", "decode_vs_stock",
                                   "drafted", "accepted", "error"]))
     load_rows = [r for r in rows if r["mode"] == "load"]
@@ -576,7 +659,7 @@ def main() -> None:
                 r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
                 if r.get("queued_running") and ref.get("queued_running"):
                     r["queued_vs_stock"] = round(r["queued_running"] / ref["queued_running"], 2)
-        print(_table(load_rows, ["config", "startup_s", "kv_gib", "kv_tokens", "fit_seqs",
+        print(_table(load_rows, ["config", "tp", "startup_s", "kv_gib", "kv_tokens", "fit_seqs",
                                  "fit_vs_stock", "peak_running", "mean_running",
                                  "queued_running", "queued_vs_stock", "preemptions",
                                  "steps", "mixed_steps", "out_tok_s", "tok_s_vs_stock",

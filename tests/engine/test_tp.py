@@ -27,7 +27,8 @@ import os
 
 import pytest
 
-from conftest import TIE, clear_worker_states, greedy_with_gaps, make_llm, worker_states
+from conftest import (TIE, benchmark_module, clear_worker_states, greedy_with_gaps, make_llm,
+                      worker_states)
 
 PROMPTS = [
     "The capital of France is",
@@ -72,8 +73,9 @@ def tiny_artifact(tiny_model, tmp_path_factory) -> str:
 
 def _run(model: str, compression: dict | None, tp: int) -> dict:
     """Greedy tokens and top-2 gaps for :data:`PROMPTS`, the KV capacity in
-    tokens (per rank: every rank allocates the same number of blocks), and what
-    every worker reports (``ModelCompression.summary``)."""
+    tokens (per rank: every rank allocates the same number of blocks), what
+    every worker reports (``ModelCompression.summary``), and the decoders
+    ``benchmarks/gpu_serving.py`` reads from the workers (``paths``)."""
     kwargs = {}
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:
@@ -94,7 +96,8 @@ def _run(model: str, compression: dict | None, tp: int) -> dict:
         cc = llm.llm_engine.vllm_config.cache_config
         tokens, gaps = greedy_with_gaps(llm, PROMPTS, MAX_TOKENS)
         result = {"capacity": cc.num_gpu_blocks * cc.block_size, "block_size": cc.block_size,
-                  "tokens": tokens, "gaps": gaps, "states": worker_states()}
+                  "tokens": tokens, "gaps": gaps, "states": worker_states(),
+                  "paths": benchmark_module("gpu_serving")._paths(llm)}
     finally:
         del llm
         gc.collect()
@@ -162,6 +165,15 @@ def test_full_rank_capacity_per_rank(stock_tp1, full_tp1, full_tp2):
     # each rank caches half of the heads in its own 1 GiB: twice the tokens
     assert [s["stored_bytes_per_token"] for s in full_tp2["states"]] == [full // 2] * 2
     assert full_tp2["capacity"] == _expected_capacity(full // 2, full_tp2["block_size"])
+
+
+@pytest.mark.slow
+def test_gpu_serving_reads_the_decoders_from_the_workers(stock_tp1, full_tp2):
+    """``gpu_serving._paths`` asks every worker (``collective_rpc``): with the
+    ``mp`` executor the layers live in the worker processes (on a CPU each
+    latent layer decodes on the torch path)."""
+    assert full_tp2["paths"]["path"] == "torch", full_tp2["paths"]
+    assert stock_tp1["paths"]["path"] == "stock", stock_tp1["paths"]
 
 
 @pytest.mark.slow

@@ -75,13 +75,18 @@ _CACHE: dict = {}
 
 
 def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=None,
-          eager: bool = False, speculative: bool = False) -> dict:
-    key = (model, json.dumps(config, sort_keys=True), dtype, blocks, eager, speculative)
+          eager: bool = False, speculative: bool = False, tp: int = 1,
+          block_size: int | None = None, weights: str = "dummy") -> dict:
+    """``probe.py``'s result for one engine (run once per argument set)."""
+    key = (model, json.dumps(config, sort_keys=True), dtype, blocks, eager, speculative, tp,
+           block_size, weights)
     if key not in _CACHE:
         cmd = [sys.executable, "-P", PROBE, "--model", model, "--config", json.dumps(config),
-               "--dtype", dtype]
+               "--dtype", dtype, "--tensor-parallel-size", str(tp), "--weights", weights]
         if blocks:
             cmd += ["--blocks", str(blocks)]
+        if block_size:
+            cmd += ["--block-size", str(block_size)]
         if eager:
             cmd.append("--eager")
         if speculative:
@@ -95,6 +100,7 @@ def probe(model: str, config: dict | None, *, dtype: str = "bfloat16", blocks=No
         if report:  # which path and graph mode each engine ran (for the notes)
             with open(report, "a") as f:
                 f.write(json.dumps(dict(model=model, config=config, dtype=dtype, blocks=blocks,
+                                        tp=tp, weights=weights,
                                         **{k: _CACHE[key].get(k) for k in (
                                             "paths", "cudagraph_mode", "kv_tokens",
                                             "compression_ratio", "preemptions",
