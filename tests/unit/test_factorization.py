@@ -196,6 +196,12 @@ def test_uniform_plan_rounding_and_refusal():
         uniform_plan(LowRankConfig(mode="lowrank", head_group_size=2), shape, 0)
     over = uniform_plan(LowRankConfig(mode="lowrank", ranks={0: (64, 128)}), shape, 0)
     assert over.k_ranks == (64,) and over.v_ranks == (128,)
+    # packed codes need whole bytes per group: 84 4-bit values per group is 42 bytes,
+    # but the packer's unit is 8 codes; 16-bit sides take any rank
+    with pytest.raises(LowRankConfigError, match=r"ranks\[0\] r_v=84 .* multiple of 8"):
+        uniform_plan(LowRankConfig(mode="lowrank", ranks={0: (64, 84)}, v_bits=4), shape, 0)
+    assert uniform_plan(LowRankConfig(mode="lowrank", ranks={0: (64, 84)}), shape,
+                        0).v_ranks == (84,)
 
 
 def _spectra(layers, seed=1):

@@ -174,18 +174,27 @@ def uniform_plan(
 
     Raises:
         LowRankConfigError: invalid group size or override (with
-            ``post_rope_keys``, a key rank other than the full width).
+            ``post_rope_keys``, a key rank other than the full width; on a
+            quantized side, a rank per group that is not a multiple of
+            ``cfg.rank_multiple``, whole bytes of packed codes).
     """
     g = resolve_group_size(cfg, shape)
     n = shape.num_kv_heads // g
     full = g * shape.head_dim
     if cfg.ranks and layer_index in cfg.ranks:
         rk_total, rv_total = cfg.ranks[layer_index]
-        for side, total in (("r_k", rk_total), ("r_v", rv_total)):
+        for side, total, bits in (("r_k", rk_total, cfg.k_bits), ("r_v", rv_total, cfg.v_bits)):
             if total % n or not 1 <= total // n <= full:
                 raise LowRankConfigError(
                     f"ranks[{layer_index}] {side}={total} must be a multiple of the "
                     f"{n} head group(s) with 1..{full} per group"
+                )
+            if bits < 16 and (total // n) % cfg.rank_multiple:
+                raise LowRankConfigError(
+                    f"ranks[{layer_index}] {side}={total} gives {total // n} per head "
+                    f"group (per tensor-parallel rank), not a multiple of "
+                    f"{cfg.rank_multiple}: {bits}-bit codes are packed in whole bytes per "
+                    f"group; use a multiple of {cfg.rank_multiple * n}"
                 )
         if cfg.post_rope_keys and rk_total != n * full:
             raise LowRankConfigError(
