@@ -40,8 +40,14 @@ custom one being a compiled kernel; no NVLink multicast, :data:`NO_MULTICAST`).
 its own memory.
 
 Each row names the decoders the latent layers took
-(:mod:`vllm_lowrank.attention.decoders`). The engines run the product as it
-ships: nothing here replaces a product function.
+(:mod:`vllm_lowrank.attention.decoders`), or for FlashInfer the decode kernel
+vLLM chose. The engines run the product as it ships: nothing here replaces a
+product function.
+
+Ratios (``*_vs_stock``, column ``ref``) are against the fastest stock backend
+with a bf16 cache in the same command (``stock``: TRITON_ATTN, ``stock-flashinfer*``;
+not ``stock-all-memory`` nor an FP8 cache); a second table gives every row
+against each stock row.
 
 Prints a table per measurement and writes every row to ``--json``.
 """
@@ -51,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -67,6 +74,19 @@ CONFIGS = {
     # for a cache as fast as stock's with unlimited room (no compression can beat
     # it but by attending faster than stock's bf16 kernel)
     "stock-all-memory": {"all_memory": True},
+    # stock vLLM on FlashInfer (bf16, and vLLM's FP8 KV cache): FlashInfer's kernels
+    # JIT-compile with the machine's nvcc. On the GPU recipe, from
+    # `prepare_gpuvllm.sh --flashinfer` (README, "Stock FlashInfer"): flashinfer-python
+    # (only these engines see it) and vLLM's Triton cache write in place of its compiled
+    # one (benchmarks/gpuvllm_flashinfer.py). Offline and without flashinfer-cubin, vLLM
+    # decodes with FlashInfer's own kernels; "-xqa" tells vLLM that cubins are there
+    # (VLLM_HAS_FLASHINFER_CUBIN=1), as it assumes where it reaches NVIDIA's
+    # artifactory: then it decodes with XQA on SM90 (JIT-compiled as well)
+    "stock-flashinfer": {"backend": "FLASHINFER"},
+    "stock-flashinfer-fp8": {"backend": "FLASHINFER", "kv_cache_dtype": "fp8"},
+    "stock-flashinfer-xqa": {"backend": "FLASHINFER", "env": {"VLLM_HAS_FLASHINFER_CUBIN": "1"}},
+    "stock-flashinfer-fp8-xqa": {"backend": "FLASHINFER", "kv_cache_dtype": "fp8",
+                                 "env": {"VLLM_HAS_FLASHINFER_CUBIN": "1"}},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
     # SVD of the dummy weights: speed and memory are real, accuracy is not)
     # what `--kv-compression lowrank` alone serves (presets.DEFAULT_PRESET)
@@ -545,6 +565,131 @@ def _table(rows: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def is_stock(name: str) -> bool:
+    """A stock vLLM row: ``stock`` or ``stock-*`` (TRITON_ATTN, FlashInfer, FP8 KV)."""
+    return name == "stock" or name.startswith("stock-")
+
+
+def is_reference(name: str) -> bool:
+    """A row the ratio columns may take as reference: stock vLLM with a bf16 cache at
+    the same KV memory, any attention backend. Not ``stock-all-memory`` (vLLM sizes
+    its memory) nor an FP8 cache (a compressed cache, like ours: it is compared in
+    the "vs each stock row" table instead)."""
+    spec = CONFIGS.get(name, {})
+    return is_stock(name) and not spec.get("all_memory") and "kv_cache_dtype" not in spec
+
+
+def references(rows: list[dict], metric: str, key=lambda r: None,
+               lower_is_better: bool = False) -> dict:
+    """``{key(row): row}``: for each group of rows (by ``key``: a shape, or none),
+    the fastest :func:`is_reference` row that has ``metric``."""
+    best: dict = {}
+    for r in rows:
+        if not is_reference(r.get("config", "")) or r.get(metric) is None:
+            continue
+        k, old = key(r), best.get(key(r))
+        if old is None or (r[metric] < old[metric] if lower_is_better
+                           else r[metric] > old[metric]):
+            best[k] = r
+    return best
+
+
+def vs_each_stock(rows: list[dict], metric: str, key=lambda r: None,
+                  label=lambda r: r["config"]) -> str:
+    """A table of every row's ``metric`` over each stock row's (same group by
+    ``key``), one column per stock config that ran (``stock-all-memory`` too)."""
+    stocks = list(dict.fromkeys(r["config"] for r in rows
+                                if is_stock(r["config"]) and r.get(metric) is not None))
+    by = {(key(r), r["config"]): r for r in rows if r.get(metric) is not None}
+    out = []
+    for r in rows:
+        if r.get(metric) is None:
+            continue
+        row = {"config": label(r), metric: r[metric]}
+        for s in stocks:
+            ref = by.get((key(r), s))
+            if ref and ref[metric]:
+                row[f"vs {s}"] = round(r[metric] / ref[metric], 2)
+        out.append(row)
+    return _table(out, ["config", metric] + [f"vs {s}" for s in stocks])
+
+
+def _flashinfer_missing(name: str, env: dict) -> str | None:
+    """Why config ``name`` (the FlashInfer backend) cannot start on the GPU recipe
+    (``GPUVLLM_SITE`` set by ``.gpuvllm/env.sh``), or ``None``."""
+    if CONFIGS[name].get("backend") != "FLASHINFER" or not env.get("GPUVLLM_SITE"):
+        return None
+    site = env.get("GPUVLLM_FLASHINFER_SITE", "")
+    if not os.path.isdir(os.path.join(site, "flashinfer")):
+        return ("no flashinfer-python: install .gpuvllm-flashinfer, then source "
+                "/tmp/gpuvllm_flashinfer/env.sh (benchmarks/README.md, Stock FlashInfer)")
+    backend = os.path.join(env["GPUVLLM_SITE"], "vllm/v1/attention/backends/flashinfer.py")
+    if not os.path.exists(backend) or "gpuvllm patch" not in open(backend).read():
+        return ("vLLM's FlashInfer backend calls compiled ops: rebuild .gpuvllm with "
+                "benchmarks/prepare_gpuvllm.sh --flashinfer")
+    return None
+
+
+def engine_env(env: dict, name: str) -> dict:
+    """The environment of config ``name``'s engine: its spec's ``env``; for the
+    FlashInfer backend, ``$GPUVLLM_FLASHINFER_SITE`` after ``PYTHONPATH``, so only
+    FlashInfer's engines see flashinfer-python (vLLM changes other paths when it is
+    importable) and every other engine runs as it did before."""
+    spec = CONFIGS[name]
+    out = dict(env, **spec.get("env", {}))
+    site = env.get("GPUVLLM_FLASHINFER_SITE")
+    if spec.get("backend") == "FLASHINFER" and site:
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
+    return out
+
+
+def report(rows: list[dict]) -> str:
+    """The tables of ``rows`` (every engine's), after adding to each row its ratios
+    to the fastest stock backend with a bf16 cache in ``rows`` (:func:`references`;
+    per shape in the ``shapes`` mode) and that row's name (``ref``)."""
+    out = []
+    shape_rows = [r for r in rows if r["mode"] == "shapes"]
+    if shape_rows:
+        shape = lambda r: (r.get("batch"), r.get("context"))  # noqa: E731
+        refs = references(shape_rows, "decode_ms", shape, lower_is_better=True)
+        for r in shape_rows:
+            ref = refs.get(shape(r))
+            if ref and "decode_ms" in r:
+                r["ref"] = ref["config"]
+                r["decode_vs_stock"] = round(r["decode_ms"] / ref["decode_ms"], 2)
+                r["prefill_vs_stock"] = round(r["prefill_s"] / ref["prefill_s"], 2)
+        out.append("ratios vs the fastest stock backend (bf16 KV) at each shape: " + (", ".join(
+            f"{b}x{c} {ref['config']}" for (b, c), ref in refs.items()) or "none ran"))
+        out.append(_table(shape_rows, ["config", "tp", "path", "graphs", "startup_s", "batch",
+                                       "context", "kv_tokens", "prefill_s", "prefill_vs_stock",
+                                       "decode_ms", "decode_vs_stock", "ref", "drafted",
+                                       "accepted", "error"]))
+        out.append("decode step vs each stock row (lower: faster):")
+        out.append(vs_each_stock(shape_rows, "decode_ms", shape,
+                                 lambda r: f"{r['config']} {r.get('batch')}x{r.get('context')}"))
+    load_rows = [r for r in rows if r["mode"] == "load"]
+    if load_rows:
+        ref = references(load_rows, "out_tok_s").get(None)
+        for r in load_rows:
+            if ref and "out_tok_s" in r:
+                r["ref"] = ref["config"]
+                r["tok_s_vs_stock"] = round(r["out_tok_s"] / ref["out_tok_s"], 2)
+                r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
+                if r.get("queued_running") and ref.get("queued_running"):
+                    r["queued_vs_stock"] = round(r["queued_running"] / ref["queued_running"], 2)
+        out.append(f"ratios vs {ref['config'] if ref else 'none (no stock row ran)'} "
+                   "(the fastest stock backend, bf16 KV)")
+        out.append(_table(load_rows, ["config", "tp", "startup_s", "kv_gib", "kv_tokens",
+                                      "fit_seqs",
+                                      "fit_vs_stock", "peak_running", "mean_running",
+                                      "queued_running", "queued_vs_stock", "preemptions",
+                                      "steps", "mixed_steps", "out_tok_s", "tok_s_vs_stock",
+                                      "ref", "wall_s", "drafted", "accepted", "error"]))
+        out.append("output tokens/s vs each stock row:")
+        out.append(vs_each_stock(load_rows, "out_tok_s"))
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama3-8b-shape",
@@ -611,9 +756,14 @@ def main() -> None:
         for name in args.configs.split(","):
             cmd = [sys.executable, "-P", __file__, *sys.argv[1:], "--one", name, "--mode", mode]
             t0 = time.time()
+            missing = _flashinfer_missing(name, env)
+            if missing:
+                rows.append(dict(config=name, mode=mode, error=missing))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             try:
-                res = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                     timeout=args.timeout)
+                res = subprocess.run(cmd, env=engine_env(env, name), capture_output=True,
+                                     text=True, timeout=args.timeout)
                 stdout, stderr = res.stdout, res.stderr
                 out = [line for line in stdout.splitlines() if line.startswith("ROWS ")]
                 if out:
@@ -629,41 +779,22 @@ def main() -> None:
                 os.makedirs(args.log_dir, exist_ok=True)
                 with open(os.path.join(args.log_dir, f"{name}-{mode}.log"), "w") as f:
                     f.write(stdout + "\n--- stderr ---\n" + stderr)
+            # the decode kernel vLLM's FlashInfer backend resolved (its log line)
+            fi = re.search(r"decode_backend=([\w-]+)", stdout + stderr)
             for r in got:
                 r["mode"] = mode
                 r["engine_s"] = round(time.time() - t0, 1)
+                if fi and r.get("path") == "stock":
+                    r["path"] = f"flashinfer {fi.group(1)}"
             rows += got
             print(json.dumps(got), flush=True)
             if args.json:  # after every engine: a later timeout keeps the rows so far
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)
-    shape_rows = [r for r in rows if r["mode"] == "shapes"]
-    if shape_rows:
-        stock = {(r.get("batch"), r.get("context")): r for r in shape_rows
-                 if r["config"] == "stock" and "decode_ms" in r}
-        for r in shape_rows:
-            ref = stock.get((r.get("batch"), r.get("context")))
-            if ref and "decode_ms" in r:
-                r["decode_vs_stock"] = round(r["decode_ms"] / ref["decode_ms"], 2)
-                r["prefill_vs_stock"] = round(r["prefill_s"] / ref["prefill_s"], 2)
-        print(_table(shape_rows, ["config", "tp", "path", "graphs", "startup_s", "batch",
-                                  "context", "kv_tokens", "prefill_s",
-                                  "prefill_vs_stock", "decode_ms", "decode_vs_stock",
-                                  "drafted", "accepted", "error"]))
-    load_rows = [r for r in rows if r["mode"] == "load"]
-    if load_rows:
-        ref = next((r for r in load_rows if r["config"] == "stock" and "out_tok_s" in r), None)
-        for r in load_rows:
-            if ref and "out_tok_s" in r:
-                r["tok_s_vs_stock"] = round(r["out_tok_s"] / ref["out_tok_s"], 2)
-                r["fit_vs_stock"] = round(r["fit_seqs"] / max(1, ref["fit_seqs"]), 2)
-                if r.get("queued_running") and ref.get("queued_running"):
-                    r["queued_vs_stock"] = round(r["queued_running"] / ref["queued_running"], 2)
-        print(_table(load_rows, ["config", "tp", "startup_s", "kv_gib", "kv_tokens", "fit_seqs",
-                                 "fit_vs_stock", "peak_running", "mean_running",
-                                 "queued_running", "queued_vs_stock", "preemptions",
-                                 "steps", "mixed_steps", "out_tok_s", "tok_s_vs_stock",
-                                 "wall_s", "drafted", "accepted", "error"]))
+    print(report(rows))
+    if args.json:  # again, with the ratio columns
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,27 @@
 # wheel, taken from ~/.cache/vllm-lowrank-test, else `pip download`ed there;
 # never installed here).
 #
-#   bash benchmarks/prepare_gpuvllm.sh [--vllm 0.32|0.33]   # from the project root, after make setup
+#   bash benchmarks/prepare_gpuvllm.sh [--vllm 0.32|0.33] [--flashinfer]   # from the project root, after make setup
 #
 # Then, on the GPU machine: source .gpuvllm/env.sh && python3 -P ...
+#
+# --flashinfer (stock vLLM on FlashInfer, gpu_serving.py's stock-flashinfer* configs;
+# benchmarks/README.md, "Stock FlashInfer"): also builds .gpuvllm-flashinfer/, the
+# flashinfer-python release this vLLM pins (benchmarks/gpuvllm_flashinfer.py), its wheel's
+# files packed with xz (62 MB wheel -> 17 MB), in a folder of its own so that .gpuvllm
+# stays as small as before; and patches vLLM's FlashInfer backend in .gpuvllm where it
+# calls compiled vLLM ops (the KV cache write, the FP8 query quantization).
 # The recipe's own files (shim/, env.sh, wheels.txt, models/, bench_*.py) are read
 # from $GPUVLLM_RECIPE (default ../shared/gpu-vllm), not copied into this repo.
 set -euo pipefail
 VER=0.32
+FLASHINFER=0
 while [ $# -gt 0 ]; do
   case $1 in
     --vllm) VER=${2:-}; shift $(( $# > 1 ? 2 : 1 ));;
     --vllm=*) VER=${1#--vllm=}; shift;;
-    *) echo "usage: $0 [--vllm 0.32|0.33]" >&2; exit 2;;
+    --flashinfer) FLASHINFER=1; shift;;
+    *) echo "usage: $0 [--vllm 0.32|0.33] [--flashinfer]" >&2; exit 2;;
   esac
 done
 case $VER in 0.32|0.33) ;; *) echo "--vllm takes 0.32 or 0.33, not '$VER'" >&2; exit 2;; esac
@@ -34,6 +43,7 @@ mkdir -p "$OUTDIR/whl" "$OUTDIR/models"
 if [ -d .git ] || [ -f .git ]; then
   EXCL=$(git rev-parse --git-path info/exclude)
   mkdir -p "$(dirname "$EXCL")"; grep -qx '/.gpuvllm/' "$EXCL" 2>/dev/null || echo '/.gpuvllm/' >> "$EXCL"
+  grep -qx '/.gpuvllm-flashinfer/' "$EXCL" 2>/dev/null || echo '/.gpuvllm-flashinfer/' >> "$EXCL"
 fi
 
 # 1. Wheels the GPU image lacks (cp312, manylinux x86_64), one version each.
@@ -93,6 +103,9 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s.0\n' "$VER" > "$STAGE/vll
 PATCHED=$(python3 "$RECIPE/shim/patch_vllm.py" "$STAGE/vllm")
 NPATCH=$(python3 -c "import runpy, sys; print(len(runpy.run_path(sys.argv[1])['PATCHES']))" "$RECIPE/shim/patch_vllm.py")
 [ "$(grep -c '^patched: ' <<< "$PATCHED")" = "$NPATCH" ] || { echo "patch_vllm.py: $PATCHED" >&2; exit 1; }
+# --flashinfer: vLLM's FlashInfer backend without compiled vLLM ops (exits non-zero
+# when a target text moved); gpu_serving.py refuses FlashInfer engines without it
+if [ "$FLASHINFER" = 1 ]; then python3 "$BENCH/gpuvllm_flashinfer.py" "$STAGE/vllm"; fi
 (cd "$STAGE" && tar czf "$OUTDIR/vllm_src.tgz" vllm "vllm-$VER.0.dist-info")
 
 # 3. Model configs (random "dummy" weights on the device) with the tokenizer.
@@ -116,5 +129,46 @@ for old, new in (('"$GPUVLLM_SITE"/vllm-0.32.0.dist-info', '"$GPUVLLM_SITE"/vllm
     text = text.replace(old, new)
 open(sys.argv[2], "w").write(text)
 EOF
+
+# 4. --flashinfer: .gpuvllm-flashinfer/ with the pinned flashinfer-python (cached in
+#    ~/.cache/vllm-lowrank-gpu/flashinfer). Its Python needs are on the GPU image
+#    (numpy, requests, ninja, nvidia-ml-py, cuda-bindings, einops, tabulate, click, tqdm,
+#    packaging) or in .gpuvllm (apache-tvm-ffi); `import flashinfer` and vLLM's
+#    FlashInfer backend import without cuda-tile, nccl4py, nccl-extensions,
+#    nvidia-cudnn-frontend and nvidia-cutlass-dsl (CuTe-DSL, cuDNN and NCCL paths only).
+FIDIR=$ROOT/.gpuvllm-flashinfer
+rm -rf "$FIDIR"
+if [ "$FLASHINFER" = 1 ]; then
+  FIV=$(python3 -c 'import runpy, sys; print(runpy.run_path(sys.argv[1])["FLASHINFER_PINS"][sys.argv[2]])' \
+        "$BENCH/gpuvllm_flashinfer.py" "$VER")
+  if [ "$VER" = 0.33 ] && [ -n "${WHEEL:-}" ]; then  # the release wheel names its pin
+    PIN=$(unzip -p "$WHEEL" 'vllm-*.dist-info/METADATA' | sed -n 's/^Requires-Dist: flashinfer-python==//p')
+    [ "$PIN" = "$FIV" ] || { echo "vllm 0.33 pins flashinfer-python $PIN, FLASHINFER_PINS says $FIV" >&2; exit 1; }
+  fi
+  FICACHE=$HOME/.cache/vllm-lowrank-gpu/flashinfer
+  mkdir -p "$FICACHE"
+  FIWHL=$FICACHE/flashinfer_python-$FIV-py3-none-any.whl
+  [ -f "$FIWHL" ] || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp $PLAT -d "$FICACHE" "flashinfer-python==$FIV"
+  FIXZ=$FICACHE/flashinfer_python-$FIV.tar.xz
+  if [ ! -f "$FIXZ" ]; then  # about 2 min on 2 cores
+    FISTAGE=$(mktemp -d)
+    (cd "$FISTAGE" && unzip -q "$FIWHL" && tar cf - . | xz -6 -T0 > "$FIXZ.part") && mv "$FIXZ.part" "$FIXZ"
+    rm -rf "$FISTAGE"
+  fi
+  mkdir -p "$FIDIR"; cp "$FIXZ" "$FIDIR/"
+  echo "flashinfer-python $FIV: wheel $(du -h "$FIWHL" | cut -f1), carried as $(du -h "$FIXZ" | cut -f1) xz"
+fi
 du -sh "$OUTDIR"
 echo "ready (vLLM $VER): send .gpuvllm/ with the work tree; on the GPU machine: source .gpuvllm/env.sh && python3 -P ..."
+if [ "$FLASHINFER" = 1 ]; then
+  TREE=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  BOTH=$(( TREE + $(du -sb "$OUTDIR" | cut -f1) + $(du -sb "$FIDIR" | cut -f1) ))
+  echo "stock FlashInfer (benchmarks/README.md, \"Stock FlashInfer\"): work tree + .gpuvllm + .gpuvllm-flashinfer = $(( BOTH / 1048576 )) MiB of the 64 a call carries"
+  if [ "$BOTH" -lt $(( 62 * 1048576 )) ]; then
+    echo "  call 1, carry [.gpuvllm, .gpuvllm-flashinfer]: source .gpuvllm/env.sh && bash benchmarks/gpuvllm_flashinfer_install.sh && source /tmp/gpuvllm_flashinfer/env.sh && python3 -P benchmarks/gpu_serving.py --configs stock-flashinfer,... (a short run: FlashInfer's kernels JIT-compile)"
+  else
+    echo "  call 1, carry [.gpuvllm-flashinfer]: bash benchmarks/gpuvllm_flashinfer_install.sh"
+  fi
+  echo "  later calls (within 30 s of the last, the same warm machine), carry [.gpuvllm]: source .gpuvllm/env.sh && source /tmp/gpuvllm_flashinfer/env.sh && python3 -P benchmarks/gpu_serving.py --configs stock,stock-flashinfer,..."
+fi

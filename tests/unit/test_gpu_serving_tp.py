@@ -76,7 +76,8 @@ def _estimate(recipe, config: dict, tp: int, **kw) -> dict:
 
 def test_alloc_8x_tp2_splits_into_packable_shares(recipe):
     """The ``8x`` stand-in's ranks, scaled in multiples of 8, leave a rank a
-    share of 84 channels at TP=2, which the 4-bit packing refuses; the ``tp=2``
+    share of 84 channels at TP=2, which the config refuses (4-bit codes pack in
+    whole bytes per group of 8 channels); the ``tp=2``
     ranks (multiples of 16) serve at TP=2, each rank storing about half of
     TP=1's bytes."""
     from vllm_lowrank.presets import PRESETS
@@ -86,7 +87,7 @@ def test_alloc_8x_tp2_splits_into_packable_shares(recipe):
     assert all(r % 16 == 0 for pair in two["ranks"].values() for r in pair)
     assert two["ranks"] == allocations.alloc_8x_ranks(32, 1024, tp=2)
     assert one["ranks"] == allocations.alloc_8x_ranks(32, 1024)  # unchanged at TP=1
-    with pytest.raises(ValueError, match="packed width 84"):
+    with pytest.raises(ValueError, match="gives 84 per head group .* not a multiple of 8"):
         _estimate(recipe, one, 2, block_size=32)
     tp1 = _estimate(recipe, two, 1, block_size=32)
     tp2 = _estimate(recipe, two, 2, block_size=32)
