@@ -1194,18 +1194,26 @@ def test_self_check(group_size, bits, mode, span):
     assert decoders.self_check(off(layer, ctx), reference) > decoders.SELF_CHECK_TOL
 
 
-def test_self_check_covers_a_verify_step():
+@pytest.mark.parametrize("kind", ["packed", "post-rope-keys"])
+def test_self_check_covers_a_verify_step(kind):
     """A decoder that takes several query tokens per sequence (the packed
-    kernel) is self-checked on a verify step too: it agrees with the torch
-    path's one-token rows, and one wrong only on verify steps is refused."""
+    kernel; the post-RoPE-keys kernel, whose tokens each have their own
+    latent span and exact set) is self-checked on a verify step too: it
+    agrees with the torch path's one-token rows, and one wrong only on verify
+    steps is refused."""
     from decoder_layer import triton_family
     from vllm_lowrank.attention import decoders
 
-    layer, ctx = decoder_layer(1, (8, 4), "post_rope", False, 53,
-                               ranks=((16,) * 4, (32,) * 4))
-    family = triton_family(layer, ctx)
+    if kind == "packed":
+        layer, ctx = decoder_layer(1, (8, 4), "post_rope", False, 53,
+                                   ranks=((16,) * 4, (32,) * 4))
+        family = triton_family(layer, ctx)
+    else:  # keys at full width after RoPE, 4-bit per channel; 16 sink + 32 recent
+        layer, ctx = decoder_layer(1, "channel", "post_rope", True, 53,
+                                   ranks=((32,) * 4, (32,) * 4))
+        family = decoders.PostRopeKeysDecoder
     decoder = family(layer, ctx)
-    assert family is decoders.PackedDecoder and decoder.takes_query_tokens
+    assert family.name == kind.replace("packed", "triton-packed") and decoder.takes_query_tokens
     reference = decoders.TorchDecoder(layer, ctx)
     assert decoders.self_check(decoder, reference) < (1e-2 if ON_GPU else 1e-4)
 

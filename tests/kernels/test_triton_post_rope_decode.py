@@ -29,7 +29,7 @@ SCALE = 0.2
 
 
 def make_case(group_size, rv, k_bits, v_bits, exact_bits, lens, sink, recent, seed=0,
-              heads=4, kv_heads=2, d=64, lat_page=PAGE):
+              heads=4, kv_heads=2, d=64, lat_page=PAGE, q_lens=None):
     g = torch.Generator().manual_seed(seed)
     shape = AttentionShape(256, heads, kv_heads, d)
     ng = kv_heads // group_size
@@ -59,15 +59,16 @@ def make_case(group_size, rv, k_bits, v_bits, exact_bits, lens, sink, recent, se
     exact_v = torch.randn(eblk * PAGE, shape.kv_width, generator=g)
     exact = slot.encode(exact_k, exact_v).view(eblk, 1, PAGE, -1)
     for b, n in enumerate(lens):  # poison the exact rows outside the exact set
-        for t in range(n):
-            if not (t < sink or t >= max(sink, n - 1 - recent)):
+        first = n - (q_lens[b] if q_lens else 1)  # the step's first new token (vLLM keeps
+        for t in range(n):                        # its window from there)
+            if not (t < sink or t >= max(sink, first - recent)):
                 blk = int(etable[b, t // PAGE])
                 exact[blk, 0, t % PAGE] = 0xFF
     v_up = torch.zeros(plan.v_width, shape.kv_width)
     gw = plan.group_width
     for gi, off in enumerate(plan.v_offsets()):
         v_up[off:off + rv, gi * gw:(gi + 1) * gw] = torch.randn(rv, gw, generator=g) / rv ** 0.5
-    q = torch.randn(len(lens), heads, d, generator=g)
+    q = torch.randn(sum(q_lens) if q_lens else len(lens), heads, d, generator=g)
     return plan, layout, slot, cache, exact, (table, etable), v_up, q, dtype
 
 
@@ -121,6 +122,34 @@ def test_post_rope_decode_matches_torch_path(case):
     for b, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
+
+
+@pytest.mark.parametrize("q_lens,splits", [([3, 1, 4], 1), ([4, 2, 0], 3)])
+def test_a_verify_steps_query_tokens_read_the_cache_once(q_lens, splits):
+    """Several query tokens per sequence (``query_start_loc``, a speculative
+    verify step): token ``t`` of ``q_b`` equals the torch path decoding it
+    alone at ``seq_len - (q_b - 1 - t)``, its own latent span and exact set
+    (the exact rows before the step's window are poisoned, as vLLM frees
+    them); a sequence with no tokens writes nothing."""
+    lens, sink, recent = [40, 97, 130], 16, 16
+    (plan, layout, slot, cache, exact, (table, etable), v_up, q,
+     dtype) = make_case(1, 32, 4, 4, 8, lens, sink, recent, seed=3, q_lens=q_lens)
+    req = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)])
+    row_lens = [lens[b] - (n - 1 - t) for b, n in enumerate(q_lens) for t in range(n)]
+    want = reference(plan, layout, slot, cache, exact, (table[req], etable[req]), v_up,
+                     q.float(), row_lens, sink, recent)
+    launch = kernel.PostRopeLaunch(plan, layout, slot, v_up.to(DEV), scale=SCALE, sink=sink,
+                                   recent=recent, dtype=dtype, block_size=PAGE)
+    out = torch.full((q.shape[0], plan.shape.num_heads * plan.shape.head_dim), float("nan"),
+                     device=DEV)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    launch(q.to(DEV, dtype), cache.to(DEV), table.to(DEV), exact.to(DEV), etable.to(DEV),
+           torch.tensor(lens, dtype=torch.int32, device=DEV), splits, out,
+           query_start_loc=qsl.to(DEV), max_query_len=max(q_lens))
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    err = ((out - want).norm() / want.norm()).item()
+    assert err < (2e-3 if DEV == "cpu" else 2e-2), err
 
 
 def test_splits_agree_and_cover_every_tile():

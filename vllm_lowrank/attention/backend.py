@@ -238,7 +238,8 @@ class LatentAttentionMetadata:
         exact_table = None if exact_block_table is None else exact_block_table[:nd]
         if self.rows is not None and query_tokens:
             return decoders.DecodeBatch(table, seq_lens, self.max_decode_seq_len,
-                                        self.min_decode_seq_len,
+                                        self.min_decode_seq_len, exact_cache=exact_cache,
+                                        exact_block_table=exact_table,
                                         query_start_loc=self.query_start_loc[:nd + 1],
                                         max_query_len=self.rows.max_query_len)
         if self.rows is not None:

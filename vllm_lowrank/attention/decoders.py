@@ -471,6 +471,7 @@ class PostRopeKeysDecoder(Decoder):
     name = "post-rope-keys"
     label = ("post-RoPE key codes and value latents, latent span and exact tokens in one "
              "Triton kernel")
+    takes_query_tokens = True
 
     @classmethod
     def supports(cls, layer, ctx: DecoderContext) -> str | None:
@@ -498,7 +499,8 @@ class PostRopeKeysDecoder(Decoder):
 
     def run(self, query, kv_cache, batch, plan, out) -> None:
         self.launch(query, kv_cache, batch.block_table, batch.exact_cache,
-                    batch.exact_block_table, batch.seq_lens, plan, out)
+                    batch.exact_block_table, batch.seq_lens, plan, out,
+                    query_start_loc=batch.query_start_loc, max_query_len=batch.max_query_len)
 
 
 def _token_adaptive(family: type[TritonDecoder]) -> type[TokenAdaptiveDecoder]:
@@ -592,8 +594,9 @@ def _verify_step(batch: DecodeBatch, q_lens: list[int]) -> tuple[DecodeBatch, De
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     req, back = (x.to(dev) for x in decode_rows(qsl, n))
     sub = _rows(batch, n)
-    rows = dataclasses.replace(sub, block_table=sub.block_table[req],
-                               seq_lens=sub.seq_lens[req] - back)
+    rows = dataclasses.replace(
+        sub, block_table=sub.block_table[req], seq_lens=sub.seq_lens[req] - back,
+        exact_block_table=None if sub.exact_block_table is None else sub.exact_block_table[req])
     return dataclasses.replace(sub, query_start_loc=qsl.to(dev),
                                max_query_len=max(q_lens)), rows
 

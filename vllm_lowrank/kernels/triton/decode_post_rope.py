@@ -118,12 +118,12 @@ def post_rope_decode_kernel(
     lens_ptr, vup_ptr, vsum_ptr,
     v_codes_off, v_scale_off, v_zero_off, share_off,
     ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off, ex_vzero_off,
-    po_ptr, plse_ptr, n_splits, qk_scale, sink, recent, kv_width, k_width,
+    po_ptr, plse_ptr, n_splits, qk_scale, sink, recent, kv_width, k_width, qsl_ptr,
     D: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, G: tl.constexpr,
     RV: tl.constexpr, RV_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     KCT: tl.constexpr, SHARE: tl.constexpr, EB: tl.constexpr, E_BITS: tl.constexpr,
     PAGE: tl.constexpr, EPAGE: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, QT: tl.constexpr,
 ):
     """One program per ``(split s, KV head j, sequence b)``; see the module
     docstring. Pointers: queries ``[B, H, D]``; the latent cache (uint8,
@@ -132,8 +132,16 @@ def post_rope_decode_kernel(
     block table; ``lens [B]``; ``vup [num_kv_heads, RV_PAD, D]`` each KV head's
     value lift ``B_v[g][:, j]`` (zero rows past ``RV``) in ``DT``, ``vsum
     [num_kv_heads, D]`` float32 its column sums. ``SPLIT``: store the
-    normalised partial ``[b, s, H * D]`` and its base-2 log-sum-exp ``[b, s,
-    H]``; else the output row ``[b, H * D]`` (its dtype)."""
+    normalised partial ``[row, s, H * D]`` and its base-2 log-sum-exp ``[row,
+    s, H]``; else the output row ``[row, H * D]`` (its dtype).
+
+    ``QT > 1``: sequence ``b`` has up to ``QT`` query tokens, rows ``qsl[b] ..
+    qsl[b + 1] - 1`` (a speculative verify step); token ``t`` of ``q_b`` sees
+    ``n_t = seq_len - (q_b - 1 - t)`` positions, split into latent span and
+    exact set at its own boundary (as a step that decoded it alone). Their
+    ``QT x QPK`` query rows share every tile: the latent tiles up to the last
+    token's span end, the exact tiles from the first token's tail, each row
+    masked to its own sets. ``QT == 1``: row ``b`` (``qsl_ptr`` unused)."""
     s = tl.program_id(0)
     j = tl.program_id(1)
     b = tl.program_id(2)
@@ -147,10 +155,26 @@ def post_rope_decode_kernel(
 
     # ---- the program's queries, split by code field: q[:, KC * i + n] meets field n
     # (loop-invariant dot operands: the keys are dequantized in the other operand)
-    h = tl.arange(0, Q_PAD)
-    hm = h < QPK
+    r = tl.arange(0, Q_PAD)
+    seq_len = tl.load(lens_ptr + b)
+    if QT == 1:
+        h = r
+        hm = h < QPK
+        tok = b.to(tl.int64) + 0 * r  # [Q_PAD] the query / output row of each tile row
+        early = 0                     # tokens of the sequence after the first
+    else:
+        q_first = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_first
+        t_of = r // QPK
+        h = r - t_of * QPK
+        hm = (t_of < q_len) & (r < QT * QPK)
+        tok = (q_first + t_of).to(tl.int64)
+        early = tl.maximum(q_len - 1, 0)
+        row_len = seq_len - (q_len - 1 - t_of)       # [Q_PAD] n_t
+        row_lat_end = row_len - recent
+        row_tail = tl.maximum(sink, row_lat_end)
     heads = j * QPK + h
-    qrow = q_ptr + b.to(tl.int64) * s_qb + heads.to(tl.int64) * s_qh
+    qrow = q_ptr + tok * s_qb + heads.to(tl.int64) * s_qh
     kj = tl.arange(0, KB)
     q0 = tl.load(qrow[:, None] + KC * kj[None, :], mask=hm[:, None], other=0.0).to(DT)
     q1 = q0
@@ -169,10 +193,9 @@ def post_rope_decode_kernel(
     z_at = (2 * (k_width + ch) // SHARE) * s_tok + share_off + (2 * (k_width + ch)) % SHARE
 
     # ---- the split's tiles: latent span, then exact set
-    seq_len = tl.load(lens_ptr + b)
     lat_end = seq_len - recent                       # latent span [sink, lat_end)
     n_lat = tl.where(lat_end > sink, (lat_end - sink + KCT - 1) // KCT, 0)
-    tail = tl.maximum(sink, lat_end)                 # exact tail [tail, seq_len)
+    tail = tl.maximum(sink, lat_end - early)         # exact tail [tail, seq_len)
     n_sink = tl.minimum(sink, seq_len)
     n_ex = n_sink + tl.maximum(seq_len - tail, 0)
     n_tiles = n_lat + (n_ex + EB - 1) // EB
@@ -227,7 +250,11 @@ def post_rope_decode_kernel(
         valid_n = (pn + i < lat_end) & (i * 0 + t + 1 < lat_hi)
         vs_n, vz_n = offset_pair(gptr_n + i * s_tok, valid_n, v_scale_off + 2 * g,
                                   v_zero_off + 2 * g, VOFF)
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        if QT == 1:
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        else:
+            sc = tl.where(valid[None, :] & ((p0 + i)[None, :] < row_lat_end[:, None]),
+                          sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -271,7 +298,12 @@ def post_rope_decode_kernel(
                                     ex_vscale_off, ex_vzero_off, DT, True, 8, D, 0, True, 1,
                                     True)
             sc = tl.dot(q_dt, tl.trans(k)) * ks[None, :] + q_sum[:, None] * kz[None, :]
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        if QT == 1:
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        else:  # each row's own exact set: its sinks, its tail, up to its own token
+            mine = ((pos[None, :] < sink) | (pos[None, :] >= row_tail[:, None])) & \
+                (pos[None, :] < row_len[:, None])
+            sc = tl.where(valid[None, :] & mine, sc * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(sc, 1, max_combine))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -311,12 +343,12 @@ def post_rope_decode_kernel(
     num_heads = tl.num_programs(1) * QPK
     col = heads[:, None] * D + c[None, :]
     if SPLIT:
-        bs = b.to(tl.int64) * n_splits + s
+        bs = tok * n_splits + s  # [Q_PAD]
         lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(po_ptr + bs * num_heads * D + col, o, mask=hm[:, None])
+        tl.store(po_ptr + bs[:, None] * num_heads * D + col, o, mask=hm[:, None])
         tl.store(plse_ptr + bs * num_heads + heads, lse2, mask=hm)
     else:
-        tl.store(po_ptr + b.to(tl.int64) * num_heads * D + col,
+        tl.store(po_ptr + tok[:, None] * num_heads * D + col,
                  o.to(po_ptr.dtype.element_ty), mask=hm[:, None])
 
 
@@ -413,7 +445,7 @@ class PostRopeLaunch:
                         (lay.v_codes_offset, lay.k_scale_offset, lay.k_zero_offset,
                          lay.v_scale_offset, lay.v_zero_offset))
         self.consts = dict(
-            D=d, QPK=sh.queries_per_kv, Q_PAD=max(16, triton.next_power_of_2(sh.queries_per_kv)),
+            D=d, QPK=sh.queries_per_kv,
             G=plan.group_size, RV=rv, RV_PAD=rv_pad, K_BITS=layout.k_bits,
             V_BITS=layout.v_bits, KCT=layout.k_channel_tokens, SHARE=layout.k_share_bytes,
             EB=16 if f32 else EXACT_BLOCK, E_BITS=exact_slot.bits, DT=TL_DTYPES[self.dt],
@@ -429,11 +461,14 @@ class PostRopeLaunch:
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor) -> torch.Tensor:
-        """Decode one new token per sequence into ``out``.
+                 seq_lens: torch.Tensor, num_splits: int, out: torch.Tensor,
+                 query_start_loc: torch.Tensor | None = None,
+                 max_query_len: int = 1) -> torch.Tensor:
+        """Decode one new token per sequence, or a verify step's few, into ``out``.
 
         Args:
-            query: ``[B, H, head_dim]`` post-RoPE queries.
+            query: ``[T, H, head_dim]`` post-RoPE queries (``T = B`` without
+                ``query_start_loc``).
             kv_cache: ``uint8 [num_blocks, 1, block_size, slot_bytes]`` latent cache.
             block_table: ``[B, max_blocks]`` int32 rows of its block table.
             exact_cache: ``uint8 [num_blocks, 1, block_size, exact slot bytes]``,
@@ -441,13 +476,18 @@ class PostRopeLaunch:
             seq_lens: ``[B]`` int32, this token included (0: a CUDA graph's
                 padding row, which gets zeros).
             num_splits: From :meth:`num_splits`.
-            out: ``[B, H * head_dim]`` (contiguous rows), any float dtype.
+            out: ``[T, H * head_dim]`` (contiguous rows), any float dtype.
+            query_start_loc: ``[B + 1]`` int32 (device) offsets of each
+                sequence's query rows (a speculative verify step), at most
+                ``max_query_len`` each; token ``t`` of ``q_b`` decodes as if
+                alone at ``seq_len - (q_b - 1 - t)``. ``None``: one per sequence.
 
         Returns:
             ``out``.
         """
         sh = self.plan.shape
         bsz = query.shape[0]
+        qt = 1 if query_start_loc is None else max(2, triton.next_power_of_2(max_query_len))
         query = query if query.stride(-1) == 1 else query.contiguous()
         ex = exact_cache.view(self.dtype) if self.exact_slot.bits == 16 else exact_cache
         split = num_splits > 1
@@ -459,7 +499,8 @@ class PostRopeLaunch:
         else:
             po, plse = out, out
         lay = self.layout
-        post_rope_decode_kernel[(num_splits, sh.num_kv_heads, bsz)](
+        consts = dict(self.consts, Q_PAD=max(16, triton.next_power_of_2(qt * self.consts["QPK"])))
+        post_rope_decode_kernel[(num_splits, sh.num_kv_heads, seq_lens.shape[0])](
             query, query.stride(0), query.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(2), block_table, block_table.stride(0),
             ex, ex.stride(0), ex.stride(2), exact_block_table, exact_block_table.stride(0),
@@ -467,8 +508,8 @@ class PostRopeLaunch:
             lay.v_codes_offset, lay.v_scale_offset, lay.v_zero_offset, lay.k_share_offset,
             *self.ex_offs,
             po, plse, num_splits, self.qk_scale, self.sink, self.recent, sh.kv_width,
-            self.plan.k_width, SPLIT=split, PAGE=kv_cache.shape[2], EPAGE=exact_cache.shape[2],
-            **self.consts)
+            self.plan.k_width, seq_lens if query_start_loc is None else query_start_loc,
+            SPLIT=split, QT=qt, PAGE=kv_cache.shape[2], EPAGE=exact_cache.shape[2], **consts)
         if split:
             width = sh.num_heads * sh.head_dim
             head_of_col = self._head_of_col(query.device)
