@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import add_pair, centred, offset_pair, split_tiles
+from .tiles import add_pair, centred, offset_pair, query_rows, split_tiles
 
 SUPPORTED_BITS = (8, 4)
 """Code widths of this kernel (one or two codes per byte)."""
@@ -107,18 +107,8 @@ def packed_decode_kernel(
     K_OFF: tl.constexpr = 1 << (K_BITS - 1)
     V_OFF: tl.constexpr = 1 << (V_BITS - 1)
 
-    r = tl.arange(0, Q_PAD)
-    if QT == 1:
-        h = r
-        hm = h < HG
-        tok = b.to(tl.int64) + 0 * r  # [Q_PAD] the query / output row of each tile row
-    else:
-        q_first = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_first
-        t_of = r // HG
-        h = r - t_of * HG
-        hm = (t_of < q_len) & (r < QT * HG)
-        tok = (q_first + t_of).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b)
+    h, hm, tok, row_end, _ = query_rows(b, seq_len, qsl_ptr, Q_PAD, HG, QT)
     head = g * HG + h
     qrow = q_ptr + tok * s_qb + head.to(tl.int64) * s_qh
     kj = tl.arange(0, KB)
@@ -133,9 +123,6 @@ def packed_decode_kernel(
     k_codes = g * KB
     v_codes = v_codes_off + g * VB
 
-    seq_len = tl.load(seq_lens_ptr + b)
-    if QT > 1:
-        row_end = seq_len - (q_len - 1 - t_of)  # [Q_PAD] causal over the drafts
     first, end, t_lo, t_hi = split_tiles(seq_len, s, n_splits, window, sink, recent,
                                          BLOCK_N, WINDOW, SPAN)
     i = tl.arange(0, BLOCK_N)

@@ -67,7 +67,7 @@ import triton.language as tl
 from .decode_prep import LOG2E, TL_DTYPES, interpreting, pow2, sm_count
 from .launch import choose_num_splits
 from .tiles import (add_combine, add_pair, centred, load_latent, max_combine, offset_pair,
-                    reduce_splits_kernel)
+                    query_rows, reduce_splits_kernel)
 
 EXACT_BLOCK = 32
 """Exact positions per tile (16 under the interpreter)."""
@@ -155,24 +155,10 @@ def post_rope_decode_kernel(
 
     # ---- the program's queries, split by code field: q[:, KC * i + n] meets field n
     # (loop-invariant dot operands: the keys are dequantized in the other operand)
-    r = tl.arange(0, Q_PAD)
     seq_len = tl.load(lens_ptr + b)
-    if QT == 1:
-        h = r
-        hm = h < QPK
-        tok = b.to(tl.int64) + 0 * r  # [Q_PAD] the query / output row of each tile row
-        early = 0                     # tokens of the sequence after the first
-    else:
-        q_first = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_first
-        t_of = r // QPK
-        h = r - t_of * QPK
-        hm = (t_of < q_len) & (r < QT * QPK)
-        tok = (q_first + t_of).to(tl.int64)
-        early = tl.maximum(q_len - 1, 0)
-        row_len = seq_len - (q_len - 1 - t_of)       # [Q_PAD] n_t
-        row_lat_end = row_len - recent
-        row_tail = tl.maximum(sink, row_lat_end)
+    h, hm, tok, row_len, early = query_rows(b, seq_len, qsl_ptr, Q_PAD, QPK, QT)
+    row_lat_end = row_len - recent                   # [Q_PAD] each token's own span end
+    row_tail = tl.maximum(sink, row_lat_end)         # and exact tail
     heads = j * QPK + h
     qrow = q_ptr + tok * s_qb + heads.to(tl.int64) * s_qh
     kj = tl.arange(0, KB)

@@ -273,6 +273,29 @@ def group_row(gt_ptr, num_groups, g):
 
 
 @triton.jit
+def query_rows(b, seq_len, qsl_ptr, R: tl.constexpr, HPR: tl.constexpr, QT: tl.constexpr):
+    """The ``R`` query rows of sequence ``b``'s tile: row ``r`` is head ``h = r
+    % HPR`` of the program's ``HPR`` (``QT == 1``: ``h = r``) of query token
+    ``r // HPR``. ``QT > 1`` (a speculative verify step): the sequence has
+    ``q_b = qsl[b + 1] - qsl[b] <= QT`` tokens, rows ``qsl[b] ..`` of the
+    queries, and token ``t`` sees the first ``seq_len - (q_b - 1 - t)``
+    positions (causal over the drafts). Returns ``(h, valid, tok, row_len,
+    early)``: ``[R]`` head in the program, row in use, int64 query / output
+    row, context length of the row's token; ``early = q_b - 1`` (``0`` for
+    ``QT == 1``, where ``row_len`` is ``seq_len``)."""
+    r = tl.arange(0, R)
+    if QT == 1:
+        return r, r < HPR, b.to(tl.int64) + 0 * r, seq_len + 0 * r, 0
+    else:
+        q_first = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_first
+        t_of = r // HPR
+        return (r - t_of * HPR, (t_of < q_len) & (r < QT * HPR),
+                (q_first + t_of).to(tl.int64), seq_len - (q_len - 1 - t_of),
+                tl.maximum(q_len - 1, 0))
+
+
+@triton.jit
 def split_tiles(seq_len, s, n_splits, window, sink, recent, BLOCK_N: tl.constexpr,
                 WINDOW: tl.constexpr, SPAN: tl.constexpr):
     """``(first, end, t_lo, t_hi)``: a sequence of ``seq_len`` tokens attends
