@@ -54,8 +54,9 @@ def _run(model_path, compression, block_size, speculation):
     return tokens, gaps, counts
 
 
-@pytest.mark.parametrize("preset,block_size", [("2x", 32), ("lossless", 32), ("4x", 64),
-                                               ("8x", 32)])
+# `8x` decodes as `lossless` does (J-LRD latents, per-channel keys, token-adaptive),
+# with other ranks and bits: left to the GPU engine tests, to keep the suite short
+@pytest.mark.parametrize("preset,block_size", [("2x", 32), ("lossless", 32), ("4x", 64)])
 def test_speculation_keeps_the_greedy_tokens(model_path, preset, block_size):
     compression = calibrated({"mode": "lowrank", "preset": preset})
     ref, ref_gaps, _ = _run(model_path, compression, block_size, None)
