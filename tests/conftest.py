@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
+import zipfile
 
 import pytest
 import torch
@@ -226,3 +229,59 @@ def save_tiny_artifact(path: str, shape, ranks: dict | None = None) -> str:
     manifest["ranks"] = ranks
     art.Artifact(manifest, {i: ([basis()], [basis()]) for i in range(2)}).save(path)
     return path
+
+
+VLLM_WHEELS = pathlib.Path.home() / ".cache" / "vllm-lowrank-test"
+"""Downloaded vLLM wheels and their unpacked Python sources
+(``vllm-VERSION/vllm/...``)."""
+
+LOCAL_WHEELS = (VLLM_WHEELS,)
+"""Folders searched for a ``vllm-VERSION-*.whl`` before ``pip download``
+fetches one."""
+
+
+def release_sources(version: str) -> pathlib.Path:
+    """The folder holding the ``vllm`` package (its ``.py`` files only) of
+    vLLM ``version``'s release wheel, unpacked once into :data:`VLLM_WHEELS`. The
+    wheel is taken from :data:`LOCAL_WHEELS` when one is there, else fetched
+    by ``pip download vllm==VERSION --no-deps`` (the Linux x86-64 wheel,
+    whatever this machine is).
+
+    Raises:
+        RuntimeError: the wheel is not there and ``pip download`` failed or
+            took more than 30 minutes (pip's last output lines in the message).
+        OSError, zipfile.BadZipFile: the wheel could not be unpacked.
+    """
+    target = VLLM_WHEELS / f"vllm-{version}"
+    if (target / "vllm" / "__init__.py").is_file():
+        return target
+    wheel = next((w for folder in LOCAL_WHEELS if folder.is_dir()
+                  for w in sorted(folder.glob(f"vllm-{version}-*.whl"))), None)
+    if wheel is None:
+        VLLM_WHEELS.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
+                   "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+                   "--dest", str(VLLM_WHEELS), "--quiet"]
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"pip download vllm=={version} took more than 30 minutes") \
+                from None
+        wheel = next(iter(sorted(VLLM_WHEELS.glob(f"vllm-{version}-*.whl"))), None)
+        if run.returncode or wheel is None:
+            tail = " | ".join((run.stdout + run.stderr).strip().splitlines()[-3:])
+            raise RuntimeError(f"pip download vllm=={version} failed "
+                               f"(exit {run.returncode}): {tail}")
+    VLLM_WHEELS.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f"vllm-{version}.", dir=VLLM_WHEELS))
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(staging, [n for n in z.namelist()
+                                   if n.startswith("vllm/") and n.endswith(".py")])
+        os.replace(staging, target)  # whole or not at all (parallel runs)
+    except OSError:
+        if not (target / "vllm" / "__init__.py").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -3,7 +3,7 @@ every release series :data:`vllm_lowrank.compat.SUPPORTED_VLLM` names.
 
 Nothing of vLLM is imported: both sides are read by AST. The installed vLLM is
 read for its own series; every other series is read from its release wheel
-(``vllm==SERIES.0``, fetched once by ``pip download`` into :data:`CACHE` and
+(``vllm==SERIES.0``, fetched once by ``pip download`` into ``conftest.VLLM_WHEELS`` and
 unpacked there without installing; skipped when it cannot be fetched). What
 the plugin uses is derived from its sources, so a new import, override or
 compat function is covered without editing this file:
@@ -32,28 +32,17 @@ import inspect
 import os
 import pathlib
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import textwrap
-import zipfile
 
 import pytest
 
 import vllm_lowrank
+from conftest import release_sources
 from vllm_lowrank import compat
 
 OURS = pathlib.Path(vllm_lowrank.__file__).parent
 """The plugin's package folder."""
-
-CACHE = pathlib.Path.home() / ".cache" / "vllm-lowrank-test"
-"""Downloaded vLLM wheels and their unpacked Python sources
-(``vllm-VERSION/vllm/...``)."""
-
-LOCAL_WHEELS = (CACHE,)
-"""Folders searched for a ``vllm-VERSION-*.whl`` before ``pip download``
-fetches one."""
 
 OTHER_LIBRARIES = {"_attn_implementation": "transformers' PretrainedConfig (calibration)",
                    "_fields": "the standard library's typing.NamedTuple (kernel launch arguments)"}
@@ -321,53 +310,6 @@ def installed_release() -> Release:
     spec = importlib.util.find_spec("vllm")
     root = pathlib.Path(next(iter(spec.submodule_search_locations))).parent
     return Release(root, importlib.metadata.version("vllm"))
-
-
-def release_sources(version: str) -> pathlib.Path:
-    """The folder holding the ``vllm`` package (its ``.py`` files only) of
-    vLLM ``version``'s release wheel, unpacked once into :data:`CACHE`. The
-    wheel is taken from :data:`LOCAL_WHEELS` when one is there, else fetched
-    by ``pip download vllm==VERSION --no-deps`` (the Linux x86-64 wheel,
-    whatever this machine is).
-
-    Raises:
-        RuntimeError: the wheel is not there and ``pip download`` failed or
-            took more than 30 minutes (pip's last output lines in the message).
-        OSError, zipfile.BadZipFile: the wheel could not be unpacked.
-    """
-    target = CACHE / f"vllm-{version}"
-    if (target / "vllm" / "__init__.py").is_file():
-        return target
-    wheel = next((w for folder in LOCAL_WHEELS if folder.is_dir()
-                  for w in sorted(folder.glob(f"vllm-{version}-*.whl"))), None)
-    if wheel is None:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
-                   "--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
-                   "--dest", str(CACHE), "--quiet"]
-        try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"pip download vllm=={version} took more than 30 minutes") \
-                from None
-        wheel = next(iter(sorted(CACHE.glob(f"vllm-{version}-*.whl"))), None)
-        if run.returncode or wheel is None:
-            tail = " | ".join((run.stdout + run.stderr).strip().splitlines()[-3:])
-            raise RuntimeError(f"pip download vllm=={version} failed "
-                               f"(exit {run.returncode}): {tail}")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f"vllm-{version}.", dir=CACHE))
-    try:
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(staging, [n for n in z.namelist()
-                                   if n.startswith("vllm/") and n.endswith(".py")])
-        os.replace(staging, target)  # whole or not at all (parallel runs)
-    except OSError:
-        if not (target / "vllm" / "__init__.py").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 @functools.lru_cache(maxsize=None)
