@@ -187,8 +187,8 @@ class LatentAttentionMetadata:
             made by the first layer of a long step that needs them).
         rows: The decode tokens as rows when a decode request has several,
             else ``None`` (one row per decode request).
-        row_tables: Block tables gathered per row (:meth:`decode_batch`),
-            made by the first layer of the step that needs each.
+        row_batch: The decode rows' batch (:meth:`decode_batch`, block tables
+            gathered per row), made by the first layer of the step that needs it.
         speculative: Speculative decoding is on (``seq_lens_cpu`` of decode
             requests are upper bounds).
     """
@@ -207,7 +207,7 @@ class LatentAttentionMetadata:
     tale_spans: dict = dataclasses.field(default_factory=dict)
     key_group_ends: dict = dataclasses.field(default_factory=dict)
     rows: DecodeRows | None = None
-    row_tables: dict = dataclasses.field(default_factory=dict)
+    row_batch: decoders.DecodeBatch | None = None
     speculative: bool = False
 
     @property
@@ -234,28 +234,20 @@ class LatentAttentionMetadata:
             query_tokens: The decoder takes several query tokens per sequence.
         """
         nd = self.num_decodes
-        table, seq_lens = self.block_table[:nd], self.seq_lens[:nd]
-        exact_table = None if exact_block_table is None else exact_block_table[:nd]
-        if self.rows is not None and query_tokens:
-            return decoders.DecodeBatch(table, seq_lens, self.max_decode_seq_len,
-                                        self.min_decode_seq_len, exact_cache=exact_cache,
-                                        exact_block_table=exact_table,
-                                        query_start_loc=self.query_start_loc[:nd + 1],
-                                        max_query_len=self.rows.max_query_len)
-        if self.rows is not None:
-            rows = self.rows
-            if "latent" not in self.row_tables:
-                self.row_tables["latent"] = (
-                    table.index_select(0, rows.req),
-                    (seq_lens.index_select(0, rows.req) - rows.back).clamp_min(0))
-            table, seq_lens = self.row_tables["latent"]
-            if exact_table is not None:
-                if "exact" not in self.row_tables:
-                    self.row_tables["exact"] = exact_table.index_select(0, rows.req)
-                exact_table = self.row_tables["exact"]
-        return decoders.DecodeBatch(table, seq_lens, self.max_decode_seq_len,
-                                    self.min_decode_seq_len, exact_cache=exact_cache,
-                                    exact_block_table=exact_table)
+        batch = decoders.DecodeBatch(
+            self.block_table[:nd], self.seq_lens[:nd], self.max_decode_seq_len,
+            self.min_decode_seq_len, exact_cache=exact_cache,
+            exact_block_table=None if exact_block_table is None else exact_block_table[:nd])
+        if self.rows is None:
+            return batch
+        if query_tokens:
+            return dataclasses.replace(batch, query_start_loc=self.query_start_loc[:nd + 1],
+                                       max_query_len=self.rows.max_query_len)
+        # one gather per step: every layer of the group reads the same block
+        # tables (token-adaptive layers: the one exact-cache group's too)
+        if self.row_batch is None:
+            self.row_batch = batch.per_token(self.rows.req, self.rows.back)
+        return dataclasses.replace(self.row_batch, exact_cache=exact_cache)
 
 
 class LatentAttentionMetadataBuilder(AttentionMetadataBuilder[LatentAttentionMetadata]):

@@ -128,6 +128,22 @@ class DecodeBatch:
         """Sequences in the batch."""
         return self.seq_lens.shape[0]
 
+    def per_token(self, req: torch.Tensor, back: torch.Tensor) -> DecodeBatch:
+        """The same query tokens as one-token sequences (:func:`decode_rows`):
+        row ``t`` is sequence ``req[t]`` cut to ``seq_len - back[t]`` tokens
+        (at least 0), its block-table rows gathered (device ops, no sync).
+
+        Args:
+            req: ``[T]`` int64 (device) sequence of each token.
+            back: ``[T]`` int32 (device) the sequence's tokens after it.
+        """
+        return dataclasses.replace(
+            self, block_table=self.block_table.index_select(0, req),
+            seq_lens=(self.seq_lens.index_select(0, req) - back).clamp_min(0),
+            exact_block_table=None if self.exact_block_table is None
+            else self.exact_block_table.index_select(0, req),
+            query_start_loc=None, max_query_len=1)
+
 
 def decode_rows(query_start_loc: torch.Tensor, num_decodes: int
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -589,16 +605,13 @@ def _verify_step(batch: DecodeBatch, q_lens: list[int]) -> tuple[DecodeBatch, De
     """A speculative verify step over the first ``len(q_lens)`` sequences of
     ``batch``, ``q_lens[b]`` query tokens each: ``(per sequence, per token)``,
     the batch with ``query_start_loc`` and the same tokens as one-token rows
-    (:func:`decode_rows`)."""
+    (:meth:`DecodeBatch.per_token`)."""
     n, dev = len(q_lens), batch.seq_lens.device
     qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     req, back = (x.to(dev) for x in decode_rows(qsl, n))
     sub = _rows(batch, n)
-    rows = dataclasses.replace(
-        sub, block_table=sub.block_table[req], seq_lens=sub.seq_lens[req] - back,
-        exact_block_table=None if sub.exact_block_table is None else sub.exact_block_table[req])
     return dataclasses.replace(sub, query_start_loc=qsl.to(dev),
-                               max_query_len=max(q_lens)), rows
+                               max_query_len=max(q_lens)), sub.per_token(req, back)
 
 
 def self_check(decoder: Decoder, reference: Decoder) -> float:
