@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import add_pair, centred, offset_pair, query_rows, split_tiles
+from .tiles import add_pair, centred, offset_pair, query_rows, split_tiles, tokens_per_program
 
 SUPPORTED_BITS = (8, 4)
 """Code widths of this kernel (one or two codes per byte)."""
@@ -272,11 +272,9 @@ def launch(plan, layout, query, kv_cache, block_table, seq_lens, *, qk_scale: fl
         ValueError: several query tokens per sequence with a window or a span.
     """
     hg = plan.heads_per_group
-    qt = 1
-    if query_start_loc is not None:
-        if use_window or use_span:
-            raise ValueError("several query tokens per sequence take no window or span")
-        qt = max(2, triton.next_power_of_2(max_query_len))
+    if query_start_loc is not None and (use_window or use_span):
+        raise ValueError("several query tokens per sequence take no window or span")
+    qt = tokens_per_program(query_start_loc, max_query_len)
     packed_decode_kernel[(num_splits, plan.num_groups, seq_lens.shape[0])](
         query, query.stride(0), query.stride(1),
         kv_cache, kv_cache.stride(0), kv_cache.stride(2),

@@ -67,7 +67,7 @@ import triton.language as tl
 from .decode_prep import LOG2E, TL_DTYPES, interpreting, pow2, sm_count
 from .launch import choose_num_splits
 from .tiles import (add_combine, add_pair, centred, load_latent, max_combine, offset_pair,
-                    query_rows, reduce_splits_kernel)
+                    query_rows, reduce_splits_kernel, tokens_per_program)
 
 EXACT_BLOCK = 32
 """Exact positions per tile (16 under the interpreter)."""
@@ -473,7 +473,7 @@ class PostRopeLaunch:
         """
         sh = self.plan.shape
         bsz = query.shape[0]
-        qt = 1 if query_start_loc is None else max(2, triton.next_power_of_2(max_query_len))
+        qt = tokens_per_program(query_start_loc, max_query_len)
         query = query if query.stride(-1) == 1 else query.contiguous()
         ex = exact_cache.view(self.dtype) if self.exact_slot.bits == 16 else exact_cache
         split = num_splits > 1

@@ -272,6 +272,13 @@ def group_row(gt_ptr, num_groups, g):
     return k_off, v_off, rk, rv, kpar, vpar, ocol
 
 
+def tokens_per_program(query_start_loc, max_query_len: int) -> int:
+    """``QT`` of :func:`query_rows` (host): 1 without ``query_start_loc`` (one
+    query token per sequence), else the power of two that holds
+    ``max_query_len`` tokens, at least 2."""
+    return 1 if query_start_loc is None else max(2, triton.next_power_of_2(max_query_len))
+
+
 @triton.jit
 def query_rows(b, seq_len, qsl_ptr, R: tl.constexpr, HPR: tl.constexpr, QT: tl.constexpr):
     """The ``R`` query rows of sequence ``b``'s tile: row ``r`` is head ``h = r
