@@ -34,7 +34,8 @@ to hold ``--kv-tokens`` tokens of that config):
    ``torch.cuda.memory_allocated`` after the second half exceeds the value after
    the first by at most ``--max-growth-mib``; and the load did preempt and did
    hit the prefix cache (``cached_tokens``: vLLM's ``num_cached_tokens`` summed
-   over the finished requests).
+   over the finished requests), except for token-adaptive configs, whose
+   prefix hits under overload are a documented limit (:func:`token_adaptive`).
 
 Prints one markdown table (config, requests, aborted, preemptions, cached
 tokens, lost, probe mismatches, leaked blocks, memory growth, wall time,
@@ -229,6 +230,17 @@ def _run(engine, requests: list[Request], probes: list[list[int]], probe_tokens:
     return finished, aborted, got
 
 
+def token_adaptive(name: str) -> bool:
+    """Whether config ``name`` keeps exact sink and recent tokens (``token_adaptive``).
+    Its prefix-cache hits need the exact window's blocks at the prefix's end, which
+    vLLM frees once prefill passes them and evicts first under overload (README.md,
+    "Limits"): a soak of such a config that hits no prefix still passes, and says so."""
+    from vllm_lowrank.presets import expand
+
+    compression = gpu_serving.CONFIGS[name].get("compression")
+    return bool(compression) and bool(expand(compression).get("token_adaptive"))
+
+
 def run_one(args) -> dict:
     """The soak of config ``args.one`` (in this process's engine)."""
     import torch
@@ -286,13 +298,15 @@ def run_one(args) -> dict:
         (f"{lost} lost", lost), (f"{bad} probe mismatches", bad), (f"{leaked} leaked", leaked),
         (f"memory +{growth:.1f} MiB", growth > args.max_growth_mib),
         ("no preemption: lower --kv-tokens", not preemptions[0]),
-        ("no prefix-cache hit", not cached)) if failed]
+        ("no prefix-cache hit", not cached and not token_adaptive(name))) if failed]
+    passed = "pass" + (" (no prefix-cache hit: token-adaptive, README Limits)"
+                       if not cached else "")
     return dict(row, requests=sum(map(len, halves)), aborted=aborted,
                 preemptions=preemptions[0], cached_tokens=cached, lost=lost,
                 probe_mismatches=bad,
                 probe_tokens_compared=compared, leaked_blocks=leaked,
                 memory_growth_mib=round(growth, 1), wall_s=round(wall, 1),
-                verdict="pass" if not failures else "FAIL: " + ", ".join(failures))
+                verdict=passed if not failures else "FAIL: " + ", ".join(failures))
 
 
 def _plan(args) -> str:

@@ -99,3 +99,11 @@ def test_dry_run_prints_the_plan(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["gpu_soak.py", "--dry-run", "--configs", "nope"])
     with pytest.raises(SystemExit, match="unknown config 'nope'"):
         soak.main()
+
+
+def test_only_token_adaptive_configs_may_pass_without_a_prefix_hit():
+    """The documented limit (README "Limits") excuses the configs that keep exact
+    sink and recent tokens, and no other."""
+    assert [soak.token_adaptive(n) for n in ("stock", "default", "g1")] == [False] * 3
+    assert [soak.token_adaptive(n) for n in
+            ("preset-4x", "preset-lossless", "alloc-8x", "tale-k4v4")] == [True] * 4
