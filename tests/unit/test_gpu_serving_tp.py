@@ -98,8 +98,8 @@ def test_alloc_8x_tp2_splits_into_packable_shares(recipe):
 
 
 def test_70b_shape_capacity_at_tp2(recipe):
-    """The README's expectation for ``llama3-70b-shape`` at TP=2, 50 GiB of KV
-    cache per GPU, 128k-token sequences: stock holds 2, the default 6."""
+    """What ``llama3-70b-shape`` is expected to hold at TP=2, 50 GiB of KV cache
+    per GPU, 128k-token sequences: stock 2 sequences, the default 6."""
     folder = gs.model_dir("llama3-70b-shape", max_position_embeddings=131088)
     info = _estimate(folder, {"preset": "2x"}, 2, kv_cache_gib=50, context=131072)
     assert info["original_bytes_per_token"] == 80 * 2 * 4 * 128 * 2  # 160 KiB per rank
