@@ -258,7 +258,7 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
     Its scope (anything else keeps the Triton kernel of
     :mod:`vllm_lowrank.kernels.triton.decode_post_rope`): keys after RoPE at full
     width, 4 bits per channel over groups of :data:`POST_ROPE_KEY_GROUPS` tokens that
-    divide the block size and the sink; values per KV head (``group_size`` 1) at
+    divide the block size and the sink (blocks of a power of two); values per KV head (``group_size`` 1) at
     full rank 128, :data:`POST_ROPE_VALUE_BITS`, one scale/zero per token and head;
     ``head_dim`` 128; at most 8 query heads per KV head; int8 exact tokens; slots
     and the regions the kernel copies 16-byte aligned.
@@ -275,6 +275,8 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
         return "keys are not cached after RoPE at full width"
     if layout is None or not layout.k_per_channel or layout.k_bits != 4:
         return "keys not 4-bit per channel"
+    if block_size < 1 or block_size & (block_size - 1):
+        return f"block size {block_size} not a power of two"
     kct = layout.k_channel_tokens
     if kct not in POST_ROPE_KEY_GROUPS or block_size % kct or sink % kct:
         return (f"key groups of {kct} tokens: not in {POST_ROPE_KEY_GROUPS} or not dividing "

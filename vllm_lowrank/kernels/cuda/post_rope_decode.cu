@@ -64,21 +64,28 @@
 // `4x` preset: KCT 64, V_BITS 2, 8 KV heads, slot 864 B): a latent token reads per
 // layer 512 B of key codes, 64 B of key scales/zeros (4 * 1024 / 64), 256 B of value
 // codes, 32 B of value scales/zeros = 864 B (4.7x fewer than bf16's 4,096 B; at
-// V_BITS 4 or KCT 32: 1,120 B / 928 B; the exact tokens add 32 + 129 of 528 B each,
-// amortised). At the H200's 4.25 TB/s copy rate that is 0.20 ns per token and
+// V_BITS 4 or KCT 32: 1,120 B / 928 B; the 64 sink + 129 recent exact tokens add
+// 2,080 B each: int8 keys and values and their scales, amortised over the context). At the H200's 4.25 TB/s copy rate that is 0.20 ns per token and
 // layer (16 x 32k: 107 us per layer). FLOPs per token and KV head: 2 * 128 * 8
 // (scores, n padded to 8) + 2 * 128 * 8 (values) = 4.1 kFLOP, 33 kFLOP per token and
 // layer: 38 FLOP/byte, far under the ridge (about 200 FLOP/byte for dense f16
 // mma.sync): memory-bound. Instruction budget (benchmarks/README.md, "What reaches
-// the bound"): an H200 issues about 1.05e12 warp instructions/s, so reading 864 B
-// in 0.20 ns leaves 0.21 warp instructions per token and layer per ns... i.e. at
-// most 26 warp instructions per token and KV head at 100 % issue for 100 % of copy
-// (13 for a 50 % issue share). This kernel's count per 16-token x 128-channel key
-// sub-tile, by construction: 2 LDS.128 + 8 x (1 SHF + 4 LOP3 + 2 HSUB2/2 HFMA2)
-// unpack = 74 + 8 MMA; values (V_BITS 2) 4 LDS.32 + 2 PRMT + 2 SHF + 16 LOP3 + 16
-// HFMA2 + 8 MMA per 16 tokens; softmax and scales about 40 per 16 tokens; the
-// per-group scale fold about 100 per KCT tokens: about 11-13 warp instructions per
-// token and KV head (see benchmarks/README.md for the SASS count measured).
+// the bound"): an H200 issues about 1.05e12 warp instructions/s; 0.20 ns per token
+// and layer is 213 warp instructions, 26.6 per token and KV head, for issue to keep
+// up with 100 % of the copy rate at a perfect issue rate (53 at the 50 % target).
+// The Triton kernel issues about 50. This kernel, counted in its SASS (nvcc 13.0,
+// sm_90a, cuobjdump; the loop body fully unrolled), per latent key group and warp:
+//   KCT 64, V_BITS 2: 1,086 compute (80 HMMA: 16 scale fold + 32 scores + 32 values;
+//                     264 LOP3, 160 HFMA2, 112 HADD2 of code unpacking) + about 120
+//                     of copy issue and loop bookkeeping = about 19 per token and KV head;
+//   KCT 64, V_BITS 4: 1,116 + about 130 = 19.5;  KCT 32: 649 / 663 + about 95 = 23-24;
+//   an exact tile (32 positions): 656 + about 135 = 25 per position.
+// At 19 per token and KV head, issue takes 0.14 ns per token and layer against the
+// 0.20 ns of the reads: the bound is the memory if the loads are kept in flight
+// (two stages of about 9 KB per warp, 8 warps per SM).
+// Unpacking per 16-token x 128-channel key sub-tile, by construction: 2 LDS.128 +
+// 8 x (SHF + 4 LOP3 + 2 HADD2 + 2 HFMA2) + 8 HMMA; values (V_BITS 2) per 16 tokens:
+// 4 LDS.32 + 2 PRMT + 2 SHF + 16 LOP3 + 16 HADD2/HFMA2 + 8 HMMA.
 //
 // Precision: key codes, query and probabilities as f16 (the query's bf16 -> f16
 // conversion is exact in f16's normal range), q' = q * scale rounded to f16,
@@ -114,12 +121,12 @@ struct Params {
   int64_t s_blk, s_tok;         // byte strides
   const int* block_table;       // [B, max_blocks]
   int64_t s_bt;
-  int page;
+  int page_shift;               // log2(block size of the latent cache)
   const uint8_t* exact;         // exact cache [num_blocks, 1, epage, exact slot] uint8
   int64_t s_eblk, s_etok;
   const int* exact_table;
   int64_t s_ebt;
-  int epage;
+  int epage_shift;              // log2(block size of the exact cache)
   const int* seq_lens;          // [B]
   const __half* lift_t;         // [num_kv_heads, 128 (d), 128 (r)]: lift^T per KV head
   const float* vsum;            // [num_kv_heads, 128]: the lift's column sums
@@ -292,7 +299,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   auto lat_block = [&](int k) -> int {
     const int t = tile_of(k);
     if (k >= my_tiles || t >= n_lat) return 0;
-    return __ldg(p.block_table + (int64_t)b * p.s_bt + (p.sink + t * KCT) / p.page);
+    return __ldg(p.block_table + (int64_t)b * p.s_bt + ((p.sink + t * KCT) >> p.page_shift));
   };
   // cp.async copies of the warp's k-th tile into stage k % kStages (one commit group,
   // empty past the warp's last tile); rows past the span / exact set zero-filled
@@ -302,7 +309,8 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
       const uint32_t st = smem_u32(my_pipe + (k % kStages) * C::STAGE);
       if (t < n_lat) {
         const int p0 = p.sink + t * KCT;
-        const uint8_t* base = p.cache + (int64_t)blk * p.s_blk + (int64_t)(p0 % p.page) * p.s_tok;
+        const uint8_t* base = p.cache + (int64_t)blk * p.s_blk +
+                              (int64_t)(p0 & ((1 << p.page_shift) - 1)) * p.s_tok;
 #pragma unroll
         for (int r = lane; r < KCT; r += 32) {
           const uint8_t* row = base + (int64_t)r * p.s_tok;
@@ -320,9 +328,9 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         const int idx = (t - n_lat) * kEB + lane;   // this lane's row of the exact set
         const bool valid = idx < n_ex;
         const int pos = idx < n_sink ? idx : tail + idx - n_sink;
-        const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + pos / p.epage) : 0;
+        const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + (pos >> p.epage_shift)) : 0;
         const uint8_t* row = p.exact + (int64_t)eblk * p.s_eblk +
-                             (int64_t)(valid ? pos % p.epage : 0) * p.s_etok;
+                             (int64_t)(valid ? pos & ((1 << p.epage_shift) - 1) : 0) * p.s_etok;
         const int nb = valid ? 16 : 0;
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
@@ -786,10 +794,13 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   p.q_bf16 = query.scalar_type() == torch::kBFloat16;
   p.cache = cache.data_ptr<uint8_t>(); p.s_blk = cache.stride(0); p.s_tok = cache.stride(2);
   p.block_table = block_table.data_ptr<int>(); p.s_bt = block_table.stride(0);
-  p.page = (int)cache.size(2);
+  const int64_t page = cache.size(2), epage = exact.size(2);
+  TORCH_CHECK(page > 0 && (page & (page - 1)) == 0 && epage > 0 && (epage & (epage - 1)) == 0,
+              "block sizes must be powers of two");
+  while ((int64_t(1) << p.page_shift) < page) ++p.page_shift;
+  while ((int64_t(1) << p.epage_shift) < epage) ++p.epage_shift;
   p.exact = exact.data_ptr<uint8_t>(); p.s_eblk = exact.stride(0); p.s_etok = exact.stride(2);
   p.exact_table = exact_table.data_ptr<int>(); p.s_ebt = exact_table.stride(0);
-  p.epage = (int)exact.size(2);
   p.seq_lens = seq_lens.data_ptr<int>();
   p.lift_t = reinterpret_cast<const __half*>(lift_t.data_ptr<at::Half>());
   p.vsum = vsum.data_ptr<float>();
@@ -801,7 +812,7 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   const int64_t kct = layout[13], v_bits = layout[14];
   TORCH_CHECK(p.share > 0 && p.share % 16 == 0 && p.share_off % 16 == 0 && p.v_codes_off % 16 == 0,
               "key share and value codes must be 16-byte aligned");
-  TORCH_CHECK(p.page % kct == 0 && p.sink % kct == 0, "key groups must tile the block and the sinks");
+  TORCH_CHECK(page % kct == 0 && p.sink % kct == 0, "key groups must tile the block and the sinks");
   p.qpk = (int)qpk; p.num_heads = (int)H; p.num_splits = (int)num_splits;
   p.qk_scale = (float)qk_scale;
   p.out = out.data_ptr(); p.out_kind = out_kind;
