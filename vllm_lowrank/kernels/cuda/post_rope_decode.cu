@@ -30,6 +30,12 @@
 // merged at the end through shared memory, the latent accumulator is lifted with
 // 16 mma per warp, and the split's normalised output (or, with several splits, its
 // partial and base-2 log-sum-exp for tiles.reduce_splits_kernel) is stored.
+// The host picks the split count with launch.choose_num_splits' wave model, one
+// CTA step being 4 warps x KCT tokens and 2 CTAs resident per SM (86 KB of shared
+// memory and at most 192 registers per thread each): PostRopeKeysCudaDecoder.plan.
+// Known costs not yet tuned (no GPU run yet): 2- to 4-way bank conflicts on the
+// value-code shared loads (token rows 64 B apart), the accumulators' alpha
+// rescale every tile (32 FMUL), integer address math of the copies (~90 IMAD).
 //
 // Per latent tile (one key group, KCT rows), per warp, on mma.sync.m16n8k16 (f16
 // operands, f32 accumulators; the layouts in mma_common.cuh):
