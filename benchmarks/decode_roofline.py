@@ -23,10 +23,19 @@ recent exact int8 tokens: :mod:`vllm_lowrank.kernels.triton.decode_post_rope`),
 ``prk-0.5-k2`` (the same with 2-bit keys), ``prk-0.75`` (value rank 96 of 128),
 ``prk-0.5-v8`` (8-bit values), ``prk-v2`` / ``prk-v4`` (2- / 4-bit values at full rank),
 ``pr-k4v4`` (post-RoPE keys and values, 4 bits per token, per KV head: the
-packed kernel of :mod:`vllm_lowrank.kernels.triton.decode_packed`).
+packed kernel of :mod:`vllm_lowrank.kernels.triton.decode_packed`), ``prk-4x`` (the
+``4x`` preset's layout: keys per channel over 64 tokens, 2-bit values at full rank,
+64 sink + 128 recent int8 tokens, blocks of 64). A ``-cuda`` suffix on a
+post-RoPE-keys setting (``prk-4x-cuda``, ``prk-v2-cuda``, ``prk-v4-cuda``) times the
+CUDA decoder (:class:`vllm_lowrank.attention.decoders.PostRopeKeysCudaDecoder`,
+``vllm_lowrank/kernels/cuda/post_rope_decode.cu``) on the same layout instead of
+the Triton kernel, through the decoder object the plugin serves (its own split
+count and its reduce).
 
     source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
         --shapes 1x4096,16x4096,16x32768,128x2048
+    source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
+        --settings prk-4x,prk-4x-cuda,prk-v4,prk-v4-cuda --shapes 16x32768,128x2048
 """
 
 from __future__ import annotations
@@ -40,7 +49,9 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK = 32
 
 SETTINGS = {
-    # name: (kind, k_bits, v_bits, value rank per KV head, exact bits)
+    # name: (kind, k_bits, v_bits, value rank per KV head, exact bits[, key group
+    # tokens, block size, sink]; default 32, BLOCK, 32)
+    "prk-4x": ("post_rope_keys", 4, 2, 128, 8, 64, 64, 64),
     "prk-0.5": ("post_rope_keys", 4, 4, 64, 8),
     "prk-0.5-k2": ("post_rope_keys", 2, 4, 64, 8),
     "prk-0.75": ("post_rope_keys", 4, 4, 96, 8),
@@ -67,12 +78,24 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() / (ms * 1e-3)
 
 
-def random_paged(bsz: int, length: int, slot_bytes: int, device, g) -> tuple:
+def setting(name: str) -> tuple:
+    """``(kind, k_bits, v_bits, rank, exact bits, key group, block, sink, cuda)`` of a
+    setting name (``-cuda``: the CUDA decoder on the base setting's layout)."""
+    cuda = name.endswith("-cuda")
+    base = name[:-len("-cuda")] if cuda else name
+    kind, kb, vb, rv, ebits, *rest = SETTINGS[base]
+    kct, block, sink = rest or (32, BLOCK, 32)
+    if cuda and kind != "post_rope_keys":
+        raise SystemExit(f"{name}: only post-RoPE-keys settings have a CUDA decoder")
+    return kind, kb, vb, rv, ebits, kct, block, sink, cuda
+
+
+def random_paged(bsz: int, length: int, slot_bytes: int, device, g, block: int = BLOCK) -> tuple:
     """A uint8 paged cache of random bytes for ``bsz`` sequences of ``length``
-    tokens on shuffled blocks, and its block table and lengths."""
-    per = math.ceil(length / BLOCK)
+    tokens on shuffled blocks of ``block`` tokens, and its block table and lengths."""
+    per = math.ceil(length / block)
     nblk = bsz * per + 1
-    cache = torch.randint(0, 256, (nblk, 1, BLOCK, slot_bytes), dtype=torch.uint8,
+    cache = torch.randint(0, 256, (nblk, 1, block, slot_bytes), dtype=torch.uint8,
                           device=device, generator=g)
     table = (torch.randperm(nblk - 1, device=device, generator=g)[:bsz * per] + 1) \
         .view(bsz, per).to(torch.int32)
@@ -100,7 +123,7 @@ def build(name: str, bsz: int, length: int, device, g):
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.format.latent import SlotLayout
 
-    kind, kb, vb, rv, ebits = SETTINGS[name]
+    kind, kb, vb, rv, ebits, kct, block, sink, cuda = setting(name)
     shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
     q = torch.randn(bsz, HEADS, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
     out = torch.empty(bsz, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16)
@@ -109,11 +132,11 @@ def build(name: str, bsz: int, length: int, device, g):
         from vllm_lowrank.kernels.triton.decode_post_rope import PostRopeLaunch
 
         plan = LayerPlan(shape, 1, (HEAD_DIM,) * KV_HEADS, (rv,) * KV_HEADS)
-        layout = SlotLayout(plan.k_ranks, plan.v_ranks, kb, vb, k_channel_tokens=32)
+        layout = SlotLayout(plan.k_ranks, plan.v_ranks, kb, vb, k_channel_tokens=kct)
         slot = ExactSlot(shape.kv_width, HEAD_DIM, torch.bfloat16, ebits, 0, layout.slot_bytes)
-        cache, table, lens = random_paged(bsz, length, layout.slot_bytes, device, g)
+        cache, table, lens = random_paged(bsz, length, layout.slot_bytes, device, g, block)
         fill_f16(cache, layout.k_scale_offset, layout.natural_bytes, g)
-        exact = torch.randint(0, 256, (cache.shape[0], 1, BLOCK, slot.slot_bytes),
+        exact = torch.randint(0, 256, (cache.shape[0], 1, block, slot.slot_bytes),
                               dtype=torch.uint8, device=device, generator=g)
         lay8 = slot.int8_layout
         fill_f16(exact, lay8.k_scale_offset, lay8.natural_bytes, g)
@@ -121,20 +144,42 @@ def build(name: str, bsz: int, length: int, device, g):
         for j in range(KV_HEADS):
             v_up[j * rv:(j + 1) * rv, j * HEAD_DIM:(j + 1) * HEAD_DIM] = \
                 torch.randn(rv, HEAD_DIM, device=device, generator=g) / rv ** 0.5
-        launch = PostRopeLaunch(plan, layout, slot, v_up, scale=scale, sink=32, recent=128,
-                                dtype=torch.bfloat16, block_size=BLOCK)
-        splits = launch.num_splits(bsz, length, device)
-        n_exact = min(length, 32 + 129)
+        n_exact = min(length, sink + 129)
         nbytes = bsz * ((length - n_exact) * layout.slot_bytes + n_exact * slot.kv_bytes)
+        if cuda:
+            import types
 
-        def call():
-            launch(q, cache, table, exact, table, lens, splits, out)
+            from vllm_lowrank.attention.decoders import (DecodeBatch, DecoderContext,
+                                                         PostRopeKeysCudaDecoder)
+
+            layer = types.SimpleNamespace(
+                plan=plan, layout=layout, v_up=v_up, post_rope=True,
+                exact=types.SimpleNamespace(sink=sink, recent=128, slot=slot),
+                impl=types.SimpleNamespace(scale=scale))
+            ctx = DecoderContext(torch.bfloat16, device, block, None, length)
+            why = PostRopeKeysCudaDecoder.supports(layer, ctx)
+            if why is not None:
+                raise SystemExit(f"{name}: the CUDA decoder refuses this layout: {why}")
+            decoder = PostRopeKeysCudaDecoder(layer, ctx)
+            batch = DecodeBatch(table, lens, length, length, exact_cache=exact,
+                                exact_block_table=table)
+            geometry = decoder.plan(batch)
+
+            def call():
+                decoder.run(q, cache, batch, geometry, out)
+        else:
+            launch = PostRopeLaunch(plan, layout, slot, v_up, scale=scale, sink=sink,
+                                    recent=128, dtype=torch.bfloat16, block_size=block)
+            splits = launch.num_splits(bsz, length, device)
+
+            def call():
+                launch(q, cache, table, exact, table, lens, splits, out)
 
         def reference():
             call()
             want = tale.decode(plan, torch.empty(0, shape.kv_width, device=device), v_up, None,
                                scale, q.float(), cache, table, exact, table, lens, length,
-                               sink=32, recent=128, exact=slot, layout=layout,
+                               sink=sink, recent=128, exact=slot, layout=layout,
                                mode="post_rope")
             return out.float(), want
     else:

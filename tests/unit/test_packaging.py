@@ -35,5 +35,11 @@ def test_every_subpackage_is_installed():
 
 def test_cuda_sources_are_package_data():
     data = _setuptools()["package-data"]["vllm_lowrank.kernels.cuda"]
-    assert data == ["*.cu"]
-    assert list((REPO / "vllm_lowrank" / "kernels" / "cuda").glob("*.cu"))
+    assert data == ["*.cu", "*.cuh"]
+    here = REPO / "vllm_lowrank" / "kernels" / "cuda"
+    assert list(here.glob("*.cu"))
+    # every header a source includes travels with it
+    for src in here.glob("*.cu"):
+        for line in src.read_text().splitlines():
+            if line.startswith('#include "'):
+                assert (here / line.split('"')[1]).exists(), (src.name, line)

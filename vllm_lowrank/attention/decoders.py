@@ -35,6 +35,10 @@ The families (each decodes what its ``supports`` admits; the math is in
 - :class:`TokenAdaptiveDecoder`: a token-adaptive layer's latent span on one
   of those, then its exact sink and recent tokens and the merge in one Triton
   kernel (:mod:`vllm_lowrank.kernels.triton.decode_exact`);
+- :class:`PostRopeKeysCudaDecoder`: the ``4x`` preset's post-RoPE-keys layers
+  (4-bit key codes per channel, full-rank value latents per KV head, int8 exact
+  tokens) on the mma.sync CUDA kernel
+  (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``);
 - :class:`PostRopeKeysDecoder`: a token-adaptive layer with post-RoPE keys in
   one fused Triton kernel (:mod:`vllm_lowrank.kernels.triton.decode_post_rope`);
 - :class:`TorchDecoder`: the torch reference, every cache format and device
@@ -519,6 +523,70 @@ class PostRopeKeysDecoder(Decoder):
                     query_start_loc=batch.query_start_loc, max_query_len=batch.max_query_len)
 
 
+class PostRopeKeysCudaDecoder(Decoder):
+    """A ``4x``-preset-style post-RoPE-keys layer on the mma.sync CUDA kernel
+    (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``,
+    :func:`vllm_lowrank.kernels.cuda.ext.post_rope_decode`): 4-bit key codes per
+    channel over 32 or 64 tokens, full-rank 2- or 4-bit value latents per KV head,
+    int8 exact tokens, ``head_dim`` 128; the latent span and the exact set in one
+    kernel, split partials merged by log-sum-exp. One query token per sequence
+    (a verify step's tokens arrive as rows of their own); outside its scope
+    (:func:`~vllm_lowrank.kernels.cuda.ext.post_rope_scope`) the layer keeps
+    :class:`PostRopeKeysDecoder`."""
+
+    name = "post-rope-keys-cuda"
+    label = ("post-RoPE key codes and value latents, latent span and exact tokens in one "
+             "CUDA kernel (mma.sync)")
+    takes_query_tokens = False
+
+    @classmethod
+    def supports(cls, layer, ctx: DecoderContext) -> str | None:
+        from vllm_lowrank.kernels.cuda.ext import post_rope_scope
+        from vllm_lowrank.kernels.triton.decode_prep import interpreting
+
+        if layer.exact is None:
+            return "not a token-adaptive layer"
+        if ctx.device.type != "cuda" or interpreting():
+            return "not on a CUDA device"
+        if not layer.post_rope:
+            return "keys are not cached after RoPE"
+        if ctx.window is not None:
+            return "sliding window"
+        if ctx.dtype not in (torch.bfloat16, torch.float16):
+            return f"queries in {ctx.dtype}, not bf16/fp16"
+        why = post_rope_scope(layer.plan, layer.layout, layer.exact.slot,
+                              block_size=ctx.block_size, sink=layer.exact.sink)
+        if why is not None:
+            return why
+        return CudaDecoder._extension_error()
+
+    def __init__(self, layer, ctx: DecoderContext) -> None:
+        from vllm_lowrank.kernels.cuda import ext
+
+        super().__init__(layer, ctx)
+        self.lift_t, self.vsum = ext.post_rope_lift(layer.plan, layer.v_up.to(ctx.device))
+        self.tokens_per_step = ext.POST_ROPE_WARPS * layer.layout.k_channel_tokens
+
+    def plan(self, batch: DecodeBatch) -> int:
+        from vllm_lowrank.kernels.cuda.ext import POST_ROPE_CTAS_PER_SM
+        from vllm_lowrank.kernels.triton.decode_prep import sm_count
+        from vllm_lowrank.kernels.triton.launch import choose_num_splits
+
+        return choose_num_splits(batch.size, self.layer.plan.shape.num_kv_heads,
+                                 batch.max_seq_len, self.tokens_per_step,
+                                 sm_count(self.ctx.device), POST_ROPE_CTAS_PER_SM)
+
+    def run(self, query, kv_cache, batch, plan, out) -> None:
+        from vllm_lowrank.kernels.cuda import ext
+
+        layer = self.layer
+        ext.post_rope_decode(query, kv_cache, batch.block_table, batch.exact_cache,
+                             batch.exact_block_table, batch.seq_lens, self.lift_t, self.vsum,
+                             layout=layer.layout, exact_slot=layer.exact.slot,
+                             sink=layer.exact.sink, recent=layer.exact.recent,
+                             scale=layer.impl.scale, num_splits=plan, out=out)
+
+
 def _token_adaptive(family: type[TritonDecoder]) -> type[TokenAdaptiveDecoder]:
     """The :class:`TokenAdaptiveDecoder` whose latent span runs on ``family``."""
     return type(f"TokenAdaptive{family.__name__}", (TokenAdaptiveDecoder,),
@@ -532,7 +600,8 @@ TOKEN_ADAPTIVE_FAMILIES = tuple(_token_adaptive(f) for f in TRITON_FAMILIES)
 def candidates(layer) -> tuple[type[Decoder], ...]:
     """The families that may decode ``layer``, fastest first (the torch path last)."""
     if layer.exact is not None:
-        return (PostRopeKeysDecoder, *TOKEN_ADAPTIVE_FAMILIES, TorchDecoder)
+        return (PostRopeKeysCudaDecoder, PostRopeKeysDecoder, *TOKEN_ADAPTIVE_FAMILIES,
+                TorchDecoder)
     return (CudaDecoder, *TRITON_FAMILIES, TorchDecoder)
 
 

@@ -1,4 +1,5 @@
-"""Build and load the CUDA extension (``latent_decode.cu`` beside this file), lazily.
+"""Build and load the CUDA extension (``latent_decode.cu`` and ``post_rope_decode.cu``
+beside this file, with their shared ``mma_common.cuh``), lazily.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load``
 (ninja, ``-gencode`` for the current GPU's architecture, e.g. ``sm_90`` on Hopper,
@@ -9,6 +10,9 @@ is built or imported at package import time.
   latent cache on mma.sync tensor cores (key rebuild, RoPE, online softmax, value
   product), for per-KV-head groups at 16 bits
   (:class:`vllm_lowrank.attention.decoders.CudaDecoder`).
+- :func:`post_rope_decode` -- token-adaptive decode of post-RoPE 4-bit per-channel
+  key codes and full-rank value latents with int8 exact tokens, the ``4x``
+  preset's layers (:class:`vllm_lowrank.attention.decoders.PostRopeKeysCudaDecoder`).
 
 Example::
 
@@ -27,7 +31,7 @@ import torch
 
 _EXT = None
 _NAME = "vllm_lowrank_cuda"
-_SOURCES = ("latent_decode.cu",)
+_SOURCES = ("latent_decode.cu", "post_rope_decode.cu")
 
 
 def source_dir() -> Path:
@@ -234,3 +238,172 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
                                   rope.cos, rope.sin, out, lse, int(num_splits),
                                   float(scale) * 1.4426950408889634, not rope.neox)
     return (out, lse) if return_lse else out
+
+
+POST_ROPE_KEY_GROUPS = (32, 64)
+POST_ROPE_VALUE_BITS = (2, 4)
+"""Key group sizes (``k_channel_tokens``) and value code widths with a compiled
+:func:`post_rope_decode` kernel (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``)."""
+
+POST_ROPE_WARPS = 4
+POST_ROPE_CTAS_PER_SM = 2
+"""Warps per CTA of :func:`post_rope_decode` (each takes its own tiles) and the CTAs
+its shared memory and registers keep resident per SM: the split model's constants."""
+
+
+def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> str | None:
+    """Why :func:`post_rope_decode` cannot decode a token-adaptive post-RoPE-keys
+    layer, or ``None`` (host checks only, no build).
+
+    Its scope (anything else keeps the Triton kernel of
+    :mod:`vllm_lowrank.kernels.triton.decode_post_rope`): keys after RoPE at full
+    width, 4 bits per channel over groups of :data:`POST_ROPE_KEY_GROUPS` tokens that
+    divide the block size and the sink (blocks of a power of two); values per KV head (``group_size`` 1) at
+    full rank 128, :data:`POST_ROPE_VALUE_BITS`, one scale/zero per token and head;
+    ``head_dim`` 128; at most 8 query heads per KV head; int8 exact tokens; slots
+    and the regions the kernel copies 16-byte aligned.
+
+    Args:
+        plan: The layer's :class:`~vllm_lowrank.factorization.plan.LayerPlan`.
+        layout: Its :class:`~vllm_lowrank.format.latent.SlotLayout`.
+        exact_slot: Its :class:`~vllm_lowrank.format.exact.ExactSlot`.
+        block_size: Tokens per KV block configured.
+        sink: Exact sink tokens.
+    """
+    sh = plan.shape
+    if plan.k_width != sh.kv_width:
+        return "keys are not cached after RoPE at full width"
+    if layout is None or not layout.k_per_channel or layout.k_bits != 4:
+        return "keys not 4-bit per channel"
+    if block_size < 1 or block_size & (block_size - 1):
+        return f"block size {block_size} not a power of two"
+    kct = layout.k_channel_tokens
+    if kct not in POST_ROPE_KEY_GROUPS or block_size % kct or sink % kct:
+        return (f"key groups of {kct} tokens: not in {POST_ROPE_KEY_GROUPS} or not dividing "
+                f"the block size {block_size} and the sink {sink}")
+    if layout.v_bits not in POST_ROPE_VALUE_BITS:
+        return f"{layout.v_bits}-bit values: not in {POST_ROPE_VALUE_BITS}"
+    if sh.head_dim != DECODE_HEAD_DIM:
+        return f"head_dim {sh.head_dim} != {DECODE_HEAD_DIM}"
+    if plan.group_size != 1:
+        return "value head groups of several KV heads"
+    if any(r != DECODE_HEAD_DIM for r in plan.v_ranks) or \
+            any(q != r for q, r in zip(layout.v_groups, layout.v_ranks)):
+        return "values not at full rank with one scale per token and head"
+    if sh.queries_per_kv > 8:
+        return "more than 8 query heads per KV head"
+    if exact_slot.bits != 8:
+        return f"{exact_slot.bits}-bit exact tokens (int8 only)"
+    if (layout.slot_bytes % 16 or layout.v_codes_offset % 16 or layout.k_share_offset % 16
+            or layout.k_share_bytes % 16 or exact_slot.slot_bytes % 16):
+        return "slot regions not 16-byte aligned"
+    return None
+
+
+def post_rope_lift(plan, v_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head's value lift for :func:`post_rope_decode`: ``(lift_t, vsum)``,
+    ``lift_t [num_kv_heads, 128 (d), 128 (r)]`` float16 contiguous (``B_v[j]^T``)
+    and ``vsum [num_kv_heads, 128]`` float32, the float32 column sums ``sum_r
+    B_v[j][r, d]`` (the lift of the value zero term; as
+    :class:`~vllm_lowrank.kernels.triton.decode_post_rope.PostRopeLaunch`).
+
+    Args:
+        plan: LayerPlan in :func:`post_rope_scope`'s scope (``group_size`` 1, value
+            rank 128).
+        v_up: ``[Rv, num_kv_heads * 128]`` block-diagonal value up-projection.
+    """
+    sh = plan.shape
+    d = sh.head_dim
+    lift = torch.zeros(sh.num_kv_heads, d, d, device=v_up.device)
+    for j, off in enumerate(plan.v_offsets()):
+        lift[j] = v_up[off:off + d, j * d:(j + 1) * d].float()
+    return lift.transpose(1, 2).to(torch.float16).contiguous(), lift.sum(1).contiguous()
+
+
+_HEAD_OF_COL: dict = {}
+
+
+def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, lift_t: torch.Tensor, vsum: torch.Tensor, *,
+                     layout, exact_slot, sink: int, recent: int, scale: float,
+                     num_splits: int, out: torch.Tensor) -> torch.Tensor:
+    """Token-adaptive decode of a post-RoPE-keys layer, one query token per
+    sequence, into ``out`` (one CUDA kernel, plus
+    :func:`~vllm_lowrank.kernels.triton.tiles.reduce_splits_kernel` when
+    ``num_splits > 1``).
+
+    The math of :func:`vllm_lowrank.attention.token_adaptive.decode` (mode
+    ``post_rope``): per sequence ``b`` of ``n = seq_lens[b]`` tokens, the latent span
+    ``sink <= t < n - recent - 1`` from the 4-bit key codes and value latents, the
+    exact set (sinks and ``t >= max(sink, n - recent - 1)``) from the int8 exact
+    cache, one softmax over both, value latents lifted by ``lift_t``
+    (``vllm_lowrank/kernels/cuda/post_rope_decode.cu`` has the algebra and the
+    roofline). A row with ``seq_lens[b] == 0`` (CUDA-graph padding) gets zeros.
+
+    Args:
+        query: ``[B, H, 128]`` post-RoPE queries, bfloat16 or float16 (rows are
+            copied contiguous if their strides are not multiples of 8).
+        kv_cache: ``uint8 [num_blocks, 1, page, slot]`` latent cache (``page`` a
+            multiple of the key group); block_table: ``[B, max_blocks]`` int32.
+        exact_cache: ``uint8 [num_blocks, 1, epage, exact slot]``, this step's
+            token written; exact_block_table: ``[B, max_blocks]`` int32.
+        seq_lens: ``[B]`` int32, this step's token included.
+        lift_t, vsum: From :func:`post_rope_lift`.
+        layout, exact_slot: The layer's SlotLayout and ExactSlot (in
+            :func:`post_rope_scope`'s scope).
+        sink, recent: Exact sink tokens and recent window ``W``.
+        scale: Softmax scale.
+        num_splits: Context splits per (sequence, KV head), >= 1.
+        out: ``[B, H * 128]`` contiguous, float32, bfloat16 or float16.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: a layout outside :func:`post_rope_scope`'s scope.
+        RuntimeError: the extension cannot be built (:func:`load`), or the
+            kernel's own checks (shapes, dtypes, alignment) fail.
+    """
+    if (not layout.k_per_channel or layout.k_bits != 4
+            or layout.k_channel_tokens not in POST_ROPE_KEY_GROUPS
+            or layout.v_bits not in POST_ROPE_VALUE_BITS or exact_slot.bits != 8):
+        raise ValueError("post_rope_decode cannot decode this layer: keys "
+                         f"{layout.k_bits}-bit per channel over {layout.k_channel_tokens} "
+                         f"tokens, {layout.v_bits}-bit values, {exact_slot.bits}-bit exact "
+                         "tokens (post_rope_scope says what it reads)")
+    if int(num_splits) < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if query.stride(-1) != 1 or query.stride(0) % 8 or query.stride(1) % 8 \
+            or query.data_ptr() % 16:
+        query = query.contiguous()
+    bsz, heads = seq_lens.shape[0], query.shape[1]
+    lay8 = exact_slot.int8_layout
+    offs = [layout.v_codes_offset, layout.v_scale_offset, layout.v_zero_offset,
+            layout.k_share_offset, layout.k_share_bytes, sum(layout.k_ranks),
+            lay8.v_codes_offset, lay8.k_scale_offset, lay8.k_zero_offset, lay8.v_scale_offset,
+            lay8.v_zero_offset, int(sink), int(recent) + 1, layout.k_channel_tokens,
+            layout.v_bits, heads // lift_t.shape[0]]
+    qk_scale = float(scale) * 1.4426950408889634
+    mod = load()
+    if num_splits == 1:
+        mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table,
+                             seq_lens, lift_t, vsum, out, None, offs, 1, qk_scale)
+        return out
+    from vllm_lowrank.kernels.triton.decode_prep import pow2
+    from vllm_lowrank.kernels.triton.tiles import reduce_splits_kernel
+
+    width = heads * DECODE_HEAD_DIM
+    po = torch.empty(bsz, num_splits, width, device=query.device, dtype=torch.float32)
+    plse = torch.empty(bsz, num_splits, heads, device=query.device, dtype=torch.float32)
+    mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table, seq_lens,
+                         lift_t, vsum, po, plse, offs, int(num_splits), qk_scale)
+    key = (width, query.device)
+    hoc = _HEAD_OF_COL.get(key)
+    if hoc is None:
+        hoc = _HEAD_OF_COL[key] = torch.arange(width, device=query.device,
+                                               dtype=torch.int32) // DECODE_HEAD_DIM
+    reduce_splits_kernel[(bsz, -(-width // 128))](
+        po, plse, out, hoc, num_splits, width, heads, plse, S_PAD=pow2(num_splits, 2),
+        BLOCK_C=128, LSE=False, H_PAD=pow2(heads, 2), num_warps=4)
+    return out

@@ -53,6 +53,8 @@
 #include <stdint.h>
 #include <type_traits>
 
+#include "mma_common.cuh"
+
 #ifndef LATENT_DECODE_STANDALONE
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -177,49 +179,7 @@ template <> struct Dt<__half> {
   }
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; src_bytes 0 zero-fills without reading.
-// L2_LINE: ask L2 to fetch the whole aligned 128-byte line around src (the
-// `.L2::128B` prefetch-size hint), for sections narrower than a line, whose
-// neighbours (the adjacent KV heads' latents of the same token) the CTAs of those
-// heads read at about the same time: DRAM then serves whole lines instead of
-// 32/64-byte pieces (H200, 16 x 32k, r = 32: 223 -> 209 us). Off for sections of
-// a line or more (r >= 64): there it gained nothing (307 -> 305-306 us at 16 x 32k,
-// r = 64; benchmarks/decode_attention_notes.md in git history).
-template <bool L2_LINE = false>
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  if (L2_LINE)
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst),
-                 "l"(src), "r"(src_bytes));
-  else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ void mma_f16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  Dt<__half>::mma(d, a, b0, b1);
-}
-__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
-__device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<__half2*>(&v); }
+using namespace lowrank_mma;  // cp.async, ldmatrix, movmatrix, mma_f16 (mma_common.cuh)
 
 // Position in the kernel's column order (neox pairs (p, p + 64)) -> head dimension.
 __device__ __forceinline__ int source_dim(int pos, int gptj) {
@@ -794,9 +754,23 @@ template __global__ void latent_decode::decode_kernel<32, 32, __nv_bfloat16>(con
 template __global__ void latent_decode::decode_kernel<128, 128, __nv_bfloat16>(const latent_decode::Params);
 #endif
 
+#ifndef LATENT_DECODE_STANDALONE
+// The post-RoPE-keys decode of post_rope_decode.cu (one module for both sources).
+void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
+                      torch::Tensor exact, torch::Tensor exact_table, torch::Tensor seq_lens,
+                      torch::Tensor lift_t, torch::Tensor vsum, torch::Tensor out,
+                      c10::optional<torch::Tensor> plse, std::vector<int64_t> layout,
+                      int64_t num_splits, double qk_scale);
+std::vector<int64_t> post_rope_decode_config(int64_t kct, int64_t v_bits);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("latent_decode_config", &latent_decode_config,
         "(warps, stages, smem bytes) of the pre-RoPE decode kernel for (r_k, r_v)");
   m.def("latent_decode_pre_rope", &latent_decode_pre_rope,
         "pre-RoPE decode attention over a bf16/fp16 latent cache (mma.sync)");
+  m.def("post_rope_decode", &post_rope_decode,
+        "token-adaptive decode of post-RoPE 4-bit key codes and value latents (mma.sync)");
+  m.def("post_rope_decode_config", &post_rope_decode_config,
+        "(warps, stages, smem bytes, exact tile) of the post-RoPE-keys decode kernel");
 }
+#endif

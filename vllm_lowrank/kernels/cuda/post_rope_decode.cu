@@ -1,0 +1,846 @@
+// Token-adaptive decode of post-RoPE 4-bit key codes and value latents, on mma.sync.
+//
+// The PostRopeKeysCudaDecoder of vllm_lowrank/attention/decoders.py: the same math
+// as the Triton kernel vllm_lowrank/kernels/triton/decode_post_rope.py with one
+// query token per sequence (QT = 1), for the `4x` preset's layers:
+//   - keys cached after RoPE at full width (head_dim 128), 4-bit codes quantized per
+//     channel over aligned groups of KCT in {32, 64} positions (KIVI, Liu et al.
+//     2024, sec. 3.2): the group's float16 scales and zeros ("share" bytes) spread
+//     over its KCT slots (vllm_lowrank/format/latent.py, SlotLayout);
+//   - values: one KV head per head group (G = 1), full rank RV = 128 latent codes
+//     at V_BITS in {2, 4} with one float16 scale/zero per token and head (Palu
+//     sec. 3.4), lifted after the softmax by the KV head's [RV, D] lift;
+//   - exact sink and recent tokens int8 per token and head (ExactSlot, bits 8);
+//   - at most 8 query heads per KV head, bf16 or fp16 queries.
+// Per sequence b (n = seq_len tokens, this step's included), KV head j, query head h:
+//
+//   latent span L = [S, n - W'),  exact set E = [0, min(S, n)) U [max(S, n - W'), n)
+//   (S sinks, W' = recent window + 1, passed as `recent`)
+//   s_t   = scale * q_h . k_t          k_t from codes (t in L) or int8 (t in E)
+//   p_t   = softmax over L U E (one online softmax per set, merged by their max)
+//   o_h   = (sum_{t in L} p_t c_v,t) lift_j + sum_{t in E} p_t v_t
+//
+// Work decomposition. Grid (split, KV head, sequence), 4 warps per CTA. The tile
+// list of a (sequence, KV head) is its latent key groups (KCT positions each, the
+// first at S: S is a whole number of blocks and KCT divides the block) then its
+// exact set in tiles of EB = 32 positions; split s takes an even share of the list
+// (as the Triton kernel), warp w of the CTA takes tiles w, w + 4, ... of it with
+// its own softmax states (one for the latent span, one for the exact set) and its
+// own 2-stage cp.async pipeline (no CTA barrier in the loop). The 8 states are
+// merged at the end through shared memory, the latent accumulator is lifted with
+// 16 mma per warp, and the split's normalised output (or, with several splits, its
+// partial and base-2 log-sum-exp for tiles.reduce_splits_kernel) is stored.
+// The host picks the split count with launch.choose_num_splits' wave model, one
+// CTA step being 4 warps x KCT tokens and 2 CTAs resident per SM (86 KB of shared
+// memory and at most 192 registers per thread each): PostRopeKeysCudaDecoder.plan.
+// Known costs not yet tuned (no GPU run yet): 2- to 4-way bank conflicts on the
+// value-code shared loads (token rows 64 B apart), the accumulators' alpha
+// rescale every tile (32 FMUL), integer address math of the copies (~90 IMAD).
+//
+// Per latent tile (one key group, KCT rows), per warp, on mma.sync.m16n8k16 (f16
+// operands, f32 accumulators; the layouts in mma_common.cuh):
+//   1. keys: A = codes [16 tokens x 16 channels], B = the KV head's query heads
+//      (n = 8, padded with zero heads). Lane (gr, tc) reads 16 code bytes of rows gr
+//      and gr + 8 (channels 32tc .. 32tc + 31); a 32-bit word w of them (channels
+//      c .. c + 7, two per byte) gives the f16 pairs {c, c+4}, {c+1, c+5} (w) and
+//      {c+2, c+6}, {c+3, c+7} (w >> 8) through the exponent: (w & 0x000F000F) |
+//      0x64006400 is the pair 1024 + code (one lop3), less 1032 = the centred code
+//      (one HSUB2); the high nibbles, 1024 + 16 code, by one HFMA2 (x / 16 - 72).
+//      No conversion instruction, nothing unpacked into channel order: the query
+//      pairs are permuted the same way, once per CTA.
+//   2. per-channel scales folded into the query once per tile: q'_c = q_c scale_c
+//      (16 HMUL2 per lane), and the centring and zeros as a per-head bias,
+//      bias_h = sum_c q_c (zero_c + 8 scale_c), computed by 16 mma whose A rows are
+//      all the zeros (resp. 8 x the scales) - exact products, fp32 sums - and used
+//      as the score accumulators' initial value:
+//          s_{h,t} = scale * (q'_h . (code_t - 8) + bias_h)
+//   3. online softmax per head column over the KCT rows (max by 3 shuffles; row
+//      sums and value-zero sums kept per lane, reduced once at the end).
+//   4. values: O^T[RV x 8] += C_v^T [RV x 16 tokens] (P * scale_t) [16 tokens x 8],
+//      the probability tile transposed into the B layout by movmatrix, value codes
+//      as A through the same exponent trick (pairs of two tokens, byte-permuted by
+//      one prmt), the zero term carried as sum_t p_t (zero_t + 2^(b-1) scale_t) and
+//      added with the lift's column sums (the Triton kernel's algebra).
+// Exact tiles: int8 keys as A (the same channel order as the key codes; prmt + lop3 +
+// HSUB2 per pair), s = scale * (k_scale_t q . (code - 128) + (k_zero_t + 128 k_scale_t)
+// sum(q)); int8 values as A into an output-space accumulator with their per-token
+// scales on P (decode_exact.py's algebra).
+//
+// Roofline (Llama-3-8B attention: 32 query / 8 KV heads of 128, bf16 queries; the
+// `4x` preset: KCT 64, V_BITS 2, 8 KV heads, slot 864 B): a latent token reads per
+// layer 512 B of key codes, 64 B of key scales/zeros (4 * 1024 / 64), 256 B of value
+// codes, 32 B of value scales/zeros = 864 B (4.7x fewer than bf16's 4,096 B; at
+// V_BITS 4 or KCT 32: 1,120 B / 928 B; the 64 sink + 129 recent exact tokens add
+// 2,080 B each: int8 keys and values and their scales, amortised over the context). At the H200's 4.25 TB/s copy rate that is 0.20 ns per token and
+// layer (16 x 32k: 107 us per layer). FLOPs per token and KV head: 2 * 128 * 8
+// (scores, n padded to 8) + 2 * 128 * 8 (values) = 4.1 kFLOP, 33 kFLOP per token and
+// layer: 38 FLOP/byte, far under the ridge (about 200 FLOP/byte for dense f16
+// mma.sync): memory-bound. Instruction budget (benchmarks/README.md, "What reaches
+// the bound"): an H200 issues about 1.05e12 warp instructions/s; 0.20 ns per token
+// and layer is 213 warp instructions, 26.6 per token and KV head, for issue to keep
+// up with 100 % of the copy rate at a perfect issue rate (53 at the 50 % target).
+// The Triton kernel issues about 50. This kernel, counted in its SASS (nvcc 13.0,
+// sm_90a, cuobjdump; the loop body fully unrolled), per latent key group and warp:
+//   KCT 64, V_BITS 2: 1,086 compute (80 HMMA: 16 scale fold + 32 scores + 32 values;
+//                     264 LOP3, 160 HFMA2, 112 HADD2 of code unpacking) + about 120
+//                     of copy issue and loop bookkeeping = about 19 per token and KV head;
+//   KCT 64, V_BITS 4: 1,116 + about 130 = 19.5;  KCT 32: 649 / 663 + about 95 = 23-24;
+//   an exact tile (32 positions): 656 + about 135 = 25 per position.
+// At 19 per token and KV head, issue takes 0.14 ns per token and layer against the
+// 0.20 ns of the reads: the bound is the memory if the loads are kept in flight
+// (two stages of about 9 KB per warp, 8 warps per SM).
+// Unpacking per 16-token x 128-channel key sub-tile, by construction: 2 LDS.128 +
+// 8 x (SHF + 4 LOP3 + 2 HADD2 + 2 HFMA2) + 8 HMMA; values (V_BITS 2) per 16 tokens:
+// 4 LDS.32 + 2 PRMT + 2 SHF + 16 LOP3 + 16 HADD2/HFMA2 + 8 HMMA.
+//
+// Precision: key codes, query and probabilities as f16 (the query's bf16 -> f16
+// conversion is exact in f16's normal range), q' = q * scale rounded to f16,
+// scores, softmax state and accumulators fp32; the normalised latent accumulator
+// is rounded to f16 before the lift (fp32 sums). |q * scale_c| and the lift must
+// stay below 65504.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef POST_ROPE_DECODE_STANDALONE
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "mma_common.cuh"
+
+namespace prk_decode {
+using namespace lowrank_mma;
+
+constexpr int kD = 128;      // head_dim, and the value rank RV
+constexpr int kNW = 4;       // warps per CTA
+constexpr int kStages = 2;   // pipeline stages per warp
+constexpr int kEB = 32;      // exact positions per tile (one per lane)
+constexpr int kMaxQ = 8;     // query heads per KV head (the mma's n)
+
+struct Params {
+  const void* query;            // [T, H, 128] bf16 / fp16, last dim contiguous
+  int64_t s_qb, s_qh;           // element strides
+  int q_bf16;
+  const uint8_t* cache;         // latent cache [num_blocks, 1, page, slot] uint8
+  int64_t s_blk, s_tok;         // byte strides
+  const int* block_table;       // [B, max_blocks]
+  int64_t s_bt;
+  int page_shift;               // log2(block size of the latent cache)
+  const uint8_t* exact;         // exact cache [num_blocks, 1, epage, exact slot] uint8
+  int64_t s_eblk, s_etok;
+  const int* exact_table;
+  int64_t s_ebt;
+  int epage_shift;              // log2(block size of the exact cache)
+  const int* seq_lens;          // [B]
+  const __half* lift_t;         // [num_kv_heads, 128 (d), 128 (r)]: lift^T per KV head
+  const float* vsum;            // [num_kv_heads, 128]: the lift's column sums
+  // latent slot (bytes): value codes, value scales, value zeros, key share region
+  int v_codes_off, v_scale_off, v_zero_off, share_off, share;
+  int k_width;                  // Rk = num_kv_heads * 128 (the zeros' stream offset / 2)
+  // int8 exact slot (bytes)
+  int ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off, ex_vzero_off;
+  int qpk, num_heads, num_splits;
+  int sink, recent;             // recent: the window + 1 (this step's token)
+  float qk_scale;               // scale * log2(e)
+  void* out;                    // one split: [B, H * 128] (out_kind); else f32 [B, S, H * 128]
+  int out_kind;                 // 0 float32, 1 bfloat16, 2 float16
+  float* plse;                  // several splits: [B, S, H] base-2 log-sum-exp
+};
+
+template <int KCT, int VBITS>
+struct Cfg {
+  static constexpr int NM = KCT / 16;                // m16 sub-tiles of a key group
+  static constexpr int VB = kD * VBITS / 8;          // value code bytes per token and head
+  // latent stage: [KCT][64] key codes | [KCT][VB] value codes | [KCT][32] value scale
+  // chunk, value zero chunk | [512] the group's scales then zeros of this head
+  static constexpr int L_V = KCT * 64;
+  static constexpr int L_VS = L_V + KCT * VB;
+  static constexpr int L_SH = L_VS + KCT * 32;
+  static constexpr int LAT_STAGE = L_SH + 512;
+  // exact stage: [32][128] key codes | [32][128] value codes | [32][64] the chunks of
+  // the key scale, key zero, value scale, value zero
+  static constexpr int E_V = kEB * 128;
+  static constexpr int E_P = 2 * kEB * 128;
+  static constexpr int EX_STAGE = E_P + kEB * 64;
+  static constexpr int STAGE = LAT_STAGE > EX_STAGE ? LAT_STAGE : EX_STAGE;
+  static constexpr int PIPE = kNW * kStages * STAGE;
+  // epilogue: per warp 6 x 8 stats + two [8][128] accumulators (f32); then the merged
+  // latent accumulator [8][136] f16, the output base [8][128] f32, M and L [8] each
+  static constexpr int WARP_F = 48 + 2 * kMaxQ * kD;
+  static constexpr int M_BL = kNW * WARP_F * 4;
+  static constexpr int BL_PITCH = kD + 8;
+  static constexpr int M_OB = M_BL + kMaxQ * BL_PITCH * 2;
+  static constexpr int M_ST = M_OB + kMaxQ * kD * 4;
+  static constexpr int MERGE = M_ST + 2 * kMaxQ * 4;
+  static constexpr int SMEM = PIPE > MERGE ? PIPE : MERGE;
+  static_assert(KCT == 32 || KCT == 64, "key groups of 32 or 64 positions");
+  static_assert(VBITS == 2 || VBITS == 4, "2- or 4-bit values");
+  static_assert(STAGE % 128 == 0, "stage alignment");
+  static_assert(SMEM <= 113 * 1024, "two CTAs per SM");
+};
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  return __byte_perm(a, b, sel);
+}
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t or6400(uint32_t x) {   // (x & MASK) | 0x64006400
+  uint32_t y;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "n"(MASK), "n"(0x64006400));
+  return y;
+}
+__device__ __forceinline__ uint32_t hsub2c(uint32_t x, float c) {   // x - c (both halves)
+  return h2_bits(__hsub2(bits_h2(x), __float2half2_rn(c)));
+}
+__device__ __forceinline__ uint32_t hfma2c(uint32_t x, float m, float c) {  // x * m + c
+  return h2_bits(__hfma2(bits_h2(x), __float2half2_rn(m), __float2half2_rn(c)));
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t x, uint32_t y) {
+  return h2_bits(__hmul2(bits_h2(x), bits_h2(y)));
+}
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  return h2_bits(__floats2half2_rn(lo, hi));
+}
+// Centred 4-bit codes as f16 pairs from a word of packed codes (channel 2k in the
+// low nibble of byte k): fields in bytes 0 and 2. lo4: low nibbles; hi4: high.
+__device__ __forceinline__ uint32_t lo4(uint32_t x) { return hsub2c(or6400<0x000F000F>(x), 1032.f); }
+__device__ __forceinline__ uint32_t hi4(uint32_t x) {
+  return hfma2c(or6400<0x00F000F0>(x), 1.f / 16.f, -72.f);
+}
+// Centred 2-bit codes (field f of bytes 0 and 2: bits 2f .. 2f + 1), offset 2.
+template <int F>
+__device__ __forceinline__ uint32_t c2(uint32_t x) {
+  const uint32_t y = or6400<(0x00030003u << (2 * F))>(x);
+  if (F == 0) return hsub2c(y, 1026.f);
+  return hfma2c(y, 1.f / float(1 << (2 * F)), -(1024.f / float(1 << (2 * F))) - 2.f);
+}
+// Centred int8 codes (byte selected into bytes 0 and 2 by `sel` from a, b), offset 128.
+__device__ __forceinline__ uint32_t c8(uint32_t a, uint32_t b, uint32_t sel) {
+  return hsub2c(or6400<0x00FF00FF>(prmt(a, b, sel)), 1152.f);
+}
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+// bf16 pair -> f16 pair (exact in f16's normal range).
+__device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  return pack_h2(f.x, f.y);
+}
+
+template <int KCT, int VBITS>
+__global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Params p) {
+  using C = Cfg<KCT, VBITS>;
+  constexpr int NM = C::NM, VB = C::VB;
+  constexpr float VOFF = float(1 << (VBITS - 1));
+  extern __shared__ __align__(128) uint8_t smem[];
+
+  const int split = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gr = lane >> 2, tc = lane & 3;
+  const int n = p.seq_lens[b];
+
+  // ---- the tile list (decode_post_rope.py's, QT = 1) and this split's share
+  const int lat_end = n - p.recent;                  // latent span [sink, lat_end)
+  const int n_lat = lat_end > p.sink ? (lat_end - p.sink + KCT - 1) / KCT : 0;
+  const int tail = max(p.sink, lat_end);             // exact tail [tail, n)
+  const int n_sink = min(p.sink, n);
+  const int n_ex = n_sink + max(n - tail, 0);
+  const int n_tiles = n_lat + (n_ex + kEB - 1) / kEB;
+  const int per = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int t_lo = min(split * per, n_tiles);
+  const int t_hi = min(t_lo + per, n_tiles);
+  const int my_tiles = t_lo + warp < t_hi ? (t_hi - t_lo - warp + kNW - 1) / kNW : 0;
+
+  // ---- query pairs of head gr (zero past qpk), channels 32tc .. 32tc + 31, in the key
+  // codes' order: k-step s = 2i + e takes piece i (channels c = 32tc + 8i ..):
+  // qf[s][0] = {c + 2e, c + 2e + 4}, qf[s][1] = {c + 2e + 1, c + 2e + 5}
+  uint32_t qf[8][2];
+  float qsum0, qsum1;   // sum_c q_c of heads 2tc, 2tc + 1 (the int8 keys' zero term)
+  {
+    const bool hv = gr < p.qpk;
+    const int head = j * p.qpk + (hv ? gr : 0);
+    const uint8_t* qp = reinterpret_cast<const uint8_t*>(p.query) +
+                        ((int64_t)b * p.s_qb + (int64_t)head * p.s_qh) * 2 + 64 * tc;
+    float part = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint4 v = hv ? __ldg(reinterpret_cast<const uint4*>(qp + 16 * i)) : make_uint4(0, 0, 0, 0);
+      uint32_t h[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        if (p.q_bf16) h[x] = bf2_to_h2(h[x]);
+        const float2 f = __half22float2(bits_h2(h[x]));
+        part += f.x + f.y;
+      }
+      qf[2 * i][0] = prmt(h[0], h[2], 0x5410);
+      qf[2 * i][1] = prmt(h[0], h[2], 0x7632);
+      qf[2 * i + 1][0] = prmt(h[1], h[3], 0x5410);
+      qf[2 * i + 1][1] = prmt(h[1], h[3], 0x7632);
+    }
+    part += __shfl_xor_sync(0xffffffffu, part, 1);
+    part += __shfl_xor_sync(0xffffffffu, part, 2);   // head gr's sum, in its 4 lanes
+    qsum0 = __shfl_sync(0xffffffffu, part, 8 * tc);       // head 2tc: lane 4 * 2tc
+    qsum1 = __shfl_sync(0xffffffffu, part, 8 * tc + 4);   // head 2tc + 1
+  }
+
+  // ---- loop-invariant byte offsets
+  // this lane's 16-byte chunk of the group's parameter stream [scales (Rk) | zeros (Rk)]
+  // float16: lanes 0-15 the scales of channels 128j + 8 lane .., lanes 16-31 the
+  // zeros; stream byte o lives in slot o / share at share_off + o % share (share is
+  // a multiple of 16: a chunk never straddles two slots)
+  const int o_sh = lane < 16 ? 2 * (j * kD) + 16 * lane : 2 * (p.k_width + j * kD) + 16 * (lane - 16);
+  const int64_t sh_src = (int64_t)(o_sh / p.share) * p.s_tok + p.share_off + o_sh % p.share;
+  const int vs_at = p.v_scale_off + 2 * j, vz_at = p.v_zero_off + 2 * j;
+  const int ek_at = p.ex_kscale_off + 2 * j, ekz_at = p.ex_kzero_off + 2 * j;
+  const int evs_at = p.ex_vscale_off + 2 * j, evz_at = p.ex_vzero_off + 2 * j;
+
+  uint8_t* my_pipe = smem + warp * kStages * C::STAGE;
+  auto tile_of = [&](int k) { return t_lo + warp + k * kNW; };
+  // block of the warp's k-th tile when it is a latent group (else 0)
+  auto lat_block = [&](int k) -> int {
+    const int t = tile_of(k);
+    if (k >= my_tiles || t >= n_lat) return 0;
+    return __ldg(p.block_table + (int64_t)b * p.s_bt + ((p.sink + t * KCT) >> p.page_shift));
+  };
+  // cp.async copies of the warp's k-th tile into stage k % kStages (one commit group,
+  // empty past the warp's last tile); rows past the span / exact set zero-filled
+  auto issue = [&](int k, int blk) {
+    if (k < my_tiles) {
+      const int t = tile_of(k);
+      const uint32_t st = smem_u32(my_pipe + (k % kStages) * C::STAGE);
+      if (t < n_lat) {
+        const int p0 = p.sink + t * KCT;
+        const uint8_t* base = p.cache + (int64_t)blk * p.s_blk +
+                              (int64_t)(p0 & ((1 << p.page_shift) - 1)) * p.s_tok;
+#pragma unroll
+        for (int r = lane; r < KCT; r += 32) {
+          const uint8_t* row = base + (int64_t)r * p.s_tok;
+          const int nb = p0 + r < lat_end ? 16 : 0;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) cp_async16(st + r * 64 + 16 * c, row + j * 64 + 16 * c, nb);
+#pragma unroll
+          for (int c = 0; c < VB / 16; ++c)
+            cp_async16(st + C::L_V + r * VB + 16 * c, row + p.v_codes_off + j * VB + 16 * c, nb);
+          cp_async16(st + C::L_VS + r * 32, row + (vs_at & ~15), nb);
+          cp_async16(st + C::L_VS + r * 32 + 16, row + (vz_at & ~15), nb);
+        }
+        cp_async16(st + C::L_SH + 16 * lane, base + sh_src, 16);
+      } else {
+        const int idx = (t - n_lat) * kEB + lane;   // this lane's row of the exact set
+        const bool valid = idx < n_ex;
+        const int pos = idx < n_sink ? idx : tail + idx - n_sink;
+        const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + (pos >> p.epage_shift)) : 0;
+        const uint8_t* row = p.exact + (int64_t)eblk * p.s_eblk +
+                             (int64_t)(valid ? pos & ((1 << p.epage_shift) - 1) : 0) * p.s_etok;
+        const int nb = valid ? 16 : 0;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          cp_async16(st + lane * 128 + 16 * c, row + j * kD + 16 * c, nb);
+          cp_async16(st + C::E_V + lane * 128 + 16 * c, row + p.ex_vcodes_off + j * kD + 16 * c, nb);
+        }
+        cp_async16(st + C::E_P + lane * 64, row + (ek_at & ~15), nb);
+        cp_async16(st + C::E_P + lane * 64 + 16, row + (ekz_at & ~15), nb);
+        cp_async16(st + C::E_P + lane * 64 + 32, row + (evs_at & ~15), nb);
+        cp_async16(st + C::E_P + lane * 64 + 48, row + (evz_at & ~15), nb);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // ---- softmax states (heads 2tc + e) and accumulators [8 m-tiles of 16 channels]
+  // channel of accumulator element (mt, x) of lane (gr, tc): 16 gr + 2 mt + (x >> 1)
+  float mL[2] = {-INFINITY, -INFINITY}, lL[2] = {0.f, 0.f}, zL[2] = {0.f, 0.f};
+  float mE[2] = {-INFINITY, -INFINITY}, lE[2] = {0.f, 0.f}, zE[2] = {0.f, 0.f};
+  float accL[8][4], accE[8][4];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) accL[mt][x] = accE[mt][x] = 0.f;
+
+  issue(0, lat_block(0));
+  issue(1, lat_block(1));
+  int blk_next = lat_block(2);
+
+  for (int k = 0; k < my_tiles; ++k) {
+    cp_async_wait<kStages - 1>();   // tile k landed (this lane's copies) ...
+    __syncwarp();                   // ... and every lane's
+    const uint8_t* st = my_pipe + (k % kStages) * C::STAGE;
+    const int t = tile_of(k);
+    if (t < n_lat) {
+      // =================== a latent key group: positions p0 .. p0 + KCT - 1
+      const int p0 = p.sink + t * KCT;
+      uint32_t qs[8][2];                    // q * scale (f16 pairs, the key order)
+      float bias[4] = {0.f, 0.f, 0.f, 0.f};  // sum_c q_c (zero_c + 8 scale_c), heads 2tc, 2tc+1
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4 s = lds128(st + C::L_SH + 64 * tc + 16 * i);
+        const uint4 z = lds128(st + C::L_SH + 256 + 64 * tc + 16 * i);
+        const uint32_t sp[2][2] = {{prmt(s.x, s.z, 0x5410), prmt(s.x, s.z, 0x7632)},
+                                   {prmt(s.y, s.w, 0x5410), prmt(s.y, s.w, 0x7632)}};
+        const uint32_t zp[2][2] = {{prmt(z.x, z.z, 0x5410), prmt(z.x, z.z, 0x7632)},
+                                   {prmt(z.y, z.w, 0x5410), prmt(z.y, z.w, 0x7632)}};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int s_ = 2 * i + e;
+          qs[s_][0] = hmul2(qf[s_][0], sp[e][0]);
+          qs[s_][1] = hmul2(qf[s_][1], sp[e][1]);
+          const uint32_t az[4] = {zp[e][0], zp[e][0], zp[e][1], zp[e][1]};
+          mma_f16(bias, az, qf[s_][0], qf[s_][1]);
+          const uint32_t s8a = hmul2(sp[e][0], 0x48004800u), s8b = hmul2(sp[e][1], 0x48004800u);  // x 8
+          const uint32_t as[4] = {s8a, s8a, s8b, s8b};
+          mma_f16(bias, as, qf[s_][0], qf[s_][1]);
+        }
+      }
+      // scores of the KCT rows, base 2
+      float sc[NM][4];
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        const uint4 w0 = lds128(st + (16 * m + gr) * 64 + 16 * tc);
+        const uint4 w1 = lds128(st + (16 * m + gr + 8) * 64 + 16 * tc);
+        float acc[4] = {bias[0], bias[1], bias[2], bias[3]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t x0 = word(w0, i), x1 = word(w1, i);
+          uint32_t a[4] = {lo4(x0), lo4(x1), hi4(x0), hi4(x1)};
+          mma_f16(acc, a, qs[2 * i][0], qs[2 * i][1]);
+          x0 >>= 8;
+          x1 >>= 8;
+          const uint32_t a2[4] = {lo4(x0), lo4(x1), hi4(x0), hi4(x1)};
+          mma_f16(acc, a2, qs[2 * i + 1][0], qs[2 * i + 1][1]);
+        }
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          sc[m][x] = p0 + 16 * m + gr + 8 * (x >> 1) < lat_end ? acc[x] * p.qk_scale : -INFINITY;
+      }
+      // online softmax of the latent state
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int m = 0; m < NM; ++m)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) mx[x & 1] = fmaxf(mx[x & 1], sc[m][x]);
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
+        const float m_new = fmaxf(mL[e], mx[e]);
+        mu[e] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[e] = exp2f(mL[e] - mu[e]);
+        mL[e] = m_new;
+        lL[e] *= alpha[e];
+        zL[e] *= alpha[e];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        accL[mt][0] *= alpha[0]; accL[mt][1] *= alpha[1];
+        accL[mt][2] *= alpha[0]; accL[mt][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int m = 0; m < NM; ++m) {
+        // P * value scale of rows gr, gr + 8, transposed into the B layout
+        const int r0 = 16 * m + gr, r1 = r0 + 8;
+        const float vs0 = half_at(st + C::L_VS + r0 * 32 + (vs_at & 15));
+        const float vs1 = half_at(st + C::L_VS + r1 * 32 + (vs_at & 15));
+        const float vz0 = half_at(st + C::L_VS + r0 * 32 + 16 + (vz_at & 15)) + VOFF * vs0;
+        const float vz1 = half_at(st + C::L_VS + r1 * 32 + 16 + (vz_at & 15)) + VOFF * vs1;
+        float pr[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) pr[x] = exp2f(sc[m][x] - mu[x & 1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          lL[e] += pr[e] + pr[e + 2];
+          zL[e] += pr[e] * vz0 + pr[e + 2] * vz1;
+        }
+        const uint32_t pb0 = movmatrix_t(pack_h2(pr[0] * vs0, pr[1] * vs0));
+        const uint32_t pb1 = movmatrix_t(pack_h2(pr[2] * vs1, pr[3] * vs1));
+        // value codes of tokens 2tc, 2tc + 1 (k 2tc..) and 2tc + 8, 2tc + 9 (k 2tc + 8..):
+        // lane gr's bytes of each row, channels 16 gr .. 16 gr + 15
+        const uint8_t* vrow = st + C::L_V + (16 * m + 2 * tc) * VB;
+        if (VBITS == 4) {
+          const uint2 ta = *reinterpret_cast<const uint2*>(vrow + 8 * gr);
+          const uint2 tb = *reinterpret_cast<const uint2*>(vrow + VB + 8 * gr);
+          const uint2 tc8 = *reinterpret_cast<const uint2*>(vrow + 8 * VB + 8 * gr);
+          const uint2 td = *reinterpret_cast<const uint2*>(vrow + 9 * VB + 8 * gr);
+#pragma unroll
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t wa = wi ? ta.y : ta.x, wb = wi ? tb.y : tb.x;
+            const uint32_t wc = wi ? tc8.y : tc8.x, wd = wi ? td.y : td.x;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              uint32_t u = prmt(wa, wb, hh ? 0x7632 : 0x5410);   // bytes 2hh, 2hh+1 of a, b
+              uint32_t v = prmt(wc, wd, hh ? 0x7632 : 0x5410);
+#pragma unroll
+              for (int sub = 0; sub < 2; ++sub) {
+                // byte 4wi + 2hh + sub: channels 2 mt (low nibble, rows gr) and 2 mt + 1
+                const int mt = 4 * wi + 2 * hh + sub;
+                const uint32_t a[4] = {lo4(u), hi4(u), lo4(v), hi4(v)};
+                mma_f16(accL[mt], a, pb0, pb1);
+                u >>= 8;
+                v >>= 8;
+              }
+            }
+          }
+        } else {
+          const uint32_t wa = *reinterpret_cast<const uint32_t*>(vrow + 4 * gr);
+          const uint32_t wb = *reinterpret_cast<const uint32_t*>(vrow + VB + 4 * gr);
+          const uint32_t wc = *reinterpret_cast<const uint32_t*>(vrow + 8 * VB + 4 * gr);
+          const uint32_t wd = *reinterpret_cast<const uint32_t*>(vrow + 9 * VB + 4 * gr);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            uint32_t u = prmt(wa, wb, hh ? 0x7632 : 0x5410);
+            uint32_t v = prmt(wc, wd, hh ? 0x7632 : 0x5410);
+#pragma unroll
+            for (int sub = 0; sub < 2; ++sub) {
+              // byte beta = 2hh + sub: channels 4 beta + f, f = 0..3 -> m-tiles 2 beta
+              // (fields 0, 1: rows gr, gr + 8) and 2 beta + 1 (fields 2, 3)
+              const int beta = 2 * hh + sub;
+              const uint32_t a0[4] = {c2<0>(u), c2<1>(u), c2<0>(v), c2<1>(v)};
+              mma_f16(accL[2 * beta], a0, pb0, pb1);
+              const uint32_t a1[4] = {c2<2>(u), c2<3>(u), c2<2>(v), c2<3>(v)};
+              mma_f16(accL[2 * beta + 1], a1, pb0, pb1);
+              u >>= 8;
+              v >>= 8;
+            }
+          }
+        }
+      }
+    } else {
+      // =================== exact tile: exact-set indices e0 .. e0 + 31, int8
+      const int e0 = (t - n_lat) * kEB;
+      float sc[2][4];
+      float vsr[2][2], vzr[2][2];   // value scale / zero + 128 scale of rows gr, gr + 8
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint8_t* k0 = st + (16 * m + gr) * 128 + 32 * tc;
+        const uint8_t* k1 = k0 + 8 * 128;
+        const uint4 r0a = lds128(k0), r0b = lds128(k0 + 16), r1a = lds128(k1), r1b = lds128(k1 + 16);
+        const uint32_t w0[8] = {r0a.x, r0a.y, r0a.z, r0a.w, r0b.x, r0b.y, r0b.z, r0b.w};
+        const uint32_t w1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {   // piece i: channels c0..c3 in word 2i, c4..c7 in 2i + 1
+          const uint32_t a[4] = {c8(w0[2 * i], w0[2 * i + 1], 0x0400), c8(w1[2 * i], w1[2 * i + 1], 0x0400),
+                                 c8(w0[2 * i], w0[2 * i + 1], 0x0501), c8(w1[2 * i], w1[2 * i + 1], 0x0501)};
+          mma_f16(acc, a, qf[2 * i][0], qf[2 * i][1]);
+          const uint32_t a2[4] = {c8(w0[2 * i], w0[2 * i + 1], 0x0602), c8(w1[2 * i], w1[2 * i + 1], 0x0602),
+                                  c8(w0[2 * i], w0[2 * i + 1], 0x0703), c8(w1[2 * i], w1[2 * i + 1], 0x0703)};
+          mma_f16(acc, a2, qf[2 * i + 1][0], qf[2 * i + 1][1]);
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int r = 16 * m + gr + 8 * hr;
+          const uint8_t* pr = st + C::E_P + r * 64;
+          const float ks = half_at(pr + (ek_at & 15));
+          const float kz = half_at(pr + 16 + (ekz_at & 15)) + 128.f * ks;
+          vsr[m][hr] = half_at(pr + 32 + (evs_at & 15));
+          vzr[m][hr] = half_at(pr + 48 + (evz_at & 15)) + 128.f * vsr[m][hr];
+          const bool ok = e0 + r < n_ex;
+          sc[m][2 * hr] = ok ? (acc[2 * hr] * ks + kz * qsum0) * p.qk_scale : -INFINITY;
+          sc[m][2 * hr + 1] = ok ? (acc[2 * hr + 1] * ks + kz * qsum1) * p.qk_scale : -INFINITY;
+        }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) mx[x & 1] = fmaxf(mx[x & 1], sc[m][x]);
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
+        const float m_new = fmaxf(mE[e], mx[e]);
+        mu[e] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[e] = exp2f(mE[e] - mu[e]);
+        mE[e] = m_new;
+        lE[e] *= alpha[e];
+        zE[e] *= alpha[e];
+      }
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) {
+        accE[mt][0] *= alpha[0]; accE[mt][1] *= alpha[1];
+        accE[mt][2] *= alpha[0]; accE[mt][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        float pr[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) pr[x] = exp2f(sc[m][x] - mu[x & 1]);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          lE[e] += pr[e] + pr[e + 2];
+          zE[e] += pr[e] * vzr[m][0] + pr[e + 2] * vzr[m][1];
+        }
+        const uint32_t pb0 = movmatrix_t(pack_h2(pr[0] * vsr[m][0], pr[1] * vsr[m][0]));
+        const uint32_t pb1 = movmatrix_t(pack_h2(pr[2] * vsr[m][1], pr[3] * vsr[m][1]));
+        const uint8_t* vrow = st + C::E_V + (16 * m + 2 * tc) * 128 + 16 * gr;
+        const uint4 ta = lds128(vrow), tb = lds128(vrow + 128);
+        const uint4 tc8 = lds128(vrow + 8 * 128), td = lds128(vrow + 9 * 128);
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) {
+          // channels 16 gr + 2 mt (rows gr) and + 1 (rows gr + 8): word mt / 2, bytes
+          // 2 (mt % 2) and 2 (mt % 2) + 1
+          const int wi = mt >> 1, by = 2 * (mt & 1);
+          const uint32_t sel0 = ((4 + by) << 8) | by, sel1 = ((5 + by) << 8) | (by + 1);
+          const uint32_t wa = word(ta, wi), wb = word(tb, wi), wc = word(tc8, wi), wd = word(td, wi);
+          const uint32_t a[4] = {c8(wa, wb, sel0), c8(wa, wb, sel1), c8(wc, wd, sel0), c8(wc, wd, sel1)};
+          mma_f16(accE[mt], a, pb0, pb1);
+        }
+      }
+    }
+    __syncwarp();   // every lane is done with the stage before it is refilled
+    issue(k + kStages, blk_next);
+    blk_next = lat_block(k + kStages + 1);
+  }
+  cp_async_wait<0>();
+
+  // ---- row sums over the 8 row lanes, then the warps' states through shared memory
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      lL[e] += __shfl_xor_sync(0xffffffffu, lL[e], o);
+      zL[e] += __shfl_xor_sync(0xffffffffu, zL[e], o);
+      lE[e] += __shfl_xor_sync(0xffffffffu, lE[e], o);
+      zE[e] += __shfl_xor_sync(0xffffffffu, zE[e], o);
+    }
+  }
+  __syncthreads();   // every warp left its pipeline: shared memory becomes the merge buffer
+  float* part = reinterpret_cast<float*>(smem);
+  {
+    float* mine = part + warp * C::WARP_F;   // [6][8] stats | accL [8][128] | accE [8][128]
+    if (gr == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int h = 2 * tc + e;
+        mine[0 * 8 + h] = mL[e]; mine[1 * 8 + h] = lL[e]; mine[2 * 8 + h] = zL[e];
+        mine[3 * 8 + h] = mE[e]; mine[4 * 8 + h] = lE[e]; mine[5 * 8 + h] = zE[e];
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int h = 2 * tc + (x & 1), ch = 16 * gr + 2 * mt + (x >> 1);
+        mine[48 + h * kD + ch] = accL[mt][x];
+        mine[48 + kMaxQ * kD + h * kD + ch] = accE[mt][x];
+      }
+  }
+  __syncthreads();
+  __half* s_bl = reinterpret_cast<__half*>(smem + C::M_BL);   // [8][BL_PITCH] latent acc / L
+  float* s_ob = reinterpret_cast<float*>(smem + C::M_OB);      // [8][128] exact part + zeros
+  float* s_st = reinterpret_cast<float*>(smem + C::M_ST);      // M [8], L [8]
+  {
+    const int c = tid;   // channel (kNW * 32 == 128)
+    const float vs = p.vsum[(int64_t)j * kD + c];
+    for (int h = 0; h < kMaxQ; ++h) {
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kNW; ++w)
+        M = fmaxf(M, fmaxf(part[w * C::WARP_F + h], part[w * C::WARP_F + 24 + h]));
+      float L = 0.f, ZL = 0.f, ZE = 0.f, AL = 0.f, AE = 0.f;
+      if (M != -INFINITY && h < p.qpk) {
+#pragma unroll
+        for (int w = 0; w < kNW; ++w) {
+          const float* pw = part + w * C::WARP_F;
+          const float al = exp2f(pw[h] - M), ae = exp2f(pw[24 + h] - M);
+          L += al * pw[8 + h] + ae * pw[32 + h];
+          ZL += al * pw[16 + h];
+          ZE += ae * pw[40 + h];
+          AL += al * pw[48 + h * kD + c];
+          AE += ae * pw[48 + kMaxQ * kD + h * kD + c];
+        }
+      }
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      s_bl[h * C::BL_PITCH + c] = __float2half_rn(AL * inv);
+      s_ob[h * kD + c] = (AE + ZE) * inv + ZL * inv * vs;
+      if (c == 0) {
+        s_st[h] = M;
+        s_st[8 + h] = L;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- the lift, O[d x heads] = lift^T [d x r] (acc / L)^T [r x heads], 16 mma per
+  // warp, and the store
+  const int H = p.num_heads;
+  const bool several = p.num_splits > 1;
+  const __half* lt = p.lift_t + (int64_t)j * kD * kD;
+  for (int mtd = warp; mtd < 8; mtd += kNW) {
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    const int d0 = 16 * mtd + gr;
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      const int r0 = 16 * ks + 2 * tc;
+      const uint32_t a[4] = {__ldg(reinterpret_cast<const unsigned int*>(lt + d0 * kD + r0)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * kD + r0)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + d0 * kD + r0 + 8)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * kD + r0 + 8))};
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(s_bl + gr * C::BL_PITCH + r0);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(s_bl + gr * C::BL_PITCH + r0 + 8);
+      mma_f16(o, a, b0, b1);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int d = d0 + 8 * (x >> 1), h = 2 * tc + (x & 1);
+      if (h >= p.qpk) continue;
+      const float v = o[x] + s_ob[h * kD + d];
+      const int64_t col = (int64_t)(j * p.qpk + h) * kD + d;
+      if (several) {
+        reinterpret_cast<float*>(p.out)[((int64_t)b * p.num_splits + split) * H * kD + col] = v;
+      } else {
+        const int64_t at = (int64_t)b * H * kD + col;
+        if (p.out_kind == 0) reinterpret_cast<float*>(p.out)[at] = v;
+        else if (p.out_kind == 1) reinterpret_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(v);
+        else reinterpret_cast<__half*>(p.out)[at] = __float2half_rn(v);
+      }
+    }
+  }
+  if (several && tid < p.qpk) {
+    const float M = s_st[tid], L = s_st[8 + tid];
+    p.plse[((int64_t)b * p.num_splits + split) * H + j * p.qpk + tid] =
+        L > 0.f ? M + __log2f(L) : -INFINITY;
+  }
+}
+
+}  // namespace prk_decode
+
+#ifndef POST_ROPE_DECODE_STANDALONE
+namespace prk_decode {
+
+template <int KCT, int VBITS>
+void launch(const Params& p, dim3 grid, cudaStream_t stream, int device) {
+  using C = Cfg<KCT, VBITS>;
+  static uint64_t attr_done = 0;   // the >48 KB dynamic shared memory opt-in, per device
+  if (!(attr_done >> device & 1)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(post_rope_decode_kernel<KCT, VBITS>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+    attr_done |= uint64_t(1) << device;
+  }
+  post_rope_decode_kernel<KCT, VBITS><<<grid, kNW * 32, C::SMEM, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace prk_decode
+
+// (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
+// tile) of the (kct, v_bits) kernel, or zeros when none is compiled.
+std::vector<int64_t> post_rope_decode_config(int64_t kct, int64_t v_bits) {
+  using namespace prk_decode;
+#define POST_ROPE_CFG(K, V) \
+  if (kct == K && v_bits == V) return {kNW, kStages, Cfg<K, V>::SMEM, kEB};
+  POST_ROPE_CFG(32, 2) POST_ROPE_CFG(32, 4) POST_ROPE_CFG(64, 2) POST_ROPE_CFG(64, 4)
+#undef POST_ROPE_CFG
+  return {0, 0, 0, 0};
+}
+
+// See vllm_lowrank/kernels/cuda/ext.py: post_rope_decode (the Python checks, shapes,
+// and the merge of the split partials). layout: [v_codes_off, v_scale_off, v_zero_off,
+// share_off, share, k_width, ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off,
+// ex_vzero_off, sink, recent (window + 1), kct, v_bits, qpk].
+void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
+                      torch::Tensor exact, torch::Tensor exact_table, torch::Tensor seq_lens,
+                      torch::Tensor lift_t, torch::Tensor vsum, torch::Tensor out,
+                      c10::optional<torch::Tensor> plse, std::vector<int64_t> layout,
+                      int64_t num_splits, double qk_scale) {
+  using namespace prk_decode;
+  TORCH_CHECK(layout.size() == 16, "layout must hold 16 integers");
+  TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.size(2) == kD && query.stride(2) == 1 &&
+              query.stride(0) % 8 == 0 && query.stride(1) % 8 == 0 &&
+              reinterpret_cast<uintptr_t>(query.data_ptr()) % 16 == 0,
+              "query must be CUDA [T, H, 128] with 16-byte aligned rows");
+  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kHalf,
+              "query must be bfloat16 or float16");
+  TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.dim() == 4 && cache.stride(3) == 1 &&
+              cache.stride(2) % 16 == 0 && cache.stride(0) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0,
+              "latent cache must be uint8 [num_blocks, 1, block_size, slot] with 16-byte aligned slots");
+  TORCH_CHECK(exact.scalar_type() == torch::kUInt8 && exact.dim() == 4 && exact.stride(3) == 1 &&
+              exact.stride(2) % 16 == 0 && exact.stride(0) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(exact.data_ptr()) % 16 == 0,
+              "exact cache must be uint8 [num_blocks, 1, block_size, slot] with 16-byte aligned slots");
+  const int64_t B = seq_lens.numel(), H = query.size(1);
+  TORCH_CHECK(query.size(0) == B, "one query row per sequence");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
+              exact_table.scalar_type() == torch::kInt32 && exact_table.stride(1) == 1 &&
+              seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous(),
+              "block tables [B, max_blocks] and seq_lens [B] must be int32");
+  const int64_t nkv = lift_t.size(0), qpk = layout[15];
+  TORCH_CHECK(lift_t.scalar_type() == torch::kHalf && lift_t.is_contiguous() && lift_t.dim() == 3 &&
+              lift_t.size(1) == kD && lift_t.size(2) == kD, "lift_t must be contiguous f16 [num_kv_heads, 128, 128]");
+  TORCH_CHECK(vsum.scalar_type() == torch::kFloat32 && vsum.is_contiguous() && vsum.numel() == nkv * kD,
+              "vsum must be contiguous f32 [num_kv_heads, 128]");
+  TORCH_CHECK(qpk >= 1 && qpk <= kMaxQ && H == nkv * qpk, "num_heads must be num_kv_heads x (<= 8)");
+  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1");
+  TORCH_CHECK(out.is_contiguous() && out.is_cuda(), "out must be contiguous");
+  if (num_splits > 1) {
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.numel() == B * num_splits * H * kD &&
+                plse.has_value() && plse->scalar_type() == torch::kFloat32 && plse->is_contiguous() &&
+                plse->numel() == B * num_splits * H,
+                "with several splits out is f32 [B, S, H * 128] and plse f32 [B, S, H]");
+  } else {
+    TORCH_CHECK(out.numel() == B * H * kD, "out must be [B, H * 128]");
+  }
+  int out_kind = 0;
+  if (out.scalar_type() == torch::kBFloat16) out_kind = 1;
+  else if (out.scalar_type() == torch::kHalf) out_kind = 2;
+  else TORCH_CHECK(out.scalar_type() == torch::kFloat32, "out must be float32, bfloat16 or float16");
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (B == 0) return;
+  Params p{};
+  p.query = query.data_ptr(); p.s_qb = query.stride(0); p.s_qh = query.stride(1);
+  p.q_bf16 = query.scalar_type() == torch::kBFloat16;
+  p.cache = cache.data_ptr<uint8_t>(); p.s_blk = cache.stride(0); p.s_tok = cache.stride(2);
+  p.block_table = block_table.data_ptr<int>(); p.s_bt = block_table.stride(0);
+  const int64_t page = cache.size(2), epage = exact.size(2);
+  TORCH_CHECK(page > 0 && (page & (page - 1)) == 0 && epage > 0 && (epage & (epage - 1)) == 0,
+              "block sizes must be powers of two");
+  while ((int64_t(1) << p.page_shift) < page) ++p.page_shift;
+  while ((int64_t(1) << p.epage_shift) < epage) ++p.epage_shift;
+  p.exact = exact.data_ptr<uint8_t>(); p.s_eblk = exact.stride(0); p.s_etok = exact.stride(2);
+  p.exact_table = exact_table.data_ptr<int>(); p.s_ebt = exact_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.lift_t = reinterpret_cast<const __half*>(lift_t.data_ptr<at::Half>());
+  p.vsum = vsum.data_ptr<float>();
+  p.v_codes_off = (int)layout[0]; p.v_scale_off = (int)layout[1]; p.v_zero_off = (int)layout[2];
+  p.share_off = (int)layout[3]; p.share = (int)layout[4]; p.k_width = (int)layout[5];
+  p.ex_vcodes_off = (int)layout[6]; p.ex_kscale_off = (int)layout[7]; p.ex_kzero_off = (int)layout[8];
+  p.ex_vscale_off = (int)layout[9]; p.ex_vzero_off = (int)layout[10];
+  p.sink = (int)layout[11]; p.recent = (int)layout[12];
+  const int64_t kct = layout[13], v_bits = layout[14];
+  TORCH_CHECK(p.share > 0 && p.share % 16 == 0 && p.share_off % 16 == 0 && p.v_codes_off % 16 == 0,
+              "key share and value codes must be 16-byte aligned");
+  TORCH_CHECK(page % kct == 0 && p.sink % kct == 0, "key groups must tile the block and the sinks");
+  p.qpk = (int)qpk; p.num_heads = (int)H; p.num_splits = (int)num_splits;
+  p.qk_scale = (float)qk_scale;
+  p.out = out.data_ptr(); p.out_kind = out_kind;
+  p.plse = num_splits > 1 ? plse->data_ptr<float>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int device = query.get_device();
+  const dim3 grid((unsigned)num_splits, (unsigned)nkv, (unsigned)B);
+  if (kct == 32 && v_bits == 2) launch<32, 2>(p, grid, stream, device);
+  else if (kct == 32 && v_bits == 4) launch<32, 4>(p, grid, stream, device);
+  else if (kct == 64 && v_bits == 2) launch<64, 2>(p, grid, stream, device);
+  else if (kct == 64 && v_bits == 4) launch<64, 4>(p, grid, stream, device);
+  else TORCH_CHECK(false, "no compiled post-RoPE-keys kernel for key groups of ", kct,
+                   " and ", v_bits, "-bit values");
+}
+#endif
+
+#ifdef POST_ROPE_DECODE_STANDALONE
+// SASS / resource inspection without torch:
+//   nvcc -DPOST_ROPE_DECODE_STANDALONE -gencode=arch=compute_90a,code=sm_90a -O3 \
+//        --use_fast_math -cubin -Xptxas -v vllm_lowrank/kernels/cuda/post_rope_decode.cu
+template __global__ void prk_decode::post_rope_decode_kernel<64, 2>(const prk_decode::Params);
+template __global__ void prk_decode::post_rope_decode_kernel<64, 4>(const prk_decode::Params);
+template __global__ void prk_decode::post_rope_decode_kernel<32, 2>(const prk_decode::Params);
+template __global__ void prk_decode::post_rope_decode_kernel<32, 4>(const prk_decode::Params);
+#endif
