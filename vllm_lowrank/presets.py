@@ -109,11 +109,12 @@ PRESETS = {p.name: p for p in (
            "(post-RoPE keys at 4 bits per channel over 64 tokens, values at full rank and "
            "2 bits per token and KV head, Hadamard-rotated, 32 sink + 128 recent tokens "
            "exact as int8; no calibration)",
-           "post-RoPE key codes and value latents in one fused Triton kernel (no key "
-           "rebuild; the latent span and the exact tokens in one softmax), CUDA graphs; "
-           "on an H200 the kernel takes 1.43x stock attention's time per layer at 16 x 32k "
-           "(21 % of the copy bandwidth; benchmarks/README.md, \"Decode without a key "
-           "rebuild: post-RoPE keys\")",
+           "post-RoPE key codes and value latents in one fused kernel (no key rebuild; "
+           "the latent span and the exact tokens in one softmax), CUDA graphs: the "
+           "mma.sync CUDA kernel for bf16/fp16 models, on an H200 0.56x stock attention's "
+           "time per layer at 16 x 32k (40 % of the copy bandwidth), the Triton kernel "
+           "otherwise (benchmarks/README.md, \"Decode without a key rebuild: post-RoPE "
+           "keys\")",
            block_size=64),
     Preset("8x", {"k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS, "recent_tokens": 256,
                   "exact_bits": 8, **MIX_CALIBRATION},

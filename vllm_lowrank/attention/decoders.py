@@ -566,6 +566,9 @@ class PostRopeKeysCudaDecoder(Decoder):
         super().__init__(layer, ctx)
         self.lift_t, self.vsum = ext.post_rope_lift(layer.plan, layer.v_up.to(ctx.device))
         self.tokens_per_step = ext.POST_ROPE_WARPS * layer.layout.k_channel_tokens
+        width = layer.plan.shape.num_heads * layer.plan.shape.head_dim
+        self.head_of_col = torch.arange(width, device=ctx.device,
+                                        dtype=torch.int32) // layer.plan.shape.head_dim
 
     def plan(self, batch: DecodeBatch) -> int:
         from vllm_lowrank.kernels.cuda.ext import POST_ROPE_CTAS_PER_SM
@@ -584,7 +587,8 @@ class PostRopeKeysCudaDecoder(Decoder):
                              batch.exact_block_table, batch.seq_lens, self.lift_t, self.vsum,
                              layout=layer.layout, exact_slot=layer.exact.slot,
                              sink=layer.exact.sink, recent=layer.exact.recent,
-                             scale=layer.impl.scale, num_splits=plan, out=out)
+                             scale=layer.impl.scale, num_splits=plan, out=out,
+                             head_of_col=self.head_of_col)
 
 
 def _token_adaptive(family: type[TritonDecoder]) -> type[TokenAdaptiveDecoder]:
@@ -633,11 +637,12 @@ def random_batch(layer, ctx: DecoderContext, seed: int = 0):
             table[r, :per[r]] = order[start:start + per[r]]
         return table, num_blocks
 
-    # A token-adaptive layer's latent cache gets blocks of twice the configured
-    # size: vLLM enlarges the blocks of the group with the smaller pages (one
-    # page size for the latent and the exact cache), and a decoder must read
-    # each cache's own block size.
-    page = 2 * bs if layer.exact is not None else bs
+    # A token-adaptive layer's latent cache gets blocks of three times the
+    # configured size: vLLM enlarges the blocks of the group with the smaller
+    # pages (one page size for the latent and the exact cache) by the ratio of
+    # the slots, not always a power of two (3 for the `4x` preset at the
+    # Llama-3-8B shape), and a decoder must read each cache's own block size.
+    page = 3 * bs if layer.exact is not None else bs
     table, num_blocks = paged(page)
     lat = torch.randn(num_blocks * page, plan.k_width + plan.v_width, generator=g)
     if layout is None:

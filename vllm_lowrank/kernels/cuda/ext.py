@@ -258,7 +258,8 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
     Its scope (anything else keeps the Triton kernel of
     :mod:`vllm_lowrank.kernels.triton.decode_post_rope`): keys after RoPE at full
     width, 4 bits per channel over groups of :data:`POST_ROPE_KEY_GROUPS` tokens that
-    divide the block size and the sink (blocks of a power of two); values per KV head (``group_size`` 1) at
+    divide the block size and the sink (the caches' blocks may be any multiple of
+    it: vLLM enlarges the latent cache's); values per KV head (``group_size`` 1) at
     full rank 128, :data:`POST_ROPE_VALUE_BITS`, one scale/zero per token and head;
     ``head_dim`` 128; at most 8 query heads per KV head; int8 exact tokens; slots
     and the regions the kernel copies 16-byte aligned.
@@ -275,8 +276,6 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
         return "keys are not cached after RoPE at full width"
     if layout is None or not layout.k_per_channel or layout.k_bits != 4:
         return "keys not 4-bit per channel"
-    if block_size < 1 or block_size & (block_size - 1):
-        return f"block size {block_size} not a power of two"
     kct = layout.k_channel_tokens
     if kct not in POST_ROPE_KEY_GROUPS or block_size % kct or sink % kct:
         return (f"key groups of {kct} tokens: not in {POST_ROPE_KEY_GROUPS} or not dividing "
@@ -320,14 +319,12 @@ def post_rope_lift(plan, v_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return lift.transpose(1, 2).to(torch.float16).contiguous(), lift.sum(1).contiguous()
 
 
-_HEAD_OF_COL: dict = {}
-
-
 def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      exact_cache: torch.Tensor, exact_block_table: torch.Tensor,
                      seq_lens: torch.Tensor, lift_t: torch.Tensor, vsum: torch.Tensor, *,
                      layout, exact_slot, sink: int, recent: int, scale: float,
-                     num_splits: int, out: torch.Tensor) -> torch.Tensor:
+                     num_splits: int, out: torch.Tensor,
+                     head_of_col: torch.Tensor | None = None) -> torch.Tensor:
     """Token-adaptive decode of a post-RoPE-keys layer, one query token per
     sequence, into ``out`` (one CUDA kernel, plus
     :func:`~vllm_lowrank.kernels.triton.tiles.reduce_splits_kernel` when
@@ -356,6 +353,8 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         scale: Softmax scale.
         num_splits: Context splits per (sequence, KV head), >= 1.
         out: ``[B, H * 128]`` contiguous, float32, bfloat16 or float16.
+        head_of_col: ``[H * 128]`` int32 on the device, the query head of each
+            output column (the split merge's); made here when ``None``.
 
     Returns:
         ``out``.
@@ -398,11 +397,8 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     plse = torch.empty(bsz, num_splits, heads, device=query.device, dtype=torch.float32)
     mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table, seq_lens,
                          lift_t, vsum, po, plse, offs, int(num_splits), qk_scale)
-    key = (width, query.device)
-    hoc = _HEAD_OF_COL.get(key)
-    if hoc is None:
-        hoc = _HEAD_OF_COL[key] = torch.arange(width, device=query.device,
-                                               dtype=torch.int32) // DECODE_HEAD_DIM
+    hoc = head_of_col if head_of_col is not None else torch.arange(
+        width, device=query.device, dtype=torch.int32) // DECODE_HEAD_DIM
     reduce_splits_kernel[(bsz, -(-width // 128))](
         po, plse, out, hoc, num_splits, width, heads, plse, S_PAD=pow2(num_splits, 2),
         BLOCK_C=128, LSE=False, H_PAD=pow2(heads, 2), num_warps=4)

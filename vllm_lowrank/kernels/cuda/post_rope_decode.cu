@@ -127,12 +127,12 @@ struct Params {
   int64_t s_blk, s_tok;         // byte strides
   const int* block_table;       // [B, max_blocks]
   int64_t s_bt;
-  int page_shift;               // log2(block size of the latent cache)
+  int page;                     // block size of the latent cache (a multiple of KCT)
   const uint8_t* exact;         // exact cache [num_blocks, 1, epage, exact slot] uint8
   int64_t s_eblk, s_etok;
   const int* exact_table;
   int64_t s_ebt;
-  int epage_shift;              // log2(block size of the exact cache)
+  int epage;                    // block size of the exact cache
   const int* seq_lens;          // [B]
   const __half* lift_t;         // [num_kv_heads, 128 (d), 128 (r)]: lift^T per KV head
   const float* vsum;            // [num_kv_heads, 128]: the lift's column sums
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   auto lat_block = [&](int k) -> int {
     const int t = tile_of(k);
     if (k >= my_tiles || t >= n_lat) return 0;
-    return __ldg(p.block_table + (int64_t)b * p.s_bt + ((p.sink + t * KCT) >> p.page_shift));
+    return __ldg(p.block_table + (int64_t)b * p.s_bt + (p.sink + t * KCT) / p.page);
   };
   // cp.async copies of the warp's k-th tile into stage k % kStages (one commit group,
   // empty past the warp's last tile); rows past the span / exact set zero-filled
@@ -316,7 +316,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
       if (t < n_lat) {
         const int p0 = p.sink + t * KCT;
         const uint8_t* base = p.cache + (int64_t)blk * p.s_blk +
-                              (int64_t)(p0 & ((1 << p.page_shift) - 1)) * p.s_tok;
+                              (int64_t)(p0 % p.page) * p.s_tok;
 #pragma unroll
         for (int r = lane; r < KCT; r += 32) {
           const uint8_t* row = base + (int64_t)r * p.s_tok;
@@ -334,9 +334,9 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         const int idx = (t - n_lat) * kEB + lane;   // this lane's row of the exact set
         const bool valid = idx < n_ex;
         const int pos = idx < n_sink ? idx : tail + idx - n_sink;
-        const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + (pos >> p.epage_shift)) : 0;
+        const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + pos / p.epage) : 0;
         const uint8_t* row = p.exact + (int64_t)eblk * p.s_eblk +
-                             (int64_t)(valid ? pos & ((1 << p.epage_shift) - 1) : 0) * p.s_etok;
+                             (int64_t)(valid ? pos % p.epage : 0) * p.s_etok;
         const int nb = valid ? 16 : 0;
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
@@ -801,10 +801,12 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   p.cache = cache.data_ptr<uint8_t>(); p.s_blk = cache.stride(0); p.s_tok = cache.stride(2);
   p.block_table = block_table.data_ptr<int>(); p.s_bt = block_table.stride(0);
   const int64_t page = cache.size(2), epage = exact.size(2);
-  TORCH_CHECK(page > 0 && (page & (page - 1)) == 0 && epage > 0 && (epage & (epage - 1)) == 0,
-              "block sizes must be powers of two");
-  while ((int64_t(1) << p.page_shift) < page) ++p.page_shift;
-  while ((int64_t(1) << p.epage_shift) < epage) ++p.epage_shift;
+  // vLLM enlarges the latent cache's blocks to the exact cache's page (an integer
+  // multiple of the configured block size, not always a power of two)
+  TORCH_CHECK(page > 0 && epage > 0 && page % layout[13] == 0,
+              "the latent cache's block size must be a multiple of the key group");
+  p.page = (int)page;
+  p.epage = (int)epage;
   p.exact = exact.data_ptr<uint8_t>(); p.s_eblk = exact.stride(0); p.s_etok = exact.stride(2);
   p.exact_table = exact_table.data_ptr<int>(); p.s_ebt = exact_table.stride(0);
   p.seq_lens = seq_lens.data_ptr<int>();
