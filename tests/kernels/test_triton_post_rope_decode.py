@@ -10,14 +10,12 @@ a wrong read or an unwritten element shows up.
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 
+from post_rope_case import build
 from vllm_lowrank.attention import token_adaptive as tale
-from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
-from vllm_lowrank.format.exact import ExactSlot
 from vllm_lowrank.format.latent import SlotLayout
 
 triton = pytest.importorskip("triton")
@@ -30,46 +28,13 @@ SCALE = 0.2
 
 def make_case(group_size, rv, k_bits, v_bits, exact_bits, lens, sink, recent, seed=0,
               heads=4, kv_heads=2, d=64, lat_page=PAGE, q_lens=None):
-    g = torch.Generator().manual_seed(seed)
-    shape = AttentionShape(256, heads, kv_heads, d)
-    ng = kv_heads // group_size
-    plan = LayerPlan(shape, group_size, (group_size * d,) * ng, (rv,) * ng)
-    layout = SlotLayout(plan.k_ranks, plan.v_ranks, k_bits, v_bits, k_channel_tokens=PAGE)
+    """:func:`post_rope_case.build` with key groups and exact blocks of ``PAGE``;
+    float32 queries and the kernel's dtype (float32 on a CPU, bf16 on a GPU)."""
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
-    slot = ExactSlot(shape.kv_width, d, dtype, exact_bits, 0, layout.slot_bytes)
-    def paged(page):
-        per = [math.ceil(n / page) for n in lens]
-        nblk = sum(per) + 2
-        order = torch.randperm(nblk, generator=g)
-        table = torch.zeros(len(lens), max(per), dtype=torch.int32)
-        used = 0
-        for b, n in enumerate(per):
-            table[b, :n] = order[used:used + n]
-            used += n
-        return table, nblk
-
-    table, nblk = paged(lat_page)  # the latent cache's blocks (vLLM may enlarge them)
-    rows = nblk * lat_page
-    keys = torch.randn(rows, shape.kv_width, generator=g) * 2
-    keys[:, 3] += 6  # an outlier channel (per-channel scales)
-    vlat = torch.randn(rows, plan.v_width, generator=g)
-    cache = layout.encode_complete(keys, vlat).view(nblk, 1, lat_page, -1)
-    etable, eblk = paged(PAGE)
-    exact_k = torch.randn(eblk * PAGE, shape.kv_width, generator=g)
-    exact_v = torch.randn(eblk * PAGE, shape.kv_width, generator=g)
-    exact = slot.encode(exact_k, exact_v).view(eblk, 1, PAGE, -1)
-    for b, n in enumerate(lens):  # poison the exact rows outside the exact set
-        first = n - (q_lens[b] if q_lens else 1)  # the step's first new token (vLLM keeps
-        for t in range(n):                        # its window from there)
-            if not (t < sink or t >= max(sink, first - recent)):
-                blk = int(etable[b, t // PAGE])
-                exact[blk, 0, t % PAGE] = 0xFF
-    v_up = torch.zeros(plan.v_width, shape.kv_width)
-    gw = plan.group_width
-    for gi, off in enumerate(plan.v_offsets()):
-        v_up[off:off + rv, gi * gw:(gi + 1) * gw] = torch.randn(rv, gw, generator=g) / rv ** 0.5
-    q = torch.randn(sum(q_lens) if q_lens else len(lens), heads, d, generator=g)
-    return plan, layout, slot, cache, exact, (table, etable), v_up, q, dtype
+    return (*build(lens, group_size=group_size, rv=rv, k_bits=k_bits, v_bits=v_bits,
+                   exact_bits=exact_bits, kct=PAGE, page=PAGE, sink=sink, recent=recent,
+                   heads=heads, kv_heads=kv_heads, d=d, lat_page=lat_page, q_lens=q_lens,
+                   seed=seed, dtype=dtype), dtype)
 
 
 def reference(plan, layout, slot, cache, exact, tables, v_up, q, lens, sink, recent):

@@ -544,14 +544,11 @@ class PostRopeKeysCudaDecoder(Decoder):
         from vllm_lowrank.kernels.cuda.ext import post_rope_scope
         from vllm_lowrank.kernels.triton.decode_prep import interpreting
 
-        if layer.exact is None:
-            return "not a token-adaptive layer"
-        if ctx.device.type != "cuda" or interpreting():
+        why = PostRopeKeysDecoder.supports(layer, ctx)  # its scope is within the Triton one's
+        if why is not None:
+            return why
+        if interpreting():
             return "not on a CUDA device"
-        if not layer.post_rope:
-            return "keys are not cached after RoPE"
-        if ctx.window is not None:
-            return "sliding window"
         if ctx.dtype not in (torch.bfloat16, torch.float16):
             return f"queries in {ctx.dtype}, not bf16/fp16"
         why = post_rope_scope(layer.plan, layer.layout, layer.exact.slot,

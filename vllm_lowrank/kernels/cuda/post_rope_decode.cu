@@ -232,6 +232,40 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
   return pack_h2(f.x, f.y);
 }
 
+// One online-softmax step of a warp's state for heads 2tc + e (e = 0, 1) over the
+// scores sc of NM m16 row tiles (base 2, -inf where masked): the new running maxima
+// m (column maxima over the 8 row lanes by 3 shuffles), mu the maxima the tile's
+// probabilities are taken against (0 for a column with nothing seen yet), and the
+// sums l, z and the accumulator rescaled by alpha = 2^(m_old - mu).
+template <int NM>
+__device__ __forceinline__ void online_softmax_step(const float (&sc)[NM][4], float (&m)[2],
+                                                    float (&l)[2], float (&z)[2],
+                                                    float (&acc)[8][4], float (&mu)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int r = 0; r < NM; ++r)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) mx[x & 1] = fmaxf(mx[x & 1], sc[r][x]);
+  float alpha[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
+    const float m_new = fmaxf(m[e], mx[e]);
+    mu[e] = m_new == -INFINITY ? 0.f : m_new;
+    alpha[e] = exp2f(m[e] - mu[e]);
+    m[e] = m_new;
+    l[e] *= alpha[e];
+    z[e] *= alpha[e];
+  }
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt) {
+    acc[mt][0] *= alpha[0]; acc[mt][1] *= alpha[1];
+    acc[mt][2] *= alpha[0]; acc[mt][3] *= alpha[1];
+  }
+}
+
 template <int KCT, int VBITS>
 __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Params p) {
   using C = Cfg<KCT, VBITS>;
@@ -418,29 +452,8 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
           sc[m][x] = p0 + 16 * m + gr + 8 * (x >> 1) < lat_end ? acc[x] * p.qk_scale : -INFINITY;
       }
       // online softmax of the latent state
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int m = 0; m < NM; ++m)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) mx[x & 1] = fmaxf(mx[x & 1], sc[m][x]);
-      float alpha[2], mu[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
-        const float m_new = fmaxf(mL[e], mx[e]);
-        mu[e] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[e] = exp2f(mL[e] - mu[e]);
-        mL[e] = m_new;
-        lL[e] *= alpha[e];
-        zL[e] *= alpha[e];
-      }
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        accL[mt][0] *= alpha[0]; accL[mt][1] *= alpha[1];
-        accL[mt][2] *= alpha[0]; accL[mt][3] *= alpha[1];
-      }
+      float mu[2];
+      online_softmax_step<NM>(sc, mL, lL, zL, accL, mu);
 #pragma unroll
       for (int m = 0; m < NM; ++m) {
         // P * value scale of rows gr, gr + 8, transposed into the B layout
@@ -545,29 +558,8 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
           sc[m][2 * hr + 1] = ok ? (acc[2 * hr + 1] * ks + kz * qsum1) * p.qk_scale : -INFINITY;
         }
       }
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) mx[x & 1] = fmaxf(mx[x & 1], sc[m][x]);
-      float alpha[2], mu[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 4));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 8));
-        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 16));
-        const float m_new = fmaxf(mE[e], mx[e]);
-        mu[e] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[e] = exp2f(mE[e] - mu[e]);
-        mE[e] = m_new;
-        lE[e] *= alpha[e];
-        zE[e] *= alpha[e];
-      }
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt) {
-        accE[mt][0] *= alpha[0]; accE[mt][1] *= alpha[1];
-        accE[mt][2] *= alpha[0]; accE[mt][3] *= alpha[1];
-      }
+      float mu[2];
+      online_softmax_step<2>(sc, mE, lE, zE, accE, mu);
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         float pr[4];
