@@ -1,9 +1,9 @@
-"""Post-RoPE-keys test caches for the CUDA kernel's tests (the GPU tests of
-``tests/kernels/test_cuda_post_rope_decode.py`` and the CPU emulation of
-``tests/unit/test_cuda_post_rope_fragments.py``): written by the real
+"""Post-RoPE-keys test layers and caches, written by the real
 :class:`~vllm_lowrank.format.latent.SlotLayout` and
 :class:`~vllm_lowrank.format.exact.ExactSlot` encoders, and the torch path's
-output on them."""
+output on them: the Triton kernel's tests
+(``tests/kernels/test_triton_post_rope_decode.py``) and the CUDA kernel's
+(``tests/kernels/test_cuda_post_rope_decode.py``)."""
 
 from __future__ import annotations
 
