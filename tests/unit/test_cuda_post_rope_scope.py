@@ -73,6 +73,22 @@ def test_the_decoder_is_tried_first_and_refuses_off_cuda():
     assert "token-adaptive" in decoders.PostRopeKeysCudaDecoder.supports(no_span, ctx)
 
 
+def test_speculative_decoding_keeps_the_triton_kernel():
+    """Verify steps of several query tokens per request: the Triton decoder reads
+    the cache once per request (``takes_query_tokens``), the CUDA one would read it
+    once per token, so the CUDA decoder steps aside (host checks: no GPU needed)."""
+    plan, layout, slot = layer_4x()
+    layer = types.SimpleNamespace(plan=plan, layout=layout, post_rope=True,
+                                  exact=types.SimpleNamespace(sink=64, recent=128, slot=slot))
+    cuda = torch.device("cuda")
+    spec = decoders.DecoderContext(torch.bfloat16, cuda, 64, None, 4096, max_query_len=4)
+    assert decoders.PostRopeKeysDecoder.supports(layer, spec) is None
+    assert decoders.PostRopeKeysDecoder.takes_query_tokens
+    assert "speculative" in decoders.PostRopeKeysCudaDecoder.supports(layer, spec)
+    plain = decoders.DecoderContext(torch.bfloat16, cuda, 64, None, 4096)
+    assert "speculative" not in (decoders.PostRopeKeysCudaDecoder.supports(layer, plain) or "")
+
+
 def test_lift_is_each_kv_heads_block_transposed():
     plan, _, _ = layer_4x(kv=2, qpk=2)
     v_up = torch.randn(plan.v_width, plan.shape.kv_width)
