@@ -107,13 +107,14 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "allocated 8x, sink 32 + recent 256 int8, bits >= 4": (
         "ours", {"allocate": 8.0, **TALE, "recent_tokens": 256, "exact_bits": 8,
                  "bits": [16, 8, 4]}),
-    # the 8x recipe and the 4x preset with key bases that commute with RoPE: the GPU
-    # decodes them with the queries absorbed, no key rebuild (decode_latent_rope)
+    # the 8x recipe and J-LRD latents at 0.5 with key bases that commute with RoPE:
+    # the GPU decodes them with the queries absorbed, no key rebuild (decode_latent_rope)
     "allocated 8x, sink 32 + recent 256 int8, rope_equivariant": (
         "ours", {"allocate": 8.0, **TALE, "recent_tokens": 256, "exact_bits": 8,
                  "method": "rope_equivariant"}),
-    "4x settings, rope_equivariant": ("ours", {"preset": "4x",
-                                               "method": "rope_equivariant"}),
+    "latent 0.5, K4 per channel, V4, sink 32 + recent 128, rope_equivariant": (
+        "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
+                 "method": "rope_equivariant"}),
     # full-rank post-RoPE latents per KV head (the `2x` preset's format, no key
     # rebuild: the packed GPU kernel) with 4-bit keys: quantization only
     "post-RoPE full rank, K4/V4 per token": ("ours", {"preset": "2x", "k_bits": 4}),
@@ -227,6 +228,26 @@ def allocation_artifact(model: str, cfg: dict, context: int, block: int,
                                  **({"bits_options": cfg["bits"]} if "bits" in cfg else {}))
         out.save(path)
     return path
+
+
+def setting_block(cfg: dict | None, given: int | None) -> int:
+    """The KV block size a setting is measured with: ``given`` (``--block-size``)
+    when set; else 32 (vLLM's CPU attention needs a multiple of 32), raised to the
+    setting's preset block size and to its per-channel key groups
+    (``k_channel_tokens`` must divide the block): 64 for the ``4x`` preset and the
+    settings with key groups of 64 tokens."""
+    if given:
+        return given
+    if not cfg or "allocate" in cfg:  # allocations: the TALE settings, groups of 32
+        return 32
+    from vllm_lowrank.presets import PRESETS, expand
+
+    full = expand({"mode": "lowrank", **cfg})
+    preset = PRESETS.get(full.get("preset"))
+    block = max(32, preset.block_size or 32) if preset is not None else 32
+    if full.get("k_quant") == "channel":
+        block = max(block, full.get("k_channel_tokens") or 0)
+    return block
 
 
 def compression_of(model: str, cfg: dict | None, context: int, block: int,
@@ -474,8 +495,9 @@ def plot(rows: list[dict], path: str, title: str, ylim: tuple[float, float] = (-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--block-size", type=int, default=32,
-                   help="KV block size (vLLM's CPU attention needs a multiple of 32)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size of every setting (vLLM's CPU attention needs a "
+                        "multiple of 32); default: each setting's own (setting_block)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--windows", type=int, default=1, help="windows per text")
     p.add_argument("--texts", nargs="+", default=["wikipedia", "bbc"])
@@ -514,7 +536,8 @@ def main() -> None:
     if args.peers:
         rows += peer_rows(args.peers, args.texts, args.windows, args.context)
     title = (f"{args.model}, {args.windows} x {args.context} held-out tokens per text, "
-             f"{args.step}-token steps, block size {args.block_size}"
+             f"{args.step}-token steps, block size "
+             f"{args.block_size or '32 (64 where key groups span 64 tokens)'}"
              + ("; vLLM's caches simulated (same windows)" if args.peers else ""))
     print(f"\n{title}\n")
     head = " | ".join(f"{t} ppl" for t in args.texts)
@@ -604,11 +627,12 @@ def measure_rows(args) -> list[dict]:
         corpus = args.corpus if kind == "ours" else DEFAULT_TEXT
         if corpus != DEFAULT_TEXT and cfg.get("preset") == "8x":
             continue  # allocates from the default artifact: the "allocated 8x" rows instead
+        block = setting_block(cfg, args.block_size)
         spec = {"model": model,
-                "compression": compression_of(model, cfg, args.context, args.block_size,
+                "compression": compression_of(model, cfg, args.context, block,
                                               corpus, args.calibration_tokens),
                 "texts": args.texts, "num_windows": args.windows, "window": args.context,
-                "passkey": None, "block_size": args.block_size, "step_tokens": args.step}
+                "passkey": None, "block_size": block, "step_tokens": args.step}
         results[key(name)] = run_setting(spec)
         if args.json:
             with open(args.json, "w") as f:
@@ -625,13 +649,14 @@ def measure_rows(args) -> list[dict]:
             ratio = 1.0
         else:
             serving = None
+            block = setting_block(cfg, args.block_size)
             if "allocate" in cfg:
-                path = allocation_artifact(model, cfg, args.context, args.block_size,
+                path = allocation_artifact(model, cfg, args.context, block,
                                            args.corpus if kind == "ours" else DEFAULT_TEXT,
                                            args.calibration_tokens)
                 serving = read_manifest(path)["ranks"]["serving"]
             original, allocated = allocated_bytes(r["layers"], cfg, head_dim, args.context,
-                                                  args.block_size, serving)
+                                                  block, serving)
             ratio = original / allocated
         deltas = [100 * (r[t]["ppl"] / base[t]["ppl"] - 1) for t in args.texts]
         rows.append({"name": key(name), "kind": kind, "ratio": ratio,

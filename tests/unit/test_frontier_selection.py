@@ -48,3 +48,26 @@ def test_the_gpu_column_joins_equal_memory_rows_by_config(tmp_path):
     path.write_text(json.dumps([{"config": "default", "mode": "load", "out_tok_s": 1.0}]))
     with pytest.raises(SystemExit, match="no stock row"):
         fr.gpu_ratios(str(path))
+
+
+def test_each_setting_gets_a_block_size_its_engine_accepts():
+    """Without ``--block-size`` every setting gets a block the plugin accepts (its
+    own check, ``exact_tokens``: the ``4x`` preset's key groups span 64 tokens, and
+    a block of 32 is refused before the engine starts), and the preset's own;
+    ``--block-size`` overrides."""
+    import pytest
+
+    from vllm_lowrank.config import LowRankConfig, LowRankConfigError
+    from vllm_lowrank.format.exact import exact_tokens
+
+    fr = _frontier()
+    assert fr.setting_block({"preset": "4x"}, None) == 64
+    assert fr.setting_block({"preset": "2x"}, None) == 32
+    assert fr.setting_block(None, None) == 32
+    assert fr.setting_block({"preset": "4x"}, 128) == 128
+    with pytest.raises(LowRankConfigError, match="must divide the KV block size 32"):
+        exact_tokens(LowRankConfig.from_dict({"mode": "lowrank", "preset": "4x"}), 32)
+    for name, (_, cfg) in fr.SETTINGS.items():
+        if cfg is not None and "allocate" not in cfg:
+            exact_tokens(LowRankConfig.from_dict({"mode": "lowrank", **cfg}),
+                         fr.setting_block(cfg, None))
