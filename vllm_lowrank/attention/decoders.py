@@ -567,13 +567,13 @@ class PostRopeKeysCudaDecoder(Decoder):
 
     def __init__(self, layer, ctx: DecoderContext) -> None:
         from vllm_lowrank.kernels.cuda import ext
+        from vllm_lowrank.kernels.triton.decode_post_rope import head_columns
 
         super().__init__(layer, ctx)
         self.lift_t, self.vsum = ext.post_rope_lift(layer.plan, layer.v_up.to(ctx.device))
         self.tokens_per_step = ext.POST_ROPE_WARPS * layer.layout.k_channel_tokens
-        width = layer.plan.shape.num_heads * layer.plan.shape.head_dim
-        self.head_of_col = torch.arange(width, device=ctx.device,
-                                        dtype=torch.int32) // layer.plan.shape.head_dim
+        sh = layer.plan.shape
+        self.head_of_col = head_columns(sh.num_heads, sh.head_dim, ctx.device)
 
     def plan(self, batch: DecodeBatch) -> int:
         from vllm_lowrank.kernels.cuda.ext import POST_ROPE_CTAS_PER_SM

@@ -311,12 +311,10 @@ def post_rope_lift(plan, v_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
             rank 128).
         v_up: ``[Rv, num_kv_heads * 128]`` block-diagonal value up-projection.
     """
-    sh = plan.shape
-    d = sh.head_dim
-    lift = torch.zeros(sh.num_kv_heads, d, d, device=v_up.device)
-    for j, off in enumerate(plan.v_offsets()):
-        lift[j] = v_up[off:off + d, j * d:(j + 1) * d].float()
-    return lift.transpose(1, 2).to(torch.float16).contiguous(), lift.sum(1).contiguous()
+    from vllm_lowrank.kernels.triton.decode_post_rope import value_lift
+
+    lift, vsum = value_lift(plan, v_up, plan.shape.head_dim)
+    return lift.transpose(1, 2).to(torch.float16).contiguous(), vsum
 
 
 def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -354,7 +352,9 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         num_splits: Context splits per (sequence, KV head), >= 1.
         out: ``[B, H * 128]`` contiguous, float32, bfloat16 or float16.
         head_of_col: ``[H * 128]`` int32 on the device, the query head of each
-            output column (the split merge's); made here when ``None``.
+            output column (the split merge's,
+            :func:`~vllm_lowrank.kernels.triton.decode_post_rope.head_columns`);
+            made here when ``None``.
 
     Returns:
         ``out``.
@@ -389,17 +389,14 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
         mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table,
                              seq_lens, lift_t, vsum, out, None, offs, 1, qk_scale)
         return out
-    from vllm_lowrank.kernels.triton.decode_prep import pow2
-    from vllm_lowrank.kernels.triton.tiles import reduce_splits_kernel
+    from vllm_lowrank.kernels.triton.decode_post_rope import head_columns, merge_head_splits
 
     width = heads * DECODE_HEAD_DIM
     po = torch.empty(bsz, num_splits, width, device=query.device, dtype=torch.float32)
     plse = torch.empty(bsz, num_splits, heads, device=query.device, dtype=torch.float32)
     mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table, seq_lens,
                          lift_t, vsum, po, plse, offs, int(num_splits), qk_scale)
-    hoc = head_of_col if head_of_col is not None else torch.arange(
-        width, device=query.device, dtype=torch.int32) // DECODE_HEAD_DIM
-    reduce_splits_kernel[(bsz, -(-width // 128))](
-        po, plse, out, hoc, num_splits, width, heads, plse, S_PAD=pow2(num_splits, 2),
-        BLOCK_C=128, LSE=False, H_PAD=pow2(heads, 2), num_warps=4)
+    if head_of_col is None:
+        head_of_col = head_columns(heads, DECODE_HEAD_DIM, query.device)
+    merge_head_splits(po, plse, out, head_of_col, heads)
     return out

@@ -55,7 +55,9 @@ scales per layer (928 B, 4.4x fewer than bf16's 4,096), and the dots do 49 kFLOP
 165 FLOP/byte for float16 mma at 4.8 TB/s): memory-bound, 101 us per layer at
 16 x 32k at the bandwidth, 203 us at half of it.
 
-Host side: :func:`blocker` and :class:`PostRopeLaunch`.
+Host side: :func:`blocker`, :func:`value_lift`, :func:`merge_head_splits` and
+:class:`PostRopeLaunch` (the first three shared with the CUDA kernel of
+``vllm_lowrank/kernels/cuda/post_rope_decode.cu``).
 """
 
 from __future__ import annotations
@@ -338,6 +340,40 @@ def post_rope_decode_kernel(
                  o.to(po_ptr.dtype.element_ty), mask=hm[:, None])
 
 
+def value_lift(plan, v_up: torch.Tensor, rv_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each KV head's value lift ``B_v[g][:, j]`` (Palu eq. 6 per KV head) out of the
+    block-diagonal ``v_up [Rv, num_kv_heads * head_dim]``: ``(lift [num_kv_heads,
+    rv_pad, head_dim] float32`` (zero rows past the value rank), ``vsum
+    [num_kv_heads, head_dim] float32`` its column sums, the lift of the value zero
+    term). One value rank for every group (:func:`blocker`'s scope)."""
+    sh = plan.shape
+    d, rv, gw = sh.head_dim, plan.v_ranks[0], plan.group_width
+    lift = torch.zeros(sh.num_kv_heads, rv_pad, d, device=v_up.device)
+    for jh in range(sh.num_kv_heads):
+        g, jl = divmod(jh, plan.group_size)
+        off = plan.v_offsets()[g]
+        lift[jh, :rv] = v_up[off:off + rv, g * gw + jl * d:g * gw + (jl + 1) * d].float()
+    return lift, lift.sum(1).contiguous()
+
+
+def head_columns(num_heads: int, head_dim: int, device) -> torch.Tensor:
+    """``[num_heads * head_dim]`` int32: the query head of each output column."""
+    return torch.arange(num_heads * head_dim, device=device, dtype=torch.int32) // head_dim
+
+
+def merge_head_splits(po: torch.Tensor, plse: torch.Tensor, out: torch.Tensor,
+                      head_of_col: torch.Tensor, num_heads: int) -> None:
+    """Merge the split partials of whole heads into ``out [B, H * head_dim]``
+    (:func:`.tiles.reduce_splits_kernel`): ``po [B, S, H * head_dim]`` float32
+    normalised partials, ``plse [B, S, H]`` their base-2 log-sum-exp,
+    ``head_of_col`` from :func:`head_columns`."""
+    bsz, num_splits, width = po.shape
+    reduce_splits_kernel[(bsz, triton.cdiv(width, 128))](
+        po, plse, out, head_of_col, num_splits, width, num_heads, plse,
+        S_PAD=pow2(num_splits, 2), BLOCK_C=128, LSE=False, H_PAD=pow2(num_heads, 2),
+        num_warps=4)
+
+
 def blocker(plan, layout, exact_slot, *, post_rope: bool, window: int | None,
             block_size: int) -> str | None:
     """Why a token-adaptive layer cannot take :func:`post_rope_decode_kernel`,
@@ -418,13 +454,7 @@ class PostRopeLaunch:
         f32 = interpreting()
         self.dt = torch.float32 if f32 else torch.float16
         rv_pad = pow2(rv, 16)
-        lift = torch.zeros(sh.num_kv_heads, rv_pad, d, device=v_up.device)
-        gw = plan.group_width
-        for jh in range(sh.num_kv_heads):
-            g, jl = divmod(jh, plan.group_size)
-            off = plan.v_offsets()[g]
-            lift[jh, :rv] = v_up[off:off + rv, g * gw + jl * d:g * gw + (jl + 1) * d].float()
-        self.vsum = lift.sum(1).contiguous()
+        lift, self.vsum = value_lift(plan, v_up, rv_pad)
         self.lift = lift.to(self.dt).contiguous()
         lay = exact_slot.int8_layout
         self.ex_offs = ((0, 0, 0, 0, 0) if lay is None else
@@ -497,18 +527,7 @@ class PostRopeLaunch:
             self.plan.k_width, seq_lens if query_start_loc is None else query_start_loc,
             SPLIT=split, QT=qt, PAGE=kv_cache.shape[2], EPAGE=exact_cache.shape[2], **consts)
         if split:
-            width = sh.num_heads * sh.head_dim
-            head_of_col = self._head_of_col(query.device)
-            reduce_splits_kernel[(bsz, triton.cdiv(width, 128))](
-                po, plse, out, head_of_col, num_splits, width, sh.num_heads, plse,
-                S_PAD=pow2(num_splits, 2), BLOCK_C=128, LSE=False,
-                H_PAD=pow2(sh.num_heads, 2), num_warps=4)
+            if getattr(self, "_hoc", None) is None or self._hoc.device != query.device:
+                self._hoc = head_columns(sh.num_heads, sh.head_dim, query.device)
+            merge_head_splits(po, plse, out, self._hoc, sh.num_heads)
         return out
-
-    def _head_of_col(self, device) -> torch.Tensor:
-        """``[H * head_dim]`` int32: the query head of each output column."""
-        if getattr(self, "_hoc", None) is None or self._hoc.device != device:
-            sh = self.plan.shape
-            self._hoc = torch.arange(sh.num_heads * sh.head_dim, device=device,
-                                     dtype=torch.int32) // sh.head_dim
-        return self._hoc
