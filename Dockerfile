@@ -39,13 +39,14 @@ FROM ${BASE_IMAGE}:${BASE_TAG}@${BASE_DIGEST:?required:--build-arg_BASE_DIGEST=s
 # A throw-away stage: nvcc and the CUDA headers, when the base (a CUDA runtime
 # image) lacks them, are installed here only; just the built modules move on.
 #
-# vllm_lowrank/cuda_ext.py builds lazily on the GPU (torch cpp_extension JIT,
-# one module per GPU arch, `vllm_lowrank_cuda_sm<arch>`); its load() needs a
+# vllm_lowrank/kernels/cuda/ext.py builds lazily on the GPU (torch cpp_extension
+# JIT, one module per source and GPU arch, `vllm_lowrank_cuda_<module>_sm<arch>`,
+# ext.module_name); its load() needs a
 # visible GPU, so it cannot run in `docker build`. This stage builds the same
 # modules ahead of time for every arch of TORCH_CUDA_ARCH_LIST (sm_80, sm_89,
 # sm_90) with cuda_ext.build (the name, sources and nvcc flags load() uses on a
 # GPU), into the JIT cache layout under
-# TORCH_EXTENSIONS_DIR: <dir>/vllm_lowrank_cuda_sm90/vllm_lowrank_cuda_sm90.so.
+# TORCH_EXTENSIONS_DIR: <dir>/<module name>/<module name>.so.
 # The sources sit at the same path as in the served image, so the JIT there
 # finds the build up to date instead of compiling again.
 FROM vllm-base AS cuda-ext
@@ -83,8 +84,8 @@ RUN mkdir -p "${TORCH_EXTENSIONS_DIR}" \
        fi \
     && python3 -c "import os, sys; sys.path.insert(0, os.getcwd()); \
 from vllm_lowrank.kernels.cuda import ext as cuda_ext; \
-[cuda_ext.build(a.replace('.', ''), verbose=True) \
- for a in os.environ['TORCH_CUDA_ARCH_LIST'].split(';')]" \
+[cuda_ext.build(a.replace('.', ''), m, verbose=True) \
+ for a in os.environ['TORCH_CUDA_ARCH_LIST'].split(';') for m in cuda_ext.MODULES]" \
     && ls -lR "${TORCH_EXTENSIONS_DIR}"
 
 ################################ serving image ################################

@@ -231,7 +231,7 @@ def _cuda_kernel_available() -> bool:
     from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
     try:
-        cuda_ext.load()
+        cuda_ext.load("latent_decode")
     except RuntimeError as exc:
         print(f"CUDA extension unavailable: {exc}")
         return False

@@ -67,6 +67,9 @@ from allocations import alloc_8x_ranks  # noqa: E402
 
 from vllm_lowrank.presets import PRESETS, TALE_CHANNEL_KEYS  # noqa: E402
 
+NO_FI_AUTOTUNE = {"enable_flashinfer_autotune": False}
+"""vLLM engine arguments of the FlashInfer configs (see there)."""
+
 CONFIGS = {
     "stock": {},
     # stock vLLM with the KV memory vLLM sizes at --gpu-memory-utilization, not
@@ -81,11 +84,17 @@ CONFIGS = {
     # one (benchmarks/gpuvllm_flashinfer.py). Offline and without flashinfer-cubin, vLLM
     # decodes with FlashInfer's own kernels; "-xqa" tells vLLM that cubins are there
     # (VLLM_HAS_FLASHINFER_CUBIN=1), as it assumes where it reaches NVIDIA's
-    # artifactory: then it decodes with XQA on SM90 (JIT-compiled as well)
-    "stock-flashinfer": {"backend": "FLASHINFER"},
-    "stock-flashinfer-fp8": {"backend": "FLASHINFER", "kv_cache_dtype": "fp8"},
-    "stock-flashinfer-xqa": {"backend": "FLASHINFER", "env": {"VLLM_HAS_FLASHINFER_CUBIN": "1"}},
+    # artifactory: then it decodes with XQA on SM90 (JIT-compiled as well). vLLM's
+    # FlashInfer autotune warm-up is off ("engine"): on the recipe it died there with an
+    # illegal memory access (H200, 2026-11-29); it tunes FlashInfer's GEMM/MoE kernels,
+    # which this dense bf16 model does not run
+    "stock-flashinfer": {"backend": "FLASHINFER", "engine": NO_FI_AUTOTUNE},
+    "stock-flashinfer-fp8": {"backend": "FLASHINFER", "kv_cache_dtype": "fp8",
+                             "engine": NO_FI_AUTOTUNE},
+    "stock-flashinfer-xqa": {"backend": "FLASHINFER", "engine": NO_FI_AUTOTUNE,
+                             "env": {"VLLM_HAS_FLASHINFER_CUBIN": "1"}},
     "stock-flashinfer-fp8-xqa": {"backend": "FLASHINFER", "kv_cache_dtype": "fp8",
+                                 "engine": NO_FI_AUTOTUNE,
                                  "env": {"VLLM_HAS_FLASHINFER_CUBIN": "1"}},
     # the plugin; artifact "none": no calibration text on the GPU machine (weight
     # SVD of the dummy weights: speed and memory are real, accuracy is not)
@@ -272,6 +281,7 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
         kw["block_size"] = spec["block_size"]
     if "kv_cache_dtype" in spec:
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    kw.update(spec.get("engine", {}))
     if "compression" in spec:
         kw["additional_config"] = {"kv_compression": {"mode": "lowrank", "artifact": "none",
                                                       **spec["compression"]}}
@@ -614,6 +624,20 @@ def vs_each_stock(rows: list[dict], metric: str, key=lambda r: None,
     return _table(out, ["config", metric] + [f"vs {s}" for s in stocks])
 
 
+def prebuild(env: dict) -> None:
+    """Build every CUDA extension module once, outside every engine's time: one
+    process per module, side by side (an engine that needs a module which failed to
+    build logs why and takes a Triton decoder)."""
+    from vllm_lowrank.kernels.cuda.ext import MODULES
+
+    t0 = time.time()
+    procs = [subprocess.Popen([sys.executable, "-P", "-c", "from vllm_lowrank.kernels.cuda "
+                               f"import ext; ext.load({m!r})"], env=env) for m in MODULES]
+    codes = [p.wait() for p in procs]
+    print(f"CUDA extension modules {list(MODULES)} ready in {time.time() - t0:.0f} s "
+          f"(exit codes {codes})", flush=True)
+
+
 def _flashinfer_missing(name: str, env: dict) -> str | None:
     """Why config ``name`` (the FlashInfer backend) cannot start on the GPU recipe
     (``GPUVLLM_SITE`` set by ``.gpuvllm/env.sh``), or ``None``."""
@@ -746,12 +770,7 @@ def main() -> None:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if not args.no_prebuild and any("compression" in _spec(n)
                                     for n in args.configs.split(",")):
-        # the CUDA extension builds once (about 1.5 min on a fresh machine),
-        # outside every engine's time
-        t0 = time.time()
-        subprocess.run([sys.executable, "-P", "-c",
-                        "from vllm_lowrank.kernels.cuda import ext as cuda_ext; cuda_ext.load()"], env=env)
-        print(f"CUDA extension ready in {time.time() - t0:.0f} s", flush=True)
+        prebuild(env)
     for mode in modes:
         for name in args.configs.split(","):
             cmd = [sys.executable, "-P", __file__, *sys.argv[1:], "--one", name, "--mode", mode]

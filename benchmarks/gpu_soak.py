@@ -361,9 +361,7 @@ def main() -> None:
         print("ROW " + json.dumps(run_one(args)), flush=True)
         os._exit(0)  # vLLM's engine threads may otherwise delay the exit
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    # the CUDA extension builds once, outside every engine's time (as gpu_serving.py)
-    subprocess.run([sys.executable, "-P", "-c", "from vllm_lowrank.kernels.cuda import ext; "
-                    "ext.load()"], env=env)
+    gpu_serving.prebuild(env)
     rows = []
     for name in args.configs.split(","):
         t0 = time.time()

@@ -65,10 +65,10 @@ def _launch(plan, layout, q, cache, *, scale, mode="pre_rope", k_up=None, rope=N
 def test_missing_extension_message(monkeypatch):
     from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
-    monkeypatch.setattr(cuda_ext, "_EXT", None)
-    monkeypatch.setattr(cuda_ext, "_SOURCES", ("does_not_exist.cu",))
-    with pytest.raises(RuntimeError, match="not found"):
-        cuda_ext.load()
+    monkeypatch.setattr(cuda_ext, "_LOADED", {})
+    monkeypatch.setattr(cuda_ext, "MODULES", {"latent_decode": ("does_not_exist.cu",)})
+    with pytest.raises(RuntimeError, match="does_not_exist.cu.*not found"):
+        cuda_ext.load("latent_decode")
 
 
 @pytest.mark.parametrize("ratio,quant", [(0.5, None), (0.25, None), (0.5, (8, 4)),

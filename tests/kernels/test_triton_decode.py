@@ -518,8 +518,9 @@ def test_split_heuristic():
 def test_cuda_ext_clear_error_without_cuda():
     from vllm_lowrank.kernels.cuda import ext as cuda_ext
 
-    with pytest.raises(RuntimeError, match="CUDA device"):
-        cuda_ext.load()
+    for module in cuda_ext.MODULES:
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            cuda_ext.load(module)
 
 
 @pytest.mark.parametrize("mode", ["pre_rope", "post_rope"])

@@ -111,7 +111,7 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
     at most 255 registers (two CTAs of 128 threads per SM need at most 256)."""
     src = ext.source_dir() / "post_rope_decode.cu"
     res = subprocess.run(
-        [_nvcc(), "-DPOST_ROPE_DECODE_STANDALONE", "-gencode=arch=compute_90a,code=sm_90a",
+        [_nvcc(), "-gencode=arch=compute_90a,code=sm_90a",
          "-O3", "-std=c++17", "--use_fast_math", "-cubin", "-Xptxas", "-v",
          "-o", str(tmp_path / "k.cubin"), str(src)],
         capture_output=True, text=True, timeout=600)

@@ -271,9 +271,6 @@ class CudaDecoder(Decoder):
 
     name = "cuda"
     label = "CUDA kernel (mma.sync, pre-RoPE, 16-bit latents)"
-    _build_error: ClassVar[str | None] = None
-    _built: ClassVar[bool] = False
-
     @classmethod
     def supports(cls, layer, ctx: DecoderContext) -> str | None:
         from vllm_lowrank.kernels.cuda.ext import DECODE_RANKS
@@ -310,21 +307,9 @@ class CudaDecoder(Decoder):
             return "cos/sin tables not float32 with 16-byte aligned rows"
         if not rope_is_rotation(rope):
             return "rope table is not a rotation table"
-        return cls._extension_error()
+        from vllm_lowrank.kernels.cuda import ext
 
-    @classmethod
-    def _extension_error(cls) -> str | None:
-        """``None`` once the extension has loaded; else its build error (kept:
-        one attempt per process)."""
-        if not cls._built and cls._build_error is None:
-            from vllm_lowrank.kernels.cuda import ext
-
-            try:
-                ext.load()
-                CudaDecoder._built = True
-            except RuntimeError as exc:
-                CudaDecoder._build_error = f"CUDA extension unavailable: {exc}"
-        return cls._build_error
+        return ext.unavailable("latent_decode")
 
     def __init__(self, layer, ctx: DecoderContext) -> None:
         from vllm_lowrank.kernels.cuda import ext
@@ -546,7 +531,7 @@ class PostRopeKeysCudaDecoder(Decoder):
 
     @classmethod
     def supports(cls, layer, ctx: DecoderContext) -> str | None:
-        from vllm_lowrank.kernels.cuda.ext import post_rope_scope
+        from vllm_lowrank.kernels.cuda.ext import post_rope_scope, unavailable
         from vllm_lowrank.kernels.triton.decode_prep import interpreting
 
         why = PostRopeKeysDecoder.supports(layer, ctx)  # its scope is within the Triton one's
@@ -563,7 +548,7 @@ class PostRopeKeysCudaDecoder(Decoder):
                               block_size=ctx.block_size, sink=layer.exact.sink)
         if why is not None:
             return why
-        return CudaDecoder._extension_error()
+        return unavailable("post_rope_decode")
 
     def __init__(self, layer, ctx: DecoderContext) -> None:
         from vllm_lowrank.kernels.cuda import ext

@@ -1,10 +1,12 @@
-"""Build and load the CUDA extension (``latent_decode.cu`` and ``post_rope_decode.cu``
-beside this file, with their shared ``mma_common.cuh``), lazily.
+"""Build and load the CUDA extension modules (:data:`MODULES`: ``latent_decode.cu`` and
+``post_rope_decode.cu`` beside this file, with their shared ``mma_common.cuh``), lazily.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load``
-(ninja, ``-gencode`` for the current GPU's architecture, e.g. ``sm_90`` on Hopper,
-``sm_80`` on Ampere) into torch's extension cache, and reused afterwards. Nothing
-is built or imported at package import time.
+Each module is compiled on first use with ``torch.utils.cpp_extension.load`` (ninja,
+``-gencode`` for the current GPU's architecture, e.g. ``sm_90`` on Hopper, ``sm_80`` on
+Ampere) into torch's extension cache, and reused afterwards; a decoder builds only the
+module it runs (the ``4x`` preset: ``post_rope_decode``), and a module that fails to
+build leaves the other's decoder usable. Nothing is built or imported at package
+import time.
 
 - :func:`latent_decode_pre_rope` -- fused pre-RoPE decode attention over a bf16/fp16
   latent cache on mma.sync tensor cores (key rebuild, RoPE, online softmax, value
@@ -17,7 +19,7 @@ is built or imported at package import time.
 Example::
 
     from vllm_lowrank.kernels.cuda import ext
-    ext.load()                               # builds on first use (RuntimeError if it cannot)
+    ext.load("latent_decode")                # builds on first use (RuntimeError if it cannot)
     warps, stages, smem = ext.decode_config(64, 64)
 """
 
@@ -29,9 +31,15 @@ from pathlib import Path
 
 import torch
 
-_EXT = None
 _NAME = "vllm_lowrank_cuda"
-_SOURCES = ("latent_decode.cu", "post_rope_decode.cu")
+MODULES = {"latent_decode": ("latent_decode.cu", "latent_decode.cpp"),
+           "post_rope_decode": ("post_rope_decode.cu", "post_rope_decode.cpp")}
+"""Extension module name -> its sources beside this file: the kernels (``.cu``, no
+torch: nvcc never parses torch's headers) and their torch binding (``.cpp``), which
+ninja compiles in parallel."""
+
+_LOADED: dict = {}
+_ERRORS: dict = {}
 
 
 def source_dir() -> Path:
@@ -40,16 +48,17 @@ def source_dir() -> Path:
     return Path(__file__).resolve().parent
 
 
-def load(verbose: bool = False):
-    """Build (first call) and import the extension.
+def load(module: str, verbose: bool = False):
+    """Build (first call) and import extension module ``module`` (a :data:`MODULES` key).
 
     Raises:
+        KeyError: ``module`` is not in :data:`MODULES`.
         RuntimeError: no CUDA device, no CUDA toolkit (nvcc / CUDA_HOME), no ninja,
-            or the ``.cu`` sources are missing; the message names the fix.
+            or the ``.cu`` source is missing; the message names the fix.
     """
-    global _EXT
-    if _EXT is not None:
-        return _EXT
+    sources = MODULES[module]
+    if module in _LOADED:
+        return _LOADED[module]
     if not torch.cuda.is_available():
         raise RuntimeError(
             "vllm_lowrank.kernels.cuda.ext needs a CUDA device (torch.cuda.is_available() is "
@@ -73,7 +82,7 @@ def load(verbose: bool = False):
         raise RuntimeError("ninja is required to build vllm_lowrank's CUDA kernels: "
                            "pip install ninja") from exc
     src = source_dir()
-    missing = [s for s in _SOURCES if not (src / s).exists()]
+    missing = [s for s in sources if not (src / s).exists()]
     if missing:
         raise RuntimeError(
             f"CUDA sources {missing} not found under {src}: the package was installed "
@@ -81,13 +90,30 @@ def load(verbose: bool = False):
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
     try:
-        _EXT = build(arch, verbose=verbose)
+        _LOADED[module] = build(arch, module, verbose=verbose)
     except Exception as exc:  # compiler errors, wrong toolkit for this GPU, ...
         raise RuntimeError(
-            f"building {_NAME} from {src} failed ({type(exc).__name__}: {exc}); check "
-            "that nvcc supports sm_" + arch + " and matches torch.version.cuda="
-            f"{torch.version.cuda}") from exc
-    return _EXT
+            f"building {module_name(module, arch)} from {src} failed "
+            f"({type(exc).__name__}: {exc}); check that nvcc supports sm_{arch} and "
+            f"matches torch.version.cuda={torch.version.cuda}") from exc
+    return _LOADED[module]
+
+
+def unavailable(module: str) -> str | None:
+    """``None`` once extension module ``module`` loads, else why not (one build
+    attempt per process and module; a decoder's ``supports`` answer)."""
+    if module not in _LOADED and module not in _ERRORS:
+        try:
+            load(module)
+        except RuntimeError as exc:
+            _ERRORS[module] = f"CUDA extension unavailable: {exc}"
+    return _ERRORS.get(module)
+
+
+def module_name(module: str, arch: str) -> str:
+    """The importable name of ``module`` built for compute capability ``arch``
+    (``vllm_lowrank_cuda_post_rope_decode_sm90``): the JIT cache's folder name."""
+    return f"{_NAME}_{module}_sm{arch}"
 
 
 def nvcc_flags(arch: str) -> list[str]:
@@ -98,19 +124,20 @@ def nvcc_flags(arch: str) -> list[str]:
             "--use_fast_math"]
 
 
-def build(arch: str, verbose: bool = False):
-    """Build (or find up to date in ``TORCH_EXTENSIONS_DIR``) and import the
-    module ``vllm_lowrank_cuda_sm<arch>`` with torch's JIT builder; no GPU needed
-    (the Dockerfile builds every arch of ``TORCH_CUDA_ARCH_LIST`` this way).
+def build(arch: str, module: str, verbose: bool = False):
+    """Build (or find up to date in ``TORCH_EXTENSIONS_DIR``) and import extension
+    module ``module`` as :func:`module_name` ``(module, arch)`` with torch's JIT
+    builder; no GPU needed (the Dockerfile builds every module for every arch of
+    ``TORCH_CUDA_ARCH_LIST`` this way).
 
     Raises:
+        KeyError: ``module`` is not in :data:`MODULES`.
         Whatever ``torch.utils.cpp_extension.load`` raises (compiler errors).
     """
     from torch.utils import cpp_extension
 
-    src = source_dir()
     return cpp_extension.load(
-        name=f"{_NAME}_sm{arch}", sources=[str(src / s) for s in _SOURCES],
+        name=module_name(module, arch), sources=[str(source_dir() / s) for s in MODULES[module]],
         extra_cuda_cflags=nvcc_flags(arch), extra_cflags=["-O3"], verbose=verbose)
 
 
@@ -129,7 +156,7 @@ def decode_config(r_k: int, r_v: int) -> tuple[int, int, int]:
     should count ``32 * warps`` tokens per CTA step."""
     key = (int(r_k), int(r_v))
     if key not in _DECODE_CFG:
-        _DECODE_CFG[key] = tuple(load().latent_decode_config(*key))
+        _DECODE_CFG[key] = tuple(load("latent_decode").latent_decode_config(*key))
     return _DECODE_CFG[key]
 
 
@@ -234,7 +261,7 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
     lse = torch.empty(bsz, heads, device=query.device, dtype=torch.float32) \
         if return_lse else None
     query = query if query.stride(-1) == 1 else query.contiguous()
-    load().latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t,
+    load("latent_decode").latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t,
                                   rope.cos, rope.sin, out, lse, int(num_splits),
                                   float(scale) * 1.4426950408889634, not rope.neox)
     return (out, lse) if return_lse else out
@@ -384,7 +411,7 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             lay8.v_zero_offset, int(sink), int(recent) + 1, layout.k_channel_tokens,
             layout.v_bits, heads // lift_t.shape[0]]
     qk_scale = float(scale) * 1.4426950408889634
-    mod = load()
+    mod = load("post_rope_decode")
     if num_splits == 1:
         mod.post_rope_decode(query, kv_cache, block_table, exact_cache, exact_block_table,
                              seq_lens, lift_t, vsum, out, None, offs, 1, qk_scale)

@@ -48,49 +48,22 @@
 // key is rounded to f16 (10-bit mantissa, finer than bf16) and rotated in f16x2;
 // scores accumulate in fp32; P in the cache dtype; softmax state and O in fp32.
 // Keys and scaled queries must stay below 65504 in magnitude (f16 range).
+//
+// No torch here (the binding is latent_decode.cpp). Registers, spills and SASS:
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math -cubin -Xptxas -v \
+//        vllm_lowrank/kernels/cuda/latent_decode.cu
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include <type_traits>
 
+#include "latent_decode.h"
 #include "mma_common.cuh"
-
-#ifndef LATENT_DECODE_STANDALONE
-#include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#endif
 
 namespace latent_decode {
 
 constexpr int kTile = 32;       // tokens per warp tile
-constexpr int kHeadDim = 128;
 constexpr int kSmemBudget = 220 * 1024;
-
-struct Params {
-  const void* query;            // [B, H, 128] cache dtype
-  int64_t s_qb, s_qh;
-  const void* cache;            // [num_blocks, 1, page, Rk + Rv] cache dtype
-  int64_t s_blk, s_tok;         // element strides
-  const int* block_table;       // [B, max_blocks]
-  int64_t s_bt;
-  const int* seq_lens;          // [B]
-  const void* bkt;              // [num_groups, 128, r_k] cache dtype: B_k^T, gptj-permuted
-  const float* cos;             // [max_pos, 64]
-  const float* sin;
-  int64_t s_rope;
-  int max_pos;
-  float* out;                   // no split: [B, out_width]; split: partials [B, S, out_width]
-  float* lse;                   // no split: [B, H] natural log or null; split: [B, S, H] base 2
-  int page_shift;               // log2(block_size)
-  int heads_per_group;          // <= 8
-  int num_heads;
-  int num_splits;
-  int out_width;
-  int k_width;                  // Rk (first value column)
-  float qk_scale;               // scale * log2(e)
-  int gptj;
-};
 
 // Shared-memory rows of one latent section (key or value) of a tile: token row t,
 // 16-byte chunk c (8 latent values). Where a row has a power-of-two number of chunks
@@ -619,158 +592,61 @@ __global__ void reduce_kernel(const float* __restrict__ po, const float* __restr
 
 }  // namespace latent_decode
 
-#ifndef LATENT_DECODE_STANDALONE
 namespace latent_decode {
 
 // Ranks with a compiled kernel (each a multiple of 16, <= 128); others take the
-// Triton path (see vllm_lowrank/cuda_ext.py: decode_ranks()).
+// Triton path (vllm_lowrank/kernels/cuda/ext.py: DECODE_RANKS).
 #define LATENT_DECODE_RANKS(X, RK) X(RK, 16) X(RK, 32) X(RK, 48) X(RK, 64) X(RK, 96) X(RK, 128)
 #define LATENT_DECODE_ALL(X)                                                        \
   LATENT_DECODE_RANKS(X, 16) LATENT_DECODE_RANKS(X, 32) LATENT_DECODE_RANKS(X, 48) \
   LATENT_DECODE_RANKS(X, 64) LATENT_DECODE_RANKS(X, 96) LATENT_DECODE_RANKS(X, 128)
 
 template <int RK, int RV, typename T>
-void launch(const Params& p, dim3 grid, cudaStream_t stream, int device) {
+cudaError_t launch_variant(const Params& p, dim3 grid, cudaStream_t stream, int device) {
   using C = Cfg<RK, RV>;
   // The >48 KB dynamic shared memory opt-in, once per device and kernel.
   static uint64_t attr_done = 0;
   if (!(attr_done >> device & 1)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_kernel<RK, RV, T>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM));
+    const cudaError_t err = cudaFuncSetAttribute(
+        decode_kernel<RK, RV, T>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (err != cudaSuccess) return err;
     attr_done |= uint64_t(1) << device;
   }
   decode_kernel<RK, RV, T><<<grid, C::NW * 32, C::SMEM, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
 template <typename T>
-bool dispatch(int rk, int rv, const Params& p, dim3 grid, cudaStream_t stream, int device) {
+cudaError_t dispatch(int rk, int rv, const Params& p, dim3 grid, cudaStream_t stream, int device) {
 #define LATENT_DECODE_CASE(RK, RV) \
-  if (rk == RK && rv == RV) { launch<RK, RV, T>(p, grid, stream, device); return true; }
+  if (rk == RK && rv == RV) return launch_variant<RK, RV, T>(p, grid, stream, device);
   LATENT_DECODE_ALL(LATENT_DECODE_CASE)
 #undef LATENT_DECODE_CASE
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch(const Params& p, int rk, int rv, bool bf16, dim3 grid, cudaStream_t stream,
+                   int device) {
+  return bf16 ? dispatch<__nv_bfloat16>(rk, rv, p, grid, stream, device)
+              : dispatch<__half>(rk, rv, p, grid, stream, device);
+}
+
+bool config(int rk, int rv, int64_t out[3]) {
+#define LATENT_DECODE_CFG(RK, RV)                                                     \
+  if (rk == RK && rv == RV) {                                                         \
+    out[0] = Cfg<RK, RV>::NW; out[1] = Cfg<RK, RV>::STAGES; out[2] = Cfg<RK, RV>::SMEM; \
+    return true;                                                                      \
+  }
+  LATENT_DECODE_ALL(LATENT_DECODE_CFG)
+#undef LATENT_DECODE_CFG
   return false;
 }
 
+cudaError_t reduce(const float* po, const float* plse, float* out, float* lse, int batch,
+                   int num_splits, int num_heads, int out_width, int rv, cudaStream_t stream) {
+  reduce_kernel<<<dim3((unsigned)batch, (unsigned)num_heads), (unsigned)((rv + 31) / 32 * 32), 0,
+                  stream>>>(po, plse, out, lse, num_splits, num_heads, out_width, rv);
+  return cudaGetLastError();
+}
+
 }  // namespace latent_decode
-
-// (warps per CTA, pipeline stages, dynamic shared memory bytes) of the (r_k, r_v)
-// kernel, or (0, 0, 0) when no kernel is compiled for these ranks.
-std::vector<int64_t> latent_decode_config(int64_t rk, int64_t rv) {
-  using namespace latent_decode;
-#define LATENT_DECODE_CFG(RK, RV) \
-  if (rk == RK && rv == RV) return {Cfg<RK, RV>::NW, Cfg<RK, RV>::STAGES, Cfg<RK, RV>::SMEM};
-  LATENT_DECODE_ALL(LATENT_DECODE_CFG)
-#undef LATENT_DECODE_CFG
-  return {0, 0, 0};
-}
-
-// See vllm_lowrank/cuda_ext.py: latent_decode_pre_rope (checks, shapes, dtypes).
-void latent_decode_pre_rope(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
-                            torch::Tensor seq_lens, torch::Tensor bkt, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor out, c10::optional<torch::Tensor> lse,
-                            int64_t num_splits, double qk_scale, bool gptj) {
-  using namespace latent_decode;
-  TORCH_CHECK(query.is_cuda() && query.dim() == 3 && query.size(2) == kHeadDim &&
-              query.stride(2) == 1, "query must be CUDA [B, H, 128], last dim contiguous");
-  TORCH_CHECK(cache.dim() == 4 && cache.size(1) == 1 && cache.stride(3) == 1 &&
-              cache.scalar_type() == query.scalar_type(),
-              "cache must be [num_blocks, 1, block_size, Rk + Rv] in the query dtype, "
-              "last dim contiguous");
-  TORCH_CHECK(query.scalar_type() == torch::kBFloat16 || query.scalar_type() == torch::kHalf,
-              "query / cache must be bfloat16 or float16");
-  TORCH_CHECK(bkt.dim() == 3 && bkt.size(1) == kHeadDim && bkt.is_contiguous() &&
-              bkt.scalar_type() == query.scalar_type(),
-              "key weights must be contiguous [num_groups, 128, r_k] in the cache dtype");
-  const int64_t B = query.size(0), H = query.size(1), ng = bkt.size(0), rk = bkt.size(2);
-  const int64_t page = cache.size(2);
-  TORCH_CHECK(ng > 0 && H % ng == 0 && H / ng <= 8, "num_heads must be num_groups x (<= 8)");
-  TORCH_CHECK((cache.size(3) - ng * rk) % ng == 0, "cache slot width is not Rk + num_groups * r_v");
-  const int64_t rv = (cache.size(3) - ng * rk) / ng;
-  TORCH_CHECK(page >= 16 && (page & (page - 1)) == 0, "block_size must be a power of two >= 16");
-  TORCH_CHECK(cache.stride(0) * cache.element_size() < (int64_t(1) << 32),
-              "cache block stride must be under 4 GiB (the kernel keeps in-block byte offsets in 32 bits)");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1 &&
-              seq_lens.scalar_type() == torch::kInt32 && seq_lens.is_contiguous() &&
-              seq_lens.numel() == B, "block_table [B, max_blocks] / seq_lens [B] must be int32");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-              cos.dim() == 2 && cos.size(1) == kHeadDim / 2 && cos.sizes() == sin.sizes() &&
-              cos.stride(1) == 1 && sin.stride(1) == 1 && cos.stride(0) == sin.stride(0) &&
-              cos.stride(0) % 4 == 0 && (uintptr_t)cos.data_ptr() % 16 == 0 &&
-              (uintptr_t)sin.data_ptr() % 16 == 0,
-              "cos/sin must be float32 [max_pos, 64] with 16-byte aligned rows");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == B &&
-              out.size(1) == H * rv, "out must be contiguous float32 [B, H * r_v]");
-  TORCH_CHECK(!lse.has_value() || (lse->scalar_type() == torch::kFloat32 && lse->is_contiguous() &&
-              lse->numel() == B * H), "lse must be contiguous float32 [B, H]");
-  TORCH_CHECK(num_splits >= 1, "num_splits must be >= 1");
-  const c10::cuda::CUDAGuard guard(query.device());
-  if (B == 0) return;
-  Params p{};
-  p.query = query.data_ptr(); p.s_qb = query.stride(0); p.s_qh = query.stride(1);
-  p.cache = cache.data_ptr(); p.s_blk = cache.stride(0); p.s_tok = cache.stride(2);
-  p.block_table = block_table.data_ptr<int>(); p.s_bt = block_table.stride(0);
-  p.seq_lens = seq_lens.data_ptr<int>();
-  p.bkt = bkt.data_ptr();
-  p.cos = cos.data_ptr<float>(); p.sin = sin.data_ptr<float>();
-  p.s_rope = cos.stride(0); p.max_pos = (int)cos.size(0);
-  int shift = 0;
-  while ((int64_t(1) << shift) < page) ++shift;
-  p.page_shift = shift;
-  p.heads_per_group = (int)(H / ng); p.num_heads = (int)H; p.num_splits = (int)num_splits;
-  p.out_width = (int)(H * rv); p.k_width = (int)(ng * rk);
-  p.qk_scale = (float)qk_scale; p.gptj = gptj ? 1 : 0;
-  torch::Tensor po, plse;
-  if (num_splits > 1) {
-    po = torch::empty({B, num_splits, H * rv}, out.options());
-    plse = torch::empty({B, num_splits, H}, out.options());
-    p.out = po.data_ptr<float>(); p.lse = plse.data_ptr<float>();
-  } else {
-    p.out = out.data_ptr<float>(); p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  }
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const int device = query.get_device();
-  const dim3 grid((unsigned)num_splits, (unsigned)ng, (unsigned)B);
-  const bool ok = query.scalar_type() == torch::kBFloat16
-                      ? dispatch<__nv_bfloat16>((int)rk, (int)rv, p, grid, stream, device)
-                      : dispatch<__half>((int)rk, (int)rv, p, grid, stream, device);
-  TORCH_CHECK(ok, "no compiled decode kernel for r_k = ", rk, ", r_v = ", rv);
-  if (num_splits > 1) {
-    reduce_kernel<<<dim3((unsigned)B, (unsigned)H), (unsigned)((rv + 31) / 32 * 32), 0, stream>>>(
-        po.data_ptr<float>(), plse.data_ptr<float>(), out.data_ptr<float>(),
-        lse.has_value() ? lse->data_ptr<float>() : nullptr, (int)num_splits, (int)H,
-        (int)(H * rv), (int)rv);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-#endif
-
-#ifdef LATENT_DECODE_STANDALONE
-// SASS / resource inspection without torch:
-//   nvcc -DLATENT_DECODE_STANDALONE -gencode=arch=compute_90a,code=sm_90a -O3 \
-//        --use_fast_math -cubin -Xptxas -v csrc/latent_decode.cu
-template __global__ void latent_decode::decode_kernel<64, 64, __nv_bfloat16>(const latent_decode::Params);
-template __global__ void latent_decode::decode_kernel<32, 32, __nv_bfloat16>(const latent_decode::Params);
-template __global__ void latent_decode::decode_kernel<128, 128, __nv_bfloat16>(const latent_decode::Params);
-#endif
-
-#ifndef LATENT_DECODE_STANDALONE
-// The post-RoPE-keys decode of post_rope_decode.cu (one module for both sources).
-void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor block_table,
-                      torch::Tensor exact, torch::Tensor exact_table, torch::Tensor seq_lens,
-                      torch::Tensor lift_t, torch::Tensor vsum, torch::Tensor out,
-                      c10::optional<torch::Tensor> plse, std::vector<int64_t> layout,
-                      int64_t num_splits, double qk_scale);
-std::vector<int64_t> post_rope_decode_config(int64_t kct, int64_t v_bits);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("latent_decode_config", &latent_decode_config,
-        "(warps, stages, smem bytes) of the pre-RoPE decode kernel for (r_k, r_v)");
-  m.def("latent_decode_pre_rope", &latent_decode_pre_rope,
-        "pre-RoPE decode attention over a bf16/fp16 latent cache (mma.sync)");
-  m.def("post_rope_decode", &post_rope_decode,
-        "token-adaptive decode of post-RoPE 4-bit key codes and value latents (mma.sync)");
-  m.def("post_rope_decode_config", &post_rope_decode_config,
-        "(warps, stages, smem bytes, exact tile) of the post-RoPE-keys decode kernel");
-}
-#endif
