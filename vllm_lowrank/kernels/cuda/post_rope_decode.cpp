@@ -8,14 +8,6 @@
 
 #include "post_rope_decode.h"
 
-// (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
-// tile) of the (kct, v_bits) kernel, or zeros when none is compiled.
-std::vector<int64_t> post_rope_decode_config(int64_t kct, int64_t v_bits) {
-  int64_t cfg[4] = {0, 0, 0, 0};
-  prk_decode::config((int)kct, (int)v_bits, cfg);
-  return {cfg[0], cfg[1], cfg[2], cfg[3]};
-}
-
 // See vllm_lowrank/kernels/cuda/ext.py: post_rope_decode (the Python checks, shapes,
 // and the merge of the split partials). layout: [v_codes_off, v_scale_off, v_zero_off,
 // share_off, share, k_width, ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off,
@@ -111,6 +103,4 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("post_rope_decode", &post_rope_decode,
         "token-adaptive decode of post-RoPE 4-bit key codes and value latents (mma.sync)");
-  m.def("post_rope_decode_config", &post_rope_decode_config,
-        "(warps, stages, smem bytes, exact tile) of the post-RoPE-keys decode kernel");
 }
