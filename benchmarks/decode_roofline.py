@@ -36,6 +36,12 @@ count and its reduce).
         --shapes 1x4096,16x4096,16x32768,128x2048
     source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
         --settings prk-4x,prk-4x-cuda,prk-v4,prk-v4-cuda --shapes 16x32768,128x2048
+    source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
+        --settings prk-4x-cuda --shapes 128x32768 --kv-heads 1   # 16 x 32k's bytes, 1-head slots
+
+A CTA of the post-RoPE-keys kernels reads one KV head's share of every slot (about
+150 of the ``4x`` layout's 1,184 bytes per token at 8 KV heads); ``--kv-heads 1`` reads
+whole slots, so the pair tells whether that striding costs bandwidth.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import math
 
 import torch
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+KV_HEADS, QUERIES_PER_KV_HEAD, HEAD_DIM = 8, 4, 128
 BLOCK = 32
 
 SETTINGS = {
@@ -113,10 +119,10 @@ def fill_f16(cache: torch.Tensor, start: int, stop: int, g) -> None:
     cache[..., start:start + 2 * n] = vals.to(torch.float16).view(torch.uint8)
 
 
-def build(name: str, bsz: int, length: int, device, g):
-    """``(call, bytes, reference)`` of a setting: ``call()`` runs the decode,
-    ``reference()`` returns ``(kernel output, torch-path output)`` on the same
-    inputs (small batches only)."""
+def build(name: str, bsz: int, length: int, device, g, kv_heads: int = KV_HEADS):
+    """``(call, bytes, reference)`` of a setting with ``kv_heads`` KV heads (4 query
+    heads each): ``call()`` runs the decode, ``reference()`` returns ``(kernel output,
+    torch-path output)`` on the same inputs (small batches only)."""
     from vllm_lowrank.attention import token_adaptive as tale
     from vllm_lowrank.attention.latent_attention import decode_attention
     from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
@@ -124,14 +130,15 @@ def build(name: str, bsz: int, length: int, device, g):
     from vllm_lowrank.format.latent import SlotLayout
 
     kind, kb, vb, rv, ebits, kct, block, sink, cuda = setting(name)
-    shape = AttentionShape(HEADS * HEAD_DIM, HEADS, KV_HEADS, HEAD_DIM)
-    q = torch.randn(bsz, HEADS, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
-    out = torch.empty(bsz, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16)
+    heads = QUERIES_PER_KV_HEAD * kv_heads
+    shape = AttentionShape(heads * HEAD_DIM, heads, kv_heads, HEAD_DIM)
+    q = torch.randn(bsz, heads, HEAD_DIM, device=device, generator=g).to(torch.bfloat16)
+    out = torch.empty(bsz, heads * HEAD_DIM, device=device, dtype=torch.bfloat16)
     scale = HEAD_DIM ** -0.5
     if kind == "post_rope_keys":
         from vllm_lowrank.kernels.triton.decode_post_rope import PostRopeLaunch
 
-        plan = LayerPlan(shape, 1, (HEAD_DIM,) * KV_HEADS, (rv,) * KV_HEADS)
+        plan = LayerPlan(shape, 1, (HEAD_DIM,) * kv_heads, (rv,) * kv_heads)
         layout = SlotLayout(plan.k_ranks, plan.v_ranks, kb, vb, k_channel_tokens=kct)
         slot = ExactSlot(shape.kv_width, HEAD_DIM, torch.bfloat16, ebits, 0, layout.slot_bytes)
         cache, table, lens = random_paged(bsz, length, layout.slot_bytes, device, g, block)
@@ -141,7 +148,7 @@ def build(name: str, bsz: int, length: int, device, g):
         lay8 = slot.int8_layout
         fill_f16(exact, lay8.k_scale_offset, lay8.natural_bytes, g)
         v_up = torch.zeros(plan.v_width, shape.kv_width, device=device)
-        for j in range(KV_HEADS):
+        for j in range(kv_heads):
             v_up[j * rv:(j + 1) * rv, j * HEAD_DIM:(j + 1) * HEAD_DIM] = \
                 torch.randn(rv, HEAD_DIM, device=device, generator=g) / rv ** 0.5
         n_exact = min(length, sink + 129)
@@ -185,7 +192,7 @@ def build(name: str, bsz: int, length: int, device, g):
     else:
         from vllm_lowrank.kernels.triton.decode import LatentLaunch
 
-        plan = LayerPlan(shape, 1, (HEAD_DIM,) * KV_HEADS, (HEAD_DIM,) * KV_HEADS)
+        plan = LayerPlan(shape, 1, (HEAD_DIM,) * kv_heads, (HEAD_DIM,) * kv_heads)
         layout = SlotLayout(plan.k_ranks, plan.v_ranks, kb, vb)
         cache, table, lens = random_paged(bsz, length, layout.slot_bytes, device, g)
         fill_f16(cache, layout.k_scale_offset, layout.natural_bytes, g)
@@ -208,12 +215,13 @@ def build(name: str, bsz: int, length: int, device, g):
     return call, nbytes, reference
 
 
-def sdpa_call(bsz: int, length: int, device, g):
+def sdpa_call(bsz: int, length: int, device, g, kv_heads: int = KV_HEADS):
     """Stock attention on the same batch: dense bf16 keys and values, GQA."""
     import torch.nn.functional as F
 
-    q = torch.randn(bsz, HEADS, 1, HEAD_DIM, device=device, generator=g, dtype=torch.bfloat16)
-    k = torch.randn(bsz, KV_HEADS, length, HEAD_DIM, device=device, generator=g,
+    q = torch.randn(bsz, QUERIES_PER_KV_HEAD * kv_heads, 1, HEAD_DIM, device=device, generator=g,
+                    dtype=torch.bfloat16)
+    k = torch.randn(bsz, kv_heads, length, HEAD_DIM, device=device, generator=g,
                     dtype=torch.bfloat16)
     v = torch.randn_like(k)
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -225,13 +233,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--shapes", default="1x4096,16x4096,16x32768,128x2048")
+    p.add_argument("--kv-heads", type=int, default=KV_HEADS,
+                   help="KV heads per layer (4 query heads each; Llama-3-8B: 8). Fewer heads "
+                        "at a larger batch read the same bytes from narrower slots")
     p.add_argument("--check-only", action="store_true",
                    help="only the correctness check (runs on a CPU under TRITON_INTERPRET=1)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator(device=device).manual_seed(0)
     for name in args.settings.split(","):
-        call, _, reference = build(name, 2, 300 if args.check_only else 1000, device, g)
+        call, _, reference = build(name, 2, 300 if args.check_only else 1000, device, g,
+                                   args.kv_heads)
         got, want = reference()
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"{name}: relative error vs the torch path: {err:.2e}", flush=True)
@@ -244,11 +256,11 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|"]
     for shape_s in args.shapes.split(","):
         bsz, length = parse_shape(shape_s)
-        ref = sdpa_call(bsz, length, device, g)
+        ref = sdpa_call(bsz, length, device, g, args.kv_heads)
         t_ref = triton.testing.do_bench(ref, warmup=25, rep=200, return_mode="median") * 1e3
         torch.cuda.empty_cache()
         for name in args.settings.split(","):
-            call, nbytes, _ = build(name, bsz, length, device, g)
+            call, nbytes, _ = build(name, bsz, length, device, g, args.kv_heads)
             t = triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
             gbs = nbytes / t / 1e3
             rows.append(f"| {name} | {shape_s} | {nbytes / 1e6:.1f} | {t:.1f} | {gbs:.0f} | "
