@@ -140,6 +140,12 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
        )},
     # the presets as a user selects them (vllm_lowrank/presets.py)
     **{f"preset {name}": ("ours", {"preset": name}) for name in ("2x", "lossless", "4x", "8x")},
+    # `4x` with its exact windows fitted to its 64-token blocks (the sink block holds 64
+    # tokens whatever `sink_tokens` is; a window of recent + 1 tokens spans
+    # ceil(recent / 64) + 1 blocks): the KV memory a sequence holds on the GPU
+    "4x recipe, sink 64 + recent 128": ("ours", {"preset": "4x", "sink_tokens": 64}),
+    "4x recipe, sink 64 + recent 64": ("ours", {"preset": "4x", "sink_tokens": 64,
+                                                "recent_tokens": 64}),
     # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
     "G=1 latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
         "ours", {**TALE, "head_group_size": 1, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4}),
