@@ -39,6 +39,7 @@ def test_cuda_sources_are_package_data():
     from vllm_lowrank.kernels.cuda import ext
 
     data = _setuptools()["package-data"]["vllm_lowrank.kernels.cuda"]
+    assert data == ["*.cu", "*.cuh", "*.h", "*.cpp"]
     here = REPO / "vllm_lowrank" / "kernels" / "cuda"
     sources = [name for names in ext.MODULES.values() for name in names]
     assert sources

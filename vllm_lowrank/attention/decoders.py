@@ -271,6 +271,7 @@ class CudaDecoder(Decoder):
 
     name = "cuda"
     label = "CUDA kernel (mma.sync, pre-RoPE, 16-bit latents)"
+
     @classmethod
     def supports(cls, layer, ctx: DecoderContext) -> str | None:
         from vllm_lowrank.kernels.cuda.ext import DECODE_RANKS

@@ -54,7 +54,7 @@ def load(module: str, verbose: bool = False):
     Raises:
         KeyError: ``module`` is not in :data:`MODULES`.
         RuntimeError: no CUDA device, no CUDA toolkit (nvcc / CUDA_HOME), no ninja,
-            or the ``.cu`` source is missing; the message names the fix.
+            or one of the module's sources is missing; the message names the fix.
     """
     sources = MODULES[module]
     if module in _LOADED:
@@ -137,7 +137,8 @@ def build(arch: str, module: str, verbose: bool = False):
     from torch.utils import cpp_extension
 
     return cpp_extension.load(
-        name=module_name(module, arch), sources=[str(source_dir() / s) for s in MODULES[module]],
+        name=module_name(module, arch),
+        sources=[str(source_dir() / s) for s in MODULES[module]],
         extra_cuda_cflags=nvcc_flags(arch), extra_cflags=["-O3"], verbose=verbose)
 
 
@@ -261,9 +262,9 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
     lse = torch.empty(bsz, heads, device=query.device, dtype=torch.float32) \
         if return_lse else None
     query = query if query.stride(-1) == 1 else query.contiguous()
-    load("latent_decode").latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t,
-                                  rope.cos, rope.sin, out, lse, int(num_splits),
-                                  float(scale) * 1.4426950408889634, not rope.neox)
+    load("latent_decode").latent_decode_pre_rope(
+        query, kv_cache, block_table, seq_lens, key_weights_t, rope.cos, rope.sin, out, lse,
+        int(num_splits), float(scale) * 1.4426950408889634, not rope.neox)
     return (out, lse) if return_lse else out
 
 
