@@ -251,6 +251,19 @@ def parallel_args(tp: int) -> dict:
                 disable_custom_all_reduce=True)
 
 
+def recipe_engine_args(eager: bool, capture_sizes) -> dict:
+    """``LLM`` keyword arguments every engine on the GPU recipe needs (its vLLM
+    has no compiled ops): torch-native norms, no torch.compile, and CUDA graphs
+    of decode-only batches (``FULL_DECODE_ONLY``) at ``capture_sizes`` unless
+    ``eager``."""
+    return dict(ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
+                                "gelu_and_mul_sparse": ["native"]},
+                enforce_eager=eager,
+                compilation_config={"mode": 0, "custom_ops": ["none"],
+                                    "cudagraph_mode": "NONE" if eager else "FULL_DECODE_ONLY",
+                                    "cudagraph_capture_sizes": sorted(set(capture_sizes))})
+
+
 def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: int | None):
     from vllm import LLM
 
@@ -264,13 +277,7 @@ def _engine(args, name: str, max_model_len: int, max_num_seqs: int, kv_bytes: in
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         **({} if args.watermark is None else {"watermark": args.watermark}),
         attention_config={"backend": spec.get("backend", "TRITON_ATTN")},  # None: vLLM's choice
-        ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
-                        "gelu_and_mul_sparse": ["native"]},
-        enforce_eager=args.eager,
-        compilation_config={"mode": 0, "custom_ops": ["none"],
-                            "cudagraph_mode": "NONE" if args.eager else "FULL_DECODE_ONLY",
-                            "cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128,
-                                                               256, max_num_seqs})},
+        **recipe_engine_args(args.eager, (1, 2, 4, 8, 16, 32, 64, 128, 256, max_num_seqs)),
     )
     kw.update(parallel_args(args.tensor_parallel_size))
     if kv_bytes:

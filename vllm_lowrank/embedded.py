@@ -110,9 +110,13 @@ def is_complete(folder: str) -> bool:
         return False
 
 
-def _gguf_path(model: EmbeddedModel, work_dir: str) -> str:
+def gguf_path(model: EmbeddedModel, work_dir: str) -> str:
     """Path of the model's GGUF file (assembled into ``work_dir`` if shipped in
-    parts)."""
+    parts).
+
+    Raises:
+        LowRankConfigError: the model's wheel is not installed or lacks the file.
+    """
     spec = importlib.util.find_spec(model.module)
     if spec is None or not spec.submodule_search_locations:
         raise LowRankConfigError(
@@ -128,22 +132,33 @@ def _gguf_path(model: EmbeddedModel, work_dir: str) -> str:
     return path
 
 
-def _convert(model: EmbeddedModel, out_dir: str, work_dir: str) -> None:
+def convert_gguf(gguf: str, out_dir: str, add_bos: bool = False) -> None:
+    """Dequantize the GGUF file ``gguf`` with ``transformers`` (and the ``gguf``
+    package) and save it as a bf16 Hugging Face folder in ``out_dir`` with its
+    tokenizer; ``add_bos``: see :attr:`EmbeddedModel.add_bos`.
+
+    Raises:
+        OSError, ValueError: ``transformers`` cannot read the file.
+        ImportError: ``transformers`` or ``gguf`` is missing.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_path(model, work_dir)
-    folder, name = os.path.split(gguf)
+    folder, name = os.path.split(os.path.abspath(gguf))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.save_pretrained(out_dir)
-    if model.add_bos:
+    if add_bos:
         tok.add_bos_token = True
         tok.update_post_processor()
     tok.save_pretrained(out_dir)
+
+
+def _convert(model: EmbeddedModel, out_dir: str, work_dir: str) -> None:
+    convert_gguf(gguf_path(model, work_dir), out_dir, add_bos=model.add_bos)
 
 
 def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:

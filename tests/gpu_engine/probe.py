@@ -181,14 +181,8 @@ def main() -> None:
               # vLLM still checks free memory against this at start-up: keep it
               # low, so that several test engines can share the GPU
               gpu_memory_utilization=0.25,
-              attention_config={"backend": "TRITON_ATTN"},
-              ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"],
-                              "gelu_and_mul_sparse": ["native"]},
-              enforce_eager=args.eager, disable_log_stats=False,
-              compilation_config={"mode": 0, "custom_ops": ["none"],
-                                  "cudagraph_mode": "NONE" if args.eager
-                                  else "FULL_DECODE_ONLY",
-                                  "cudagraph_capture_sizes": [1, 2, 4, 8, 16]})
+              attention_config={"backend": "TRITON_ATTN"}, disable_log_stats=False,
+              **gpu_serving.recipe_engine_args(args.eager, (1, 2, 4, 8, 16)))
     kw.update(gpu_serving.parallel_args(args.tensor_parallel_size))
     if args.blocks:
         kw["num_gpu_blocks_override"] = args.blocks

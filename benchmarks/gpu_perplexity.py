@@ -1,0 +1,330 @@
+"""Perplexity of real weights through the GPU decoders against the CPU path, on
+the same held-out windows: does a setting lose the same on a GPU as on the CPU
+where its accuracy was measured?
+
+Protocol: teacher-forced decode. The windows of every domain advance side by
+side one token per engine step (vLLM's ``long_prefill_token_threshold`` of 1,
+:func:`vllm_lowrank.evaluation.engine_kwargs`), so every token after a
+window's first is scored by a step in which its request is a decode (one query
+token): the layer's decoder (``decode_layers`` in the rows), with the sinks and
+recent tokens exact and the rest read from latents, as a generating request
+sees its cache. Both columns run the same dtype (default bf16, what the CUDA
+decoders serve); each row also gives its change against stock on its own device.
+
+The GPU machine has no model hub, no text and no ``gguf`` package, and a call
+carries at most 64 MiB. So the CPU packs the embedded model's GGUF in parts, the
+token windows and the ``gguf`` package; the GPU joins and converts them::
+
+    # here (CPU): pack, then the CPU column
+    .venv/bin/python -P benchmarks/gpu_perplexity.py pack gpurun/ppl
+    .venv/bin/python -P benchmarks/gpu_perplexity.py run --model smollm2-135m \\
+        --windows gpurun/ppl/windows.json --configs stock,2x,4x --json gpurun/ppl/cpu.json
+    # GPU machine (the parts in calls of their own, then .gpuvllm; a warm machine keeps them)
+    source .gpuvllm/env.sh && python3 -P benchmarks/gpu_perplexity.py convert gpurun/ppl /tmp/smollm2 && \\
+      python3 -P benchmarks/gpu_perplexity.py run --model /tmp/smollm2 \\
+        --windows gpurun/ppl/windows.json --configs stock,2x,4x --json $OUT/gpu.json
+    # either machine
+    python -P benchmarks/gpu_perplexity.py compare gpurun/ppl/cpu.json gpu.json
+
+Configs are preset names (``2x``, ``4x``, ``lossless``, ``8x``), ``stock``, or a
+``--kv-compression-config`` JSON object. Settings that read a calibration
+artifact (``lossless``, ``8x``) on the GPU need it carried: ``--artifact-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+PART_MIB = 47
+"""Largest GGUF part, so that one call carries a part beside the work tree."""
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_file(path: str, out_dir: str, part_bytes: int) -> dict:
+    """Write ``path`` to ``out_dir`` as ``NAME.part-NN`` files of at most
+    ``part_bytes`` bytes; returns the manifest (name, size, sha256, parts)."""
+    name = os.path.basename(path)
+    parts = []
+    with open(path, "rb") as f:
+        while chunk := f.read(part_bytes):
+            part = f"{name}.part-{len(parts):02d}"
+            with open(os.path.join(out_dir, part), "wb") as g:
+                g.write(chunk)
+            parts.append(part)
+    return {"name": name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
+            "parts": parts}
+
+
+def join_file(manifest: dict, folder: str, out_path: str) -> str:
+    """Join the parts of ``manifest`` (from :func:`split_file`) found in
+    ``folder`` into ``out_path``.
+
+    Raises:
+        FileNotFoundError: a part is missing (not carried yet).
+        ValueError: the joined file's size or sha256 differs from the manifest's.
+    """
+    with open(out_path, "wb") as g:
+        for part in manifest["parts"]:
+            with open(os.path.join(folder, part), "rb") as f:
+                shutil.copyfileobj(f, g)
+    if os.path.getsize(out_path) != manifest["bytes"] or _sha256(out_path) != manifest["sha256"]:
+        raise ValueError(f"{out_path}: joined parts differ from the packed file "
+                         f"(sha256 {manifest['sha256'][:12]}...): re-carry the parts")
+    return out_path
+
+
+def compression_of(config: str, artifact_dir: str | None) -> dict | None:
+    """The ``kv_compression`` dict of a ``--configs`` entry (``None``: stock);
+    a preset that reads a calibration artifact takes ``artifact_dir/NAME``."""
+    if config == "stock":
+        return None
+    if config.startswith("{"):
+        return {"mode": "lowrank", **json.loads(config)}
+    out = {"mode": "lowrank", "preset": config}
+    if artifact_dir and os.path.isdir(os.path.join(artifact_dir, config)):
+        out["artifact"] = os.path.join(artifact_dir, config)
+    return out
+
+
+def domain_nll(outputs, windows: dict[str, list[list[int]]]) -> dict[str, dict]:
+    """Negative log-likelihood, token count and perplexity per domain from
+    vLLM outputs with ``prompt_logprobs`` (one per window, in the order of
+    ``windows``' domains and windows)."""
+    import math
+
+    rows, i = {}, 0
+    for domain, ws in windows.items():
+        nll, count = 0.0, 0
+        for window in ws:
+            for tok, entry in zip(window[1:], outputs[i].prompt_logprobs[1:]):
+                nll -= entry[tok].logprob
+                count += 1
+            i += 1
+        rows[domain] = {"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}
+    return rows
+
+
+def _worker(spec: dict) -> dict:
+    """One engine (run in a fresh process): every window side by side."""
+    import time
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_lowrank import metrics
+    from vllm_lowrank.evaluation import engine_kwargs
+
+    windows = spec["windows"]
+    flat = [w for ws in windows.values() for w in ws]
+    kw = engine_kwargs({"model": spec["model"], "dtype": spec["dtype"],
+                        "window": max(len(w) for w in flat), "num_windows": len(flat),
+                        "step_tokens": 1, "compression": spec["compression"]})
+    kw["max_num_seqs"] = len(flat)
+    if torch.cuda.is_available():
+        from gpu_serving import recipe_engine_args
+
+        kw.update(recipe_engine_args(False, (1, 2, 4, 8, len(flat))),
+                  attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=0.3)
+    t0 = time.time()
+    llm = LLM(**kw)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in flat], params,
+                        use_tqdm=False)
+    row = {"domains": domain_nll(outs, windows), "seconds": time.time() - t0,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    view = metrics.aggregate(metrics.read_states(os.environ.get(metrics.STATE_DIR_ENV, "")))
+    if view:  # layers per decoder, as the engine chose them
+        row["decode_layers"] = view["decode_layers"]
+    del llm  # shuts the engine's processes down before this one exits
+    gc.collect()
+    return row
+
+
+def run(args) -> None:
+    """Every config in its own process; rows to ``--json``."""
+    from vllm_lowrank.embedded import MODELS, prepare
+
+    model = prepare(args.model) if args.model in MODELS else args.model
+    with open(args.windows) as f:
+        windows = json.load(f)["windows"]
+    rows = []
+    for config in args.configs.split(","):
+        spec = {"model": model, "dtype": args.dtype, "windows": windows,
+                "compression": compression_of(config, args.artifact_dir)}
+        with tempfile.TemporaryDirectory() as tmp:
+            spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f)
+            code = ("import json, os, sys\n"
+                    f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+                    "from gpu_perplexity import _worker\n"
+                    "if __name__ == '__main__':\n"
+                    f"    r = _worker(json.load(open({spec_path!r})))\n"
+                    f"    json.dump(r, open({out_path!r}, 'w'))\n"
+                    "    os._exit(0)\n")
+            proc = subprocess.run([sys.executable, "-P", "-c", code], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout,
+                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
+                                       os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+            if proc.returncode or not os.path.exists(out_path):
+                tail = "\n".join(proc.stdout.strip().splitlines()[-30:])
+                rows.append({"config": config, "error": tail})
+                print(f"{config}: failed\n{tail}", flush=True)
+                continue
+            row = {"config": config, "compression": spec["compression"], "dtype": args.dtype,
+                   **json.load(open(out_path))}
+        rows.append(row)
+        print(config, {d: round(v["ppl"], 4) for d, v in row["domains"].items()},
+              row.get("decode_layers"), f"{row['seconds']:.0f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def compare(a_path: str, b_path: str) -> str:
+    """Markdown table of two ``run`` JSON files (A: CPU, B: GPU): perplexity on
+    each, B against A, and each row's change against stock on its own device."""
+    a = {r["config"]: r for r in json.load(open(a_path)) if "domains" in r}
+    b = {r["config"]: r for r in json.load(open(b_path)) if "domains" in r}
+    lines = ["| config | domain | A decoders | B decoders | A ppl | B ppl | B vs A "
+             "| A vs stock | B vs stock |", "|---|---|---|---|---|---|---|---|---|"]
+    for config in [c for c in a if c in b]:
+        for domain, ra in a[config]["domains"].items():
+            rb = b[config]["domains"][domain]
+            cells = [config, domain, _names(a[config]), _names(b[config]),
+                     f"{ra['ppl']:.4f}", f"{rb['ppl']:.4f}",
+                     f"{100 * (rb['ppl'] / ra['ppl'] - 1):+.2f} %"]
+            for side in (a, b):
+                stock = side.get("stock", {}).get("domains", {}).get(domain)
+                own = side[config]["domains"][domain]
+                cells.append(f"{100 * (own['ppl'] / stock['ppl'] - 1):+.2f} %" if stock
+                             else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _names(row: dict) -> str:
+    layers = row.get("decode_layers") or {}
+    return "/".join(sorted(layers)) or "stock"
+
+
+def pack(args) -> None:
+    """The GGUF in parts, the token windows and the ``gguf`` package, in ``out``."""
+    import gguf
+
+    from transformers import AutoTokenizer
+
+    from vllm_lowrank.calibration import text as texts
+    from vllm_lowrank.embedded import MODELS, gguf_path, prepare
+
+    os.makedirs(args.out, exist_ok=True)
+    model = MODELS[args.model]
+    with tempfile.TemporaryDirectory() as work:
+        manifest = split_file(gguf_path(model, work), args.out, PART_MIB << 20)
+    tok = AutoTokenizer.from_pretrained(prepare(args.model))
+    windows = {d: texts.token_windows(tok, texts.HELD_OUT[d](), args.num_windows, args.window)
+               for d in args.domains.split(",")}
+    with open(os.path.join(args.out, "windows.json"), "w") as f:
+        json.dump({"model": args.model, "gguf": manifest, "add_bos": model.add_bos,
+                   "windows": windows}, f)
+    site = os.path.join(args.out, "site")
+    shutil.rmtree(site, ignore_errors=True)
+    shutil.copytree(os.path.dirname(gguf.__file__), os.path.join(site, "gguf"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    print(f"{args.out}: {len(manifest['parts'])} parts of <= {PART_MIB} MiB "
+          f"({manifest['bytes'] >> 20} MiB), {sum(map(len, windows.values()))} windows "
+          f"of {args.window} tokens, gguf {gguf.__name__} package")
+
+
+def calibrate(args) -> None:
+    """The calibration artifact of each preset in ``--configs`` (from the
+    cache, else calibrated on this machine as ``artifact: "auto"`` does), copied to
+    ``out/NAME`` for ``run --artifact-dir``: both columns then read the same bases."""
+    from vllm_lowrank.calibration.cache import load_or_calibrate
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.embedded import MODELS, prepare
+    from vllm_lowrank.presets import get_preset
+
+    model = prepare(args.model) if args.model in MODELS else args.model
+    for name in args.configs.split(","):
+        if get_preset(name).allocate:
+            raise SystemExit(f"{name}: a byte-budget allocation; not packed by this script")
+        cfg = LowRankConfig.from_dict({"mode": "lowrank", "preset": name})
+        _, path = load_or_calibrate(model, cfg)
+        shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
+        shutil.copytree(path, os.path.join(args.out, name))
+        print(f"{args.out}/{name}: {cfg.method} bases of {path}", flush=True)
+
+
+def convert(packed: str, out_dir: str) -> None:
+    """Join the packed GGUF and convert it to a bf16 folder in ``out_dir``."""
+    sys.path.insert(0, os.path.join(packed, "site"))  # the packed gguf package
+    from vllm_lowrank.embedded import convert_gguf
+
+    with open(os.path.join(packed, "windows.json")) as f:
+        meta = json.load(f)
+    with tempfile.TemporaryDirectory() as work:
+        path = join_file(meta["gguf"], packed, os.path.join(work, meta["gguf"]["name"]))
+        convert_gguf(path, out_dir, add_bos=meta["add_bos"])
+    print(f"{out_dir}: {meta['model']} converted", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("pack", help="the GGUF in parts, windows and gguf package (CPU)")
+    a.add_argument("out")
+    a.add_argument("--model", default="smollm2-135m")
+    a.add_argument("--domains", default="wikipedia,bbc,shakespeare,code")
+    a.add_argument("--num-windows", type=int, default=1)
+    a.add_argument("--window", type=int, default=1024)
+    k = sub.add_parser("calibrate", help="presets' calibration artifacts for --artifact-dir")
+    k.add_argument("out")
+    k.add_argument("--model", default="smollm2-135m")
+    k.add_argument("--configs", default="lossless")
+    c = sub.add_parser("convert", help="join and convert the packed GGUF (GPU machine)")
+    c.add_argument("packed")
+    c.add_argument("out")
+    r = sub.add_parser("run", help="perplexity per config on this machine's device")
+    r.add_argument("--model", required=True, help="embedded model name or HF folder")
+    r.add_argument("--windows", required=True)
+    r.add_argument("--configs", default="stock,2x,4x")
+    r.add_argument("--dtype", default="bfloat16")
+    r.add_argument("--artifact-dir", default=None)
+    r.add_argument("--timeout", type=int, default=1800, help="seconds per engine")
+    r.add_argument("--json", default=None)
+    m = sub.add_parser("compare", help="table of a CPU and a GPU run")
+    m.add_argument("a")
+    m.add_argument("b")
+    args = p.parse_args()
+    if args.cmd == "pack":
+        pack(args)
+    elif args.cmd == "calibrate":
+        calibrate(args)
+    elif args.cmd == "convert":
+        convert(args.packed, args.out)
+    elif args.cmd == "run":
+        run(args)
+    else:
+        print(compare(args.a, args.b))
+
+
+if __name__ == "__main__":
+    main()
