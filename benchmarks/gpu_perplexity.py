@@ -11,9 +11,10 @@ recent tokens exact and the rest read from latents, as a generating request
 sees its cache. Both columns run the same dtype (default bf16, what the CUDA
 decoders serve); each row also gives its change against stock on its own device.
 
-The GPU machine has no model hub, no text and no ``gguf`` package, and a call
-carries at most 64 MiB. So the CPU packs the embedded model's GGUF in parts, the
-token windows and the ``gguf`` package; the GPU joins and converts them::
+The GPU machine has no model hub, no text, and maybe not the ``gguf`` and
+``accelerate`` packages that ``transformers`` needs to read a GGUF; a call carries at
+most 64 MiB. So the CPU packs the embedded model's GGUF in parts, the token windows
+and those two packages (:data:`CONVERT_PACKAGES`); the GPU joins and converts them::
 
     # here (CPU): pack, then the CPU column
     .venv/bin/python -P benchmarks/gpu_perplexity.py pack gpurun/ppl
@@ -39,12 +40,15 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 PART_MIB = 47
 """Largest GGUF part, so that one call carries a part beside the work tree."""
+
+CONVERT_PACKAGES = ("gguf", "accelerate")
+"""Pure-Python packages ``transformers`` needs to dequantize a GGUF (the ``data``
+extra's), packed into ``site/`` for ``convert``."""
 
 
 def _sha256(path: str) -> str:
@@ -105,17 +109,12 @@ def domain_nll(outputs, windows: dict[str, list[list[int]]]) -> dict[str, dict]:
     """Negative log-likelihood, token count and perplexity per domain from
     vLLM outputs with ``prompt_logprobs`` (one per window, in the order of
     ``windows``' domains and windows)."""
-    import math
+    from vllm_lowrank.evaluation import nll_summary
 
     rows, i = {}, 0
     for domain, ws in windows.items():
-        nll, count = 0.0, 0
-        for window in ws:
-            for tok, entry in zip(window[1:], outputs[i].prompt_logprobs[1:]):
-                nll -= entry[tok].logprob
-                count += 1
-            i += 1
-        rows[domain] = {"nll": nll, "tokens": count, "ppl": math.exp(nll / count)}
+        rows[domain] = nll_summary(zip(ws, outputs[i:i + len(ws)]))
+        i += len(ws)
     return rows
 
 
@@ -159,6 +158,7 @@ def _worker(spec: dict) -> dict:
 def run(args) -> None:
     """Every config in its own process; rows to ``--json``."""
     from vllm_lowrank.embedded import MODELS, prepare
+    from vllm_lowrank.evaluation import in_subprocess
 
     model = prepare(args.model) if args.model in MODELS else args.model
     with open(args.windows) as f:
@@ -167,29 +167,16 @@ def run(args) -> None:
     for config in args.configs.split(","):
         spec = {"model": model, "dtype": args.dtype, "windows": windows,
                 "compression": compression_of(config, args.artifact_dir)}
-        with tempfile.TemporaryDirectory() as tmp:
-            spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
-            with open(spec_path, "w") as f:
-                json.dump(spec, f)
-            code = ("import json, os, sys\n"
-                    f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-                    "from gpu_perplexity import _worker\n"
-                    "if __name__ == '__main__':\n"
-                    f"    r = _worker(json.load(open({spec_path!r})))\n"
-                    f"    json.dump(r, open({out_path!r}, 'w'))\n"
-                    "    os._exit(0)\n")
-            proc = subprocess.run([sys.executable, "-P", "-c", code], text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  timeout=args.timeout,
-                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
-                                       os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
-            if proc.returncode or not os.path.exists(out_path):
-                tail = "\n".join(proc.stdout.strip().splitlines()[-30:])
-                rows.append({"config": config, "error": tail})
-                print(f"{config}: failed\n{tail}", flush=True)
-                continue
-            row = {"config": config, "compression": spec["compression"], "dtype": args.dtype,
-                   **json.load(open(out_path))}
+        try:
+            result = in_subprocess("gpu_perplexity:_worker", spec, what=config,
+                                   path=os.path.dirname(os.path.abspath(__file__)),
+                                   timeout=args.timeout)
+        except RuntimeError as e:
+            rows.append({"config": config, "error": str(e)})
+            print(e, flush=True)
+            continue
+        row = {"config": config, "compression": spec["compression"], "dtype": args.dtype,
+               **result}
         rows.append(row)
         print(config, {d: round(v["ppl"], 4) for d, v in row["domains"].items()},
               row.get("decode_layers"), f"{row['seconds']:.0f} s", flush=True)
@@ -226,31 +213,32 @@ def _names(row: dict) -> str:
 
 
 def pack(args) -> None:
-    """The GGUF in parts, the token windows and the ``gguf`` package, in ``out``."""
-    import gguf
+    """The GGUF in parts, the token windows and :data:`CONVERT_PACKAGES`, in ``out``."""
+    import importlib
 
     from transformers import AutoTokenizer
 
-    from vllm_lowrank.calibration import text as texts
     from vllm_lowrank.embedded import MODELS, gguf_path, prepare
+    from vllm_lowrank.evaluation import eval_windows
 
     os.makedirs(args.out, exist_ok=True)
     model = MODELS[args.model]
     with tempfile.TemporaryDirectory() as work:
         manifest = split_file(gguf_path(model, work), args.out, PART_MIB << 20)
     tok = AutoTokenizer.from_pretrained(prepare(args.model))
-    windows = {d: texts.token_windows(tok, texts.HELD_OUT[d](), args.num_windows, args.window)
+    windows = {d: eval_windows(tok, d, args.num_windows, args.window)
                for d in args.domains.split(",")}
     with open(os.path.join(args.out, "windows.json"), "w") as f:
         json.dump({"model": args.model, "gguf": manifest, "add_bos": model.add_bos,
                    "windows": windows}, f)
     site = os.path.join(args.out, "site")
     shutil.rmtree(site, ignore_errors=True)
-    shutil.copytree(os.path.dirname(gguf.__file__), os.path.join(site, "gguf"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in CONVERT_PACKAGES:
+        shutil.copytree(os.path.dirname(importlib.import_module(name).__file__),
+                        os.path.join(site, name), ignore=shutil.ignore_patterns("__pycache__"))
     print(f"{args.out}: {len(manifest['parts'])} parts of <= {PART_MIB} MiB "
           f"({manifest['bytes'] >> 20} MiB), {sum(map(len, windows.values()))} windows "
-          f"of {args.window} tokens, gguf {gguf.__name__} package")
+          f"of {args.window} tokens, packages {', '.join(CONVERT_PACKAGES)}")
 
 
 def calibrate(args) -> None:
@@ -275,7 +263,7 @@ def calibrate(args) -> None:
 
 def convert(packed: str, out_dir: str) -> None:
     """Join the packed GGUF and convert it to a bf16 folder in ``out_dir``."""
-    sys.path.insert(0, os.path.join(packed, "site"))  # the packed gguf package
+    sys.path.append(os.path.join(packed, "site"))  # CONVERT_PACKAGES, if the machine lacks them
     from vllm_lowrank.embedded import convert_gguf
 
     with open(os.path.join(packed, "windows.json")) as f:
@@ -289,7 +277,7 @@ def convert(packed: str, out_dir: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("pack", help="the GGUF in parts, windows and gguf package (CPU)")
+    a = sub.add_parser("pack", help="the GGUF in parts, windows and packages (CPU)")
     a.add_argument("out")
     a.add_argument("--model", default="smollm2-135m")
     a.add_argument("--domains", default="wikipedia,bbc,shakespeare,code")

@@ -56,8 +56,15 @@ def perplexity(llm, windows: list[list[int]]) -> dict[str, float]:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params,
                         use_tqdm=False)
+    return nll_summary(zip(windows, outs))
+
+
+def nll_summary(scored) -> dict[str, float]:
+    """``{"ppl", "nll", "tokens"}`` over ``(window, output)`` pairs: ``window``
+    a list of token ids, ``output`` its vLLM output with ``prompt_logprobs``;
+    every token but the first of each window is counted (natural log)."""
     nll, count = 0.0, 0
-    for window, out in zip(windows, outs):
+    for window, out in scored:
         for tok, entry in zip(window[1:], out.prompt_logprobs[1:]):
             nll -= entry[tok].logprob
             count += 1
@@ -157,14 +164,32 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
         RuntimeError: the subprocess failed (the tail of its output, vLLM's
             log included, is in the message).
     """
+    return in_subprocess("vllm_lowrank.evaluation:_worker", spec,
+                         what=f"evaluation of {spec.get('compression')}")
+
+
+def in_subprocess(worker: str, spec: dict[str, Any], *, what: str, path: str | None = None,
+                  timeout: float | None = None) -> dict[str, Any]:
+    """``worker(spec)`` in a fresh Python process, its JSON result returned:
+    ``worker`` is ``"module:function"``, importable with ``path`` (if given)
+    first on ``sys.path``; vLLM's CPU KV space defaults to 2 GiB there.
+
+    Raises:
+        RuntimeError: the subprocess failed (``what``, then the tail of its
+            output, vLLM's log included).
+        subprocess.TimeoutExpired: it ran past ``timeout`` seconds.
+    """
+    module, function = worker.split(":")
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = os.path.join(tmp, "spec.json")
         out_path = os.path.join(tmp, "out.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        code = ("import json,os,sys\nfrom vllm_lowrank.evaluation import _worker\n"
+        code = ("import json,os,sys\n"
+                + (f"sys.path.insert(0, {path!r})\n" if path else "")
+                + f"from {module} import {function}\n"
                 "if __name__ == '__main__':\n"
-                f"    r = _worker(json.load(open({spec_path!r})))\n"
+                f"    r = {function}(json.load(open({spec_path!r})))\n"
                 f"    with open({out_path!r}, 'w') as f:\n"
                 "        json.dump(r, f)\n"
                 # vLLM's CPU build sometimes aborts in its own teardown
@@ -172,13 +197,13 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
                 # engine is gone; the result is on disk by then.
                 "    os._exit(0)\n")
         proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
                                    os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
         if proc.returncode != 0 or not os.path.exists(out_path):
             lines = proc.stdout.strip().splitlines()
             starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
             tail = "\n".join(lines[starts[-1]:][:60] if starts else lines[-40:])
-            raise RuntimeError(f"evaluation of {spec.get('compression')} failed:\n{tail}")
+            raise RuntimeError(f"{what} failed:\n{tail}")
         with open(out_path) as f:
             return json.load(f)
