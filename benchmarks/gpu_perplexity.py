@@ -16,14 +16,19 @@ The GPU machine has no model hub, no text, and maybe not the ``gguf`` and
 most 64 MiB. So the CPU packs the embedded model's GGUF in parts, the token windows
 and those two packages (:data:`CONVERT_PACKAGES`); the GPU joins and converts them::
 
-    # here (CPU): pack, then the CPU column
+    # here (CPU): pack, the artifacts, then the CPU column
     .venv/bin/python -P benchmarks/gpu_perplexity.py pack gpurun/ppl
-    .venv/bin/python -P benchmarks/gpu_perplexity.py run --model smollm2-135m \\
-        --windows gpurun/ppl/windows.json --configs stock,2x,4x --json gpurun/ppl/cpu.json
-    # GPU machine (the parts in calls of their own, then .gpuvllm; a warm machine keeps them)
-    source .gpuvllm/env.sh && python3 -P benchmarks/gpu_perplexity.py convert gpurun/ppl /tmp/smollm2 && \\
-      python3 -P benchmarks/gpu_perplexity.py run --model /tmp/smollm2 \\
-        --windows gpurun/ppl/windows.json --configs stock,2x,4x --json $OUT/gpu.json
+    .venv/bin/python -P benchmarks/gpu_perplexity.py calibrate gpurun/ppl/artifacts --configs lossless,8x
+    .venv/bin/python -P benchmarks/gpu_perplexity.py run --model smollm2-135m --windows gpurun/ppl/windows.json \
+        --configs stock,2x,4x,lossless,8x --artifact-dir gpurun/ppl/artifacts --json gpurun/ppl/cpu.json
+    # GPU machine: one call per part and per artifact, each copying what it carried
+    # to /tmp/ppl (a path carried in one call is gone in the next; /tmp stays while
+    # the machine is warm), e.g. carry [".../part-00"]: mkdir -p /tmp/ppl && cp -a gpurun/ppl/*.part-* /tmp/ppl/
+    # then carry [".gpuvllm", "gpurun/ppl/windows.json", "gpurun/ppl/site"]:
+    source .gpuvllm/env.sh && cp -a gpurun/ppl/windows.json gpurun/ppl/site /tmp/ppl/ && \
+      python3 -P benchmarks/gpu_perplexity.py convert /tmp/ppl /tmp/smollm2 && \
+      python3 -P benchmarks/gpu_perplexity.py run --model /tmp/smollm2 --windows /tmp/ppl/windows.json \
+        --configs stock,2x,4x --artifact-dir /tmp/ppl/artifacts --json $OUT/gpu.json
     # either machine
     python -P benchmarks/gpu_perplexity.py compare gpurun/ppl/cpu.json gpu.json
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import hashlib
 import json
 import os
@@ -93,16 +99,32 @@ def join_file(manifest: dict, folder: str, out_path: str) -> str:
 
 
 def compression_of(config: str, artifact_dir: str | None) -> dict | None:
-    """The ``kv_compression`` dict of a ``--configs`` entry (``None``: stock);
-    a preset that reads a calibration artifact takes ``artifact_dir/NAME``."""
+    """The ``kv_compression`` dict of a ``--configs`` entry (``None``: stock).
+    A preset with a folder ``artifact_dir/NAME`` reads that artifact; an
+    allocation preset's (``8x``, which refuses ``artifact`` beside ``preset``)
+    is served as an artifact of ``vllm-lowrank allocate``: on its own, since it
+    fixes ranks, bits and the serving settings it was allocated for."""
     if config == "stock":
         return None
     if config.startswith("{"):
         return {"mode": "lowrank", **json.loads(config)}
     out = {"mode": "lowrank", "preset": config}
-    if artifact_dir and os.path.isdir(os.path.join(artifact_dir, config)):
-        out["artifact"] = os.path.join(artifact_dir, config)
+    path = os.path.join(artifact_dir, config) if artifact_dir else None
+    if path and os.path.isdir(path):
+        from vllm_lowrank.presets import get_preset
+
+        if get_preset(config).allocate:
+            return {"mode": "lowrank", "artifact": path}
+        out["artifact"] = path
     return out
+
+
+def block_size_of(config: str) -> int | None:
+    """vLLM block size of a ``--configs`` entry: a preset's own (the one its
+    artifact was allocated at), else vLLM's default (``None``)."""
+    from vllm_lowrank.presets import PRESETS
+
+    return PRESETS[config].block_size if config in PRESETS else None
 
 
 def domain_nll(outputs, windows: dict[str, list[list[int]]]) -> dict[str, dict]:
@@ -133,13 +155,15 @@ def _worker(spec: dict) -> dict:
     flat = [w for ws in windows.values() for w in ws]
     kw = engine_kwargs({"model": spec["model"], "dtype": spec["dtype"],
                         "window": max(len(w) for w in flat), "num_windows": len(flat),
-                        "step_tokens": 1, "compression": spec["compression"]})
+                        "step_tokens": 1, "compression": spec["compression"],
+                        "block_size": spec["block_size"]})
     kw["max_num_seqs"] = len(flat)
     if torch.cuda.is_available():
         from gpu_serving import recipe_engine_args
 
         kw.update(recipe_engine_args(False, (1, 2, 4, 8, len(flat))),
-                  attention_config={"backend": "TRITON_ATTN"}, gpu_memory_utilization=0.3)
+                  attention_config={"backend": "TRITON_ATTN"},
+                  gpu_memory_utilization=spec["gpu_memory_utilization"])
     t0 = time.time()
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
@@ -166,7 +190,9 @@ def run(args) -> None:
     rows = []
     for config in args.configs.split(","):
         spec = {"model": model, "dtype": args.dtype, "windows": windows,
-                "compression": compression_of(config, args.artifact_dir)}
+                "compression": compression_of(config, args.artifact_dir),
+                "block_size": block_size_of(config),
+                "gpu_memory_utilization": args.gpu_memory_utilization}
         try:
             result = in_subprocess("gpu_perplexity:_worker", spec, what=config,
                                    path=os.path.dirname(os.path.abspath(__file__)),
@@ -234,8 +260,13 @@ def pack(args) -> None:
     site = os.path.join(args.out, "site")
     shutil.rmtree(site, ignore_errors=True)
     for name in CONVERT_PACKAGES:
-        shutil.copytree(os.path.dirname(importlib.import_module(name).__file__),
-                        os.path.join(site, name), ignore=shutil.ignore_patterns("__pycache__"))
+        package = os.path.dirname(importlib.import_module(name).__file__)
+        # with its dist-info: transformers reads the version from the metadata
+        # (no metadata: "N/A", which packaging refuses as a version)
+        for path in [package, *glob.glob(os.path.join(os.path.dirname(package),
+                                                      f"{name}-*.dist-info"))]:
+            shutil.copytree(path, os.path.join(site, os.path.basename(path)),
+                            ignore=shutil.ignore_patterns("__pycache__"))
     print(f"{args.out}: {len(manifest['parts'])} parts of <= {PART_MIB} MiB "
           f"({manifest['bytes'] >> 20} MiB), {sum(map(len, windows.values()))} windows "
           f"of {args.window} tokens, packages {', '.join(CONVERT_PACKAGES)}")
@@ -244,18 +275,21 @@ def pack(args) -> None:
 def calibrate(args) -> None:
     """The calibration artifact of each preset in ``--configs`` (from the
     cache, else calibrated on this machine as ``artifact: "auto"`` does), copied to
-    ``out/NAME`` for ``run --artifact-dir``: both columns then read the same bases."""
-    from vllm_lowrank.calibration.cache import load_or_calibrate
+    ``out/NAME`` for ``run --artifact-dir``: both columns then read the same bases
+    (for an allocation preset such as ``8x``, its allocated artifact at the
+    preset's block size, as the engine computes it on first start)."""
+    from vllm_lowrank.calibration.cache import load_or_allocate, load_or_calibrate
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.embedded import MODELS, prepare
     from vllm_lowrank.presets import get_preset
 
     model = prepare(args.model) if args.model in MODELS else args.model
     for name in args.configs.split(","):
-        if get_preset(name).allocate:
-            raise SystemExit(f"{name}: a byte-budget allocation; not packed by this script")
         cfg = LowRankConfig.from_dict({"mode": "lowrank", "preset": name})
-        _, path = load_or_calibrate(model, cfg)
+        base, path = load_or_calibrate(model, cfg)
+        preset = get_preset(name)
+        if preset.allocate:  # the allocation the engine computes at the preset's block size
+            _, path = load_or_allocate(model, cfg, base, path, preset.block_size)
         shutil.rmtree(os.path.join(args.out, name), ignore_errors=True)
         shutil.copytree(path, os.path.join(args.out, name))
         print(f"{args.out}/{name}: {cfg.method} bases of {path}", flush=True)
@@ -297,6 +331,8 @@ def main() -> None:
     r.add_argument("--dtype", default="bfloat16")
     r.add_argument("--artifact-dir", default=None)
     r.add_argument("--timeout", type=int, default=1800, help="seconds per engine")
+    r.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="each engine's share of GPU memory (several runs may share a GPU)")
     r.add_argument("--json", default=None)
     m = sub.add_parser("compare", help="table of a CPU and a GPU run")
     m.add_argument("a")

@@ -175,9 +175,8 @@ def in_subprocess(worker: str, spec: dict[str, Any], *, what: str, path: str | N
     first on ``sys.path``; vLLM's CPU KV space defaults to 2 GiB there.
 
     Raises:
-        RuntimeError: the subprocess failed (``what``, then the tail of its
-            output, vLLM's log included).
-        subprocess.TimeoutExpired: it ran past ``timeout`` seconds.
+        RuntimeError: the subprocess failed or ran past ``timeout`` seconds
+            (``what``, then the tail of its output, vLLM's log included).
     """
     module, function = worker.split(":")
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,10 +195,17 @@ def in_subprocess(worker: str, spec: dict[str, Any], *, what: str, path: str | N
                 # ("terminate called without an active exception") after the
                 # engine is gone; the result is on disk by then.
                 "    os._exit(0)\n")
-        proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
-                                   os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE":
+                                       os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")})
+        except subprocess.TimeoutExpired as e:  # the output so far says where it was
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) \
+                else e.stdout or ""
+            tail = "\n".join(out.strip().splitlines()[-40:])
+            raise RuntimeError(f"{what} ran past {timeout:g} s; its last output:\n{tail}") \
+                from None
         if proc.returncode != 0 or not os.path.exists(out_path):
             lines = proc.stdout.strip().splitlines()
             starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]

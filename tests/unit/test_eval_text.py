@@ -112,3 +112,23 @@ def test_compressed_windows_advance_in_prefill_chunks_however_many_run():
     assert (three["long_prefill_token_threshold"], three["max_num_batched_tokens"]) == (32, 96)
     base = engine_kwargs({**spec, "compression": None})
     assert "long_prefill_token_threshold" not in base and "max_num_batched_tokens" not in base
+
+
+def test_subprocess_runner_returns_the_result_and_reports_a_timeout_with_its_output(tmp_path):
+    """``in_subprocess`` returns the worker's JSON; past its timeout it raises
+    with what the worker printed so far (where an engine stopped), not a bare
+    ``TimeoutExpired`` that drops it."""
+    from vllm_lowrank.evaluation import in_subprocess
+
+    (tmp_path / "slow_worker.py").write_text(
+        "import sys, time\n"
+        "def double(spec):\n"
+        "    return {'x': 2 * spec['x']}\n"
+        "def stuck(spec):\n"
+        "    print('loading layer', spec['x'], flush=True)\n"
+        "    time.sleep(60)\n")
+    assert in_subprocess("slow_worker:double", {"x": 21}, what="double",
+                         path=str(tmp_path)) == {"x": 42}
+    with pytest.raises(RuntimeError, match=r"(?s)stuck ran past 5 s.*loading layer 7"):
+        in_subprocess("slow_worker:stuck", {"x": 7}, what="stuck", path=str(tmp_path),
+                      timeout=5)
