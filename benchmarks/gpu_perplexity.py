@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
-import hashlib
 import json
 import os
 import shutil
@@ -57,17 +56,11 @@ CONVERT_PACKAGES = ("gguf", "accelerate")
 extra's), packed into ``site/`` for ``convert``."""
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def split_file(path: str, out_dir: str, part_bytes: int) -> dict:
     """Write ``path`` to ``out_dir`` as ``NAME.part-NN`` files of at most
-    ``part_bytes`` bytes; returns the manifest (name, size, sha256, parts)."""
+    ``part_bytes`` bytes; returns the manifest (name, size, BLAKE2b digest, parts)."""
+    from vllm_lowrank.embedded import file_digest
+
     name = os.path.basename(path)
     parts = []
     with open(path, "rb") as f:
@@ -76,7 +69,7 @@ def split_file(path: str, out_dir: str, part_bytes: int) -> dict:
             with open(os.path.join(out_dir, part), "wb") as g:
                 g.write(chunk)
             parts.append(part)
-    return {"name": name, "bytes": os.path.getsize(path), "sha256": _sha256(path),
+    return {"name": name, "bytes": os.path.getsize(path), "blake2b": file_digest(path),
             "parts": parts}
 
 
@@ -86,15 +79,18 @@ def join_file(manifest: dict, folder: str, out_path: str) -> str:
 
     Raises:
         FileNotFoundError: a part is missing (not carried yet).
-        ValueError: the joined file's size or sha256 differs from the manifest's.
+        ValueError: the joined file's size or digest differs from the manifest's.
     """
+    from vllm_lowrank.embedded import file_digest
+
     with open(out_path, "wb") as g:
         for part in manifest["parts"]:
             with open(os.path.join(folder, part), "rb") as f:
                 shutil.copyfileobj(f, g)
-    if os.path.getsize(out_path) != manifest["bytes"] or _sha256(out_path) != manifest["sha256"]:
+    if (os.path.getsize(out_path) != manifest["bytes"]
+            or file_digest(out_path) != manifest["blake2b"]):
         raise ValueError(f"{out_path}: joined parts differ from the packed file "
-                         f"(sha256 {manifest['sha256'][:12]}...): re-carry the parts")
+                         f"(blake2b {manifest['blake2b'][:12]}...): re-carry the parts")
     return out_path
 
 

@@ -75,7 +75,8 @@ MODELS = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _digest(path: str) -> str:
+def file_digest(path: str) -> str:
+    """128-bit BLAKE2b hex digest of the file at ``path`` (read in 4 MiB chunks)."""
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -91,7 +92,7 @@ def folder_manifest(folder: str) -> dict[str, dict[str, object]]:
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
         if name != MARKER and os.path.isfile(path):
-            out[name] = {"size": os.path.getsize(path), "blake2b": _digest(path)}
+            out[name] = {"size": os.path.getsize(path), "blake2b": file_digest(path)}
     return out
 
 

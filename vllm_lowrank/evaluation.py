@@ -168,6 +168,14 @@ def run_setting(spec: dict[str, Any]) -> dict[str, Any]:
                          what=f"evaluation of {spec.get('compression')}")
 
 
+def _output_tail(text: str) -> str:
+    """A subprocess's output, shortened: from its last traceback (60 lines), or
+    its last 40 lines."""
+    lines = text.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    return "\n".join(lines[starts[-1]:][:60] if starts else lines[-40:])
+
+
 def in_subprocess(worker: str, spec: dict[str, Any], *, what: str, path: str | None = None,
                   timeout: float | None = None) -> dict[str, Any]:
     """``worker(spec)`` in a fresh Python process, its JSON result returned:
@@ -203,13 +211,9 @@ def in_subprocess(worker: str, spec: dict[str, Any], *, what: str, path: str | N
         except subprocess.TimeoutExpired as e:  # the output so far says where it was
             out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) \
                 else e.stdout or ""
-            tail = "\n".join(out.strip().splitlines()[-40:])
-            raise RuntimeError(f"{what} ran past {timeout:g} s; its last output:\n{tail}") \
-                from None
+            raise RuntimeError(f"{what} ran past {timeout:g} s; its last output:\n"
+                               f"{_output_tail(out)}") from None
         if proc.returncode != 0 or not os.path.exists(out_path):
-            lines = proc.stdout.strip().splitlines()
-            starts = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
-            tail = "\n".join(lines[starts[-1]:][:60] if starts else lines[-40:])
-            raise RuntimeError(f"{what} failed:\n{tail}")
+            raise RuntimeError(f"{what} failed:\n{_output_tail(proc.stdout)}")
         with open(out_path) as f:
             return json.load(f)

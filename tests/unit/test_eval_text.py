@@ -121,7 +121,7 @@ def test_subprocess_runner_returns_the_result_and_reports_a_timeout_with_its_out
     from vllm_lowrank.evaluation import in_subprocess
 
     (tmp_path / "slow_worker.py").write_text(
-        "import sys, time\n"
+        "import time\n"
         "def double(spec):\n"
         "    return {'x': 2 * spec['x']}\n"
         "def stuck(spec):\n"
