@@ -99,7 +99,9 @@ def compression_of(config: str, artifact_dir: str | None) -> dict | None:
     A preset with a folder ``artifact_dir/NAME`` reads that artifact; an
     allocation preset's (``8x``, which refuses ``artifact`` beside ``preset``)
     is served as an artifact of ``vllm-lowrank allocate``: on its own, since it
-    fixes ranks, bits and the serving settings it was allocated for."""
+    fixes ranks, bits and the serving settings it was allocated for, and the
+    engine gives it the KV block size it was allocated at
+    (:func:`vllm_lowrank.patches.allocation_block_size`), as a preset gets its own."""
     if config == "stock":
         return None
     if config.startswith("{"):
@@ -113,14 +115,6 @@ def compression_of(config: str, artifact_dir: str | None) -> dict | None:
             return {"mode": "lowrank", "artifact": path}
         out["artifact"] = path
     return out
-
-
-def block_size_of(config: str) -> int | None:
-    """vLLM block size of a ``--configs`` entry: a preset's own (the one its
-    artifact was allocated at), else vLLM's default (``None``)."""
-    from vllm_lowrank.presets import PRESETS
-
-    return PRESETS[config].block_size if config in PRESETS else None
 
 
 def domain_nll(outputs, windows: dict[str, list[list[int]]]) -> dict[str, dict]:
@@ -151,8 +145,7 @@ def _worker(spec: dict) -> dict:
     flat = [w for ws in windows.values() for w in ws]
     kw = engine_kwargs({"model": spec["model"], "dtype": spec["dtype"],
                         "window": max(len(w) for w in flat), "num_windows": len(flat),
-                        "step_tokens": 1, "compression": spec["compression"],
-                        "block_size": spec["block_size"]})
+                        "step_tokens": 1, "compression": spec["compression"]})
     kw["max_num_seqs"] = len(flat)
     if torch.cuda.is_available():
         from gpu_serving import recipe_engine_args
@@ -162,10 +155,12 @@ def _worker(spec: dict) -> dict:
                   gpu_memory_utilization=spec["gpu_memory_utilization"])
     t0 = time.time()
     llm = LLM(**kw)
+    t1 = time.time()
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in flat], params,
                         use_tqdm=False)
     row = {"domains": domain_nll(outs, windows), "seconds": time.time() - t0,
+           "startup_s": round(t1 - t0, 1), "run_s": round(time.time() - t1, 1),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     view = metrics.aggregate(metrics.read_states(os.environ.get(metrics.STATE_DIR_ENV, "")))
     if view:  # layers per decoder, as the engine chose them
@@ -187,7 +182,6 @@ def run(args) -> None:
     for config in args.configs.split(","):
         spec = {"model": model, "dtype": args.dtype, "windows": windows,
                 "compression": compression_of(config, args.artifact_dir),
-                "block_size": block_size_of(config),
                 "gpu_memory_utilization": args.gpu_memory_utilization}
         try:
             result = in_subprocess("gpu_perplexity:_worker", spec, what=config,
@@ -201,7 +195,8 @@ def run(args) -> None:
                **result}
         rows.append(row)
         print(config, {d: round(v["ppl"], 4) for d, v in row["domains"].items()},
-              row.get("decode_layers"), f"{row['seconds']:.0f} s", flush=True)
+              row.get("decode_layers"),
+              f"{row['seconds']:.0f} s (start-up {row['startup_s']:.0f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

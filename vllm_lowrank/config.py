@@ -224,7 +224,7 @@ class LowRankConfig:
         "calibration artifact directory; `\"auto\"`: cached per model, made on first start; "
         "`\"none\"`: weight SVD, no calibration (logged; destroys accuracy). An artifact from "
         "`vllm-lowrank allocate` also fixes ranks, bits per layer and the serving settings it "
-        "was allocated for",
+        "was allocated for, and the KV block size unless `--block-size` is given",
         refused="artifact must be a directory path, \"auto\" or \"none\"",
         min_length=1, max_length=4096, strict=True)] = "auto"
     calibration_tokens: Annotated[int, _key(

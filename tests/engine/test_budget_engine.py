@@ -95,9 +95,10 @@ def test_per_layer_bits_keep_greedy_tokens_and_capacity(model_path, fisher, stoc
 
 def test_allocated_artifact_is_served_as_recorded(model_path, fisher, stock, tmp_path):
     """A real 6x allocation (measured on one calibration window), token-adaptive
-    with per-channel keys: the engine reads every setting from the artifact,
-    builds the recorded ranks and bits with one slot size, and prompts inside
-    the exact recent window give the uncompressed tokens."""
+    with per-channel keys, at KV blocks of 32: the engine reads every setting
+    from the artifact, the block size too (none given), builds the recorded
+    ranks and bits with one slot size, and prompts inside the exact recent
+    window give the uncompressed tokens."""
     import json
 
     from vllm_lowrank.calibration.allocate import budget_artifact
@@ -113,7 +114,8 @@ def test_allocated_artifact_is_served_as_recorded(model_path, fisher, stock, tmp
     with open(os.path.join(path, "manifest.json")) as f:
         recorded = json.load(f)["ranks"]
     clear_worker_states()
-    llm = make_llm(model_path, {"mode": "lowrank", "artifact": path}, block_size=32)
+    llm = make_llm(model_path, {"mode": "lowrank", "artifact": path})
+    assert llm.llm_engine.vllm_config.cache_config.block_size == report["block_size"] == 32
     got, _ = greedy_with_gaps(llm, PROMPTS, max_tokens=16)
     states = worker_states()
     del llm

@@ -68,13 +68,12 @@ def test_configs_are_presets_stock_or_json(tmp_path):
     assert "artifact" not in gp.compression_of("2x", str(tmp_path))  # none carried for it
 
 
-def test_an_allocation_preset_runs_as_its_artifact_at_its_block_size(tmp_path):
+def test_an_allocation_preset_runs_as_its_artifact(tmp_path):
     """``8x`` refuses ``artifact`` beside ``preset``: its carried allocation is
-    served on its own (it fixes ranks, bits and serving settings), at the
-    preset's block size (the one it was allocated at)."""
+    served on its own (it fixes ranks, bits and serving settings; the engine
+    gives it the block size it was allocated at, tests/engine/test_budget_engine.py)."""
     from vllm_lowrank.config import LowRankConfig
     from vllm_lowrank.errors import LowRankConfigError
-    from vllm_lowrank.presets import PRESETS
 
     (tmp_path / "8x").mkdir()
     path = str(tmp_path / "8x")
@@ -84,9 +83,6 @@ def test_an_allocation_preset_runs_as_its_artifact_at_its_block_size(tmp_path):
     assert got == {"mode": "lowrank", "artifact": path}
     assert LowRankConfig.from_dict(got).artifact == path
     assert gp.compression_of("8x", None) == {"mode": "lowrank", "preset": "8x"}
-    assert gp.block_size_of("8x") == PRESETS["8x"].block_size == 32
-    assert gp.block_size_of("4x") == PRESETS["4x"].block_size
-    assert gp.block_size_of("stock") is None and gp.block_size_of('{"k_bits": 4}') is None
 
 
 def test_compare_gives_ratios_of_the_perplexities(tmp_path):

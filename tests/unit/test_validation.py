@@ -319,6 +319,34 @@ def test_valid_artifact_is_accepted(model_path, valid_artifact):
     _engine_config(model_path, {"artifact": valid_artifact})  # no SystemExit
 
 
+def test_an_allocation_is_served_at_the_block_size_it_was_allocated_for(
+        model_path, valid_artifact, tmp_path, caplog):
+    """An allocation records the KV block size its exact tokens were rounded
+    to (``budget.block_size``): an engine given no ``--block-size`` takes it,
+    one given another keeps its own with a warning naming both."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = str(tmp_path / "allocated")
+    shutil.copytree(valid_artifact, path)
+    _edit_manifest(lambda m: m["ranks"].update(budget={"block_size": 64}))(path)
+    assert patches.allocation_block_size(path) == 64
+    for other in (valid_artifact, "auto", "none", str(tmp_path / "missing")):
+        assert patches.allocation_block_size(other) is None  # no budget / not an allocation
+
+    patches.apply()
+    sizes = []
+    with caplog.at_level(logging.WARNING, logger="vllm.lowrank"):
+        for given in (None, 16):
+            args = EngineArgs(model=model_path, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                              block_size=given, additional_config={
+                                  "kv_compression": {"mode": "lowrank", "artifact": path}})
+            sizes.append(args.create_engine_config().cache_config.block_size)
+    assert sizes == [64, 16]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("allocated for KV blocks of 64 tokens, served with 16" in w
+               for w in warnings), warnings
+
+
 # --------------------------------------------------------------- vllm-lowrank
 CLI_CASES = [
     ("calibrate --tokens -5", lambda p: ["--tokens", "-5"], "--tokens -5 is out of range"),
