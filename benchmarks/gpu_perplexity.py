@@ -101,7 +101,7 @@ def compression_of(config: str, artifact_dir: str | None) -> dict | None:
     is served as an artifact of ``vllm-lowrank allocate``: on its own, since it
     fixes ranks, bits and the serving settings it was allocated for, and the
     engine gives it the KV block size it was allocated at
-    (:func:`vllm_lowrank.patches.allocation_block_size`), as a preset gets its own."""
+    (:func:`vllm_lowrank.calibration.allocate.allocated_block_size`), as a preset gets its own."""
     if config == "stock":
         return None
     if config.startswith("{"):

@@ -575,7 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "VLLM_CPU_KVCACHE_SPACE on CPU)")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     s.add_argument("--block-size", type=_number(int, 1, MAX_BLOCK_SIZE), default=None,
-                   help="KV block size (default: the preset's, else 16)")
+                   help="KV block size (default: the preset's, or the one an allocation "
+                        "artifact was allocated for, else 16)")
     s.add_argument("--tensor-parallel-size", type=_number(int, 1, MAX_KV_HEADS), default=1)
     s.add_argument("--context", type=_number(int, 1, MAX_TOKENS), default=4096,
                    help="tokens per sequence")

@@ -43,7 +43,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         dtype: KV cache / model dtype name (:data:`DTYPES`).
         kv_cache_gib: KV cache memory per worker, GiB (vLLM's
             ``kv_cache_memory_bytes``; on CPU ``VLLM_CPU_KVCACHE_SPACE``).
-        block_size: KV block size, tokens (``None``: the preset's, else vLLM's 16).
+        block_size: KV block size, tokens (``None``: the preset's, else the one
+            an allocation artifact was allocated for, else vLLM's 16).
         tensor_parallel_size: Workers sharing the KV heads (bytes are per worker).
         context: Tokens per sequence for the sequence count.
         concurrent_batches: vLLM's ``max_concurrent_batches``: 2 with async
@@ -61,7 +62,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         ``compression_ratio`` (16-bit K+V bytes / latent slot bytes),
         ``sequence_compression_ratio`` (the same over a ``context``-token
         sequence, exact tokens included: the README's preset figures at
-        4,096), ``exact_bytes_per_sequence``, ``tokens`` and ``stock_tokens``
+        4,096), ``exact_bytes_per_sequence``, ``block_size`` (the KV block
+        size assumed, tokens), ``tokens`` and ``stock_tokens``
         (vLLM's count for the latent group and for an uncompressed cache),
         ``sequences`` and ``stock_sequences`` of ``context`` tokens (by bytes),
         ``admitted_sequences`` (vLLM's "maximum concurrency" at ``context``
@@ -76,14 +78,16 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     """
     from transformers import AutoConfig
 
+    from vllm_lowrank.calibration.allocate import allocated_block_size
     from vllm_lowrank.calibration.cache import NotCached
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.models.compression import resolve
     from vllm_lowrank.presets import get_preset
 
     preset = get_preset(cfg.preset) if cfg.preset is not None else None
-    if block_size is None:
-        block_size = (preset.block_size if preset is not None else None) or 16
+    if block_size is None:  # what the engine takes (vllm_lowrank.patches)
+        block_size = ((preset.block_size if preset is not None else None)
+                      or allocated_block_size(cfg.artifact) or 16)
     if dtype not in DTYPES:
         raise LowRankConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     sizes = dict(kv_cache_gib=kv_cache_gib, block_size=block_size, context=context,
@@ -164,6 +168,7 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         "sequence_compression_ratio": seq16,
         "exact_bytes_per_sequence": exact_per_seq,
         "kv_cache_bytes": kv_bytes,
+        "block_size": block_size,
         "tokens": tokens(stored),
         "stock_tokens": tokens(original),
         "context": context,

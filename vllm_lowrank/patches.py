@@ -16,7 +16,8 @@ its target; :func:`apply` refuses to patch twice and logs what it replaced.
   (architecture, head counts, ranks) in the front-end process, before any engine
   process starts; gives a preset its measured KV block size, and a
   byte-budget allocation artifact the block size it was allocated for
-  (:func:`allocation_block_size`), when ``--block-size`` is not set, and the token-adaptive mode a per-request
+  (:func:`~vllm_lowrank.calibration.allocate.allocated_block_size`), when
+  ``--block-size`` is not set, and the token-adaptive mode a per-request
   prefill chunk (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`) when
   ``--long-prefill-token-threshold`` is not set, and an admission watermark
   (the config's ``admission_watermark``, by default
@@ -185,7 +186,11 @@ def _create_engine_config(original, self, *args, **kwargs):
         if self.block_size is not None:
             logger.info("vllm-lowrank: preset %s: KV block size %d (as measured; "
                         "--block-size overrides)", cfg.preset, self.block_size)
-    allocated = allocation_block_size(cfg.artifact) if cfg.enabled else None
+    allocated = None
+    if cfg.enabled:
+        from vllm_lowrank.calibration.allocate import allocated_block_size
+
+        allocated = allocated_block_size(cfg.artifact)
     if allocated is not None and self.block_size is None:
         self.block_size = allocated
         logger.info("vllm-lowrank: artifact %s: KV block size %d, as it was allocated for "
@@ -209,26 +214,6 @@ def _create_engine_config(original, self, *args, **kwargs):
                         "a CUDA device: %s", preset.name, preset.measured, preset.gpu_path)
         logger.info("vllm-lowrank: latent KV cache enabled with %s", cfg.to_dict())
     return vllm_config
-
-
-def allocation_block_size(artifact: str | None) -> int | None:
-    """The KV block size (tokens) a byte-budget allocation artifact was solved
-    for (``manifest["ranks"]["budget"]["block_size"]``, written by
-    :func:`vllm_lowrank.calibration.allocate.budget_artifact`): its exact
-    tokens are rounded up to whole blocks of it, so its bytes per token hold at
-    that block size. ``None`` for ``"auto"``/``"none"``, an artifact without an
-    allocation, or one that cannot be read (the model check reports that
-    later, naming the problem)."""
-    if artifact in (None, "auto", "none"):
-        return None
-    from vllm_lowrank.calibration.artifact import read_manifest
-
-    try:
-        budget = (read_manifest(artifact).get("ranks") or {}).get("budget") or {}
-    except LowRankConfigError:
-        return None
-    size = budget.get("block_size") if isinstance(budget, dict) else None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
 def _report(engine_args, error: LowRankConfigError):

@@ -323,24 +323,35 @@ def test_an_allocation_is_served_at_the_block_size_it_was_allocated_for(
         model_path, valid_artifact, tmp_path, caplog):
     """An allocation records the KV block size its exact tokens were rounded
     to (``budget.block_size``): an engine given no ``--block-size`` takes it,
-    one given another keeps its own with a warning naming both."""
+    one given another keeps its own with a warning naming both; ``estimate``
+    assumes what the engine takes."""
     from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_lowrank.calibration.allocate import allocated_block_size
+    from vllm_lowrank.estimate import estimate
 
     path = str(tmp_path / "allocated")
     shutil.copytree(valid_artifact, path)
     _edit_manifest(lambda m: m["ranks"].update(budget={"block_size": 64}))(path)
-    assert patches.allocation_block_size(path) == 64
+    assert allocated_block_size(path) == 64
     for other in (valid_artifact, "auto", "none", str(tmp_path / "missing")):
-        assert patches.allocation_block_size(other) is None  # no budget / not an allocation
+        assert allocated_block_size(other) is None  # no budget / not an allocation
+    cfg = LowRankConfig.from_dict({"mode": "lowrank", "artifact": path})
+    assert estimate(model_path, cfg)["block_size"] == 64  # what the engine takes
+    assert estimate(model_path, cfg, block_size=16)["block_size"] == 16
 
     patches.apply()
     sizes = []
-    with caplog.at_level(logging.WARNING, logger="vllm.lowrank"):
+    log = logging.getLogger("vllm.lowrank")  # vLLM's loggers may not propagate to caplog's
+    log.addHandler(caplog.handler)
+    try:
         for given in (None, 16):
             args = EngineArgs(model=model_path, dtype="float32", max_model_len=MAX_MODEL_LEN,
                               block_size=given, additional_config={
                                   "kv_compression": {"mode": "lowrank", "artifact": path}})
             sizes.append(args.create_engine_config().cache_config.block_size)
+    finally:
+        log.removeHandler(caplog.handler)
     assert sizes == [64, 16]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("allocated for KV blocks of 64 tokens, served with 16" in w

@@ -315,6 +315,24 @@ def budget_artifact(model_path: str, artifact: art.Artifact, cfg: LowRankConfig,
     return out, report
 
 
+def allocated_block_size(artifact: str | None) -> int | None:
+    """The KV block size (tokens) a byte-budget allocation artifact was solved
+    for (``manifest["ranks"]["budget"]["block_size"]``, written by
+    :func:`budget_artifact`): its exact tokens are rounded up to whole blocks
+    of it, so its bytes per token hold at that block size. ``None`` for
+    ``"auto"``/``"none"``, an artifact without an allocation, or one that
+    cannot be read (the engine's model check reports that, naming the
+    problem)."""
+    if artifact in (None, "auto", "none"):
+        return None
+    try:
+        budget = (art.read_manifest(artifact).get("ranks") or {}).get("budget") or {}
+    except LowRankConfigError:
+        return None
+    size = budget.get("block_size") if isinstance(budget, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def exact_window_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
     """The exact recent windows an allocation tries: ``cfg``'s, and with
     ``choose`` (token-adaptive mode) twice as many recent tokens. Each needs
