@@ -111,9 +111,9 @@ PRESETS = {p.name: p for p in (
            "exact as int8; no calibration)",
            "post-RoPE key codes and value latents in one fused kernel (no key rebuild; "
            "the latent span and the exact tokens in one softmax), CUDA graphs: the "
-           "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.56x stock attention's "
-           "time per layer at 16 x 32k; in vLLM 0.87x stock's decode step at 16 x 4k and "
-           "1.77x its throughput at equal KV memory, 1.59x stock FlashInfer's), the "
+           "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.45x stock attention's "
+           "time per layer at 16 x 32k; in vLLM 0.83x stock's decode step at 16 x 4k and "
+           "1.86x its throughput at equal KV memory), the "
            "Triton kernel otherwise (benchmarks/README.md, \"Decode without a key "
            "rebuild: post-RoPE keys\")",
            block_size=64),

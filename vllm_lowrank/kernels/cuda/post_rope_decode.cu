@@ -26,16 +26,22 @@
 // exact set in tiles of EB = 32 positions; split s takes an even share of the list
 // (as the Triton kernel), warp w of the CTA takes tiles w, w + 4, ... of it with
 // its own softmax states (one for the latent span, one for the exact set) and its
-// own 2-stage cp.async pipeline (no CTA barrier in the loop). The 8 states are
+// own 2-stage cp.async pipeline (no CTA barrier in the loop). A tile's copies give
+// each row's 16-byte chunks to consecutive lanes of one instruction (a latent row's
+// key codes, value codes and value scale/zero chunks: 8 lanes at V_BITS 2; an exact
+// row's codes: 16 lanes, its parameters: 4, row addresses shuffled from the lane that
+// looked the row up), so L2 sees one request per row and section rather than one per
+// 16 bytes: at 16 x 32k that cut L2 tag requests (69 % of peak, the busiest unit) and
+// made the kernel 1.21x faster (H200, benchmarks/README.md). The 8 states are
 // merged at the end through shared memory, the latent accumulator is lifted with
 // 16 mma per warp, and the split's normalised output (or, with several splits, its
 // partial and base-2 log-sum-exp for tiles.reduce_splits_kernel) is stored.
 // The host picks the split count with launch.choose_num_splits' wave model, one
-// CTA step being 4 warps x KCT tokens and 2 CTAs resident per SM (86 KB of shared
-// memory and at most 192 registers per thread each): PostRopeKeysCudaDecoder.plan.
-// Known costs not yet tuned (no GPU run yet): 2- to 4-way bank conflicts on the
-// value-code shared loads (token rows 64 B apart), the accumulators' alpha
-// rescale every tile (32 FMUL), integer address math of the copies (~90 IMAD).
+// CTA step being 4 warps x KCT tokens and 2 CTAs resident per SM (at most 113 KB of
+// shared memory and 255 registers per thread each): PostRopeKeysCudaDecoder.plan.
+// With 2 warps per scheduler the kernel is latency-bound: at 128 x 2k ncu counts
+// issue active 42 % of cycles, stalls mostly on fixed-latency dependencies (19 %),
+// scoreboards (long 14 %, short 11 %) and the MIO queue (10 %).
 //
 // Per latent tile (one key group, KCT rows), per warp, on mma.sync.m16n8k16 (f16
 // operands, f32 accumulators; the layouts in mma_common.cuh):
@@ -44,23 +50,27 @@
 //      and gr + 8 (channels 32tc .. 32tc + 31); a 32-bit word w of them (channels
 //      c .. c + 7, two per byte) gives the f16 pairs {c, c+4}, {c+1, c+5} (w) and
 //      {c+2, c+6}, {c+3, c+7} (w >> 8) through the exponent: (w & 0x000F000F) |
-//      0x64006400 is the pair 1024 + code (one lop3), less 1032 = the centred code
-//      (one HSUB2); the high nibbles, 1024 + 16 code, by one HFMA2 (x / 16 - 72).
-//      No conversion instruction, nothing unpacked into channel order: the query
-//      pairs are permuted the same way, once per CTA.
+//      0x64006400 is the pair 1024 + code (one lop3), less 1024 = the code (one
+//      HSUB2); the high nibbles, (w & 0x00F000F0) | 0x54005400 = 64 + code, by the
+//      lop3 alone (lo4, hi4). No conversion instruction, nothing unpacked into
+//      channel order: the query pairs are permuted the same way, once per CTA.
 //   2. per-channel scales folded into the query once per tile: q'_c = q_c scale_c
-//      (16 HMUL2 per lane), and the centring and zeros as a per-head bias,
-//      bias_h = sum_c q_c (zero_c + 8 scale_c), computed by 16 mma whose A rows are
-//      all the zeros (resp. 8 x the scales) - exact products, fp32 sums - and used
-//      as the score accumulators' initial value:
-//          s_{h,t} = scale * (q'_h . (code_t - 8) + bias_h)
+//      (16 HMUL2 per lane), and the zeros and the high nibbles' base as a per-head
+//      bias, bias_h = sum_c q_c zero_c - 64 sum_{c high} q'_c, computed by 16 mma
+//      whose A rows are all the zeros (resp. all -64) - exact products, fp32 sums -
+//      in two chains independent of the scores', added to them after their mma:
+//          s_{h,t} = scale * (q'_h . a_t + bias_h),  a_t = code_t (+ 64, high nibbles)
 //   3. online softmax per head column over the KCT rows (max by 3 shuffles; row
 //      sums and value-zero sums kept per lane, reduced once at the end).
 //   4. values: O^T[RV x 8] += C_v^T [RV x 16 tokens] (P * scale_t) [16 tokens x 8],
 //      the probability tile transposed into the B layout by movmatrix, value codes
 //      as A through the same exponent trick (pairs of two tokens, byte-permuted by
-//      one prmt), the zero term carried as sum_t p_t (zero_t + 2^(b-1) scale_t) and
-//      added with the lift's column sums (the Triton kernel's algebra).
+//      one prmt; fields at bit 4 and up keep their base 64 or 16), the zero term
+//      carried as sum_t p_t (zero_t + 2^(b-1) scale_t) and added with the lift's
+//      column sums (the Triton kernel's algebra); the codes' centre 2^(b-1) and bases
+//      leave once per CTA as (base + 2^(b-1)) S, S = sum_t P_t scale_t summed by one
+//      more mma per 16 tokens (A all ones) from the f16 operand the values used, so
+//      its rounding cancels (accL[8]).
 // Exact tiles: int8 keys as A (the same channel order as the key codes; prmt + lop3 +
 // HSUB2 per pair), s = scale * (k_scale_t q . (code - 128) + (k_zero_t + 128 k_scale_t)
 // sum(q)); int8 values as A into an output-space accumulator with their per-token
@@ -71,33 +81,34 @@
 // layer 512 B of key codes, 64 B of key scales/zeros (4 * 1024 / 64), 256 B of value
 // codes, 32 B of value scales/zeros = 864 B (4.7x fewer than bf16's 4,096 B; at
 // V_BITS 4 or KCT 32: 1,120 B / 928 B; the 64 sink + 129 recent exact tokens add
-// 2,080 B each: int8 keys and values and their scales, amortised over the context). At the H200's 4.25 TB/s copy rate that is 0.20 ns per token and
-// layer (16 x 32k: 107 us per layer). FLOPs per token and KV head: 2 * 128 * 8
+// 2,080 B each: int8 keys and values and their scales, amortised over the context).
+// At the H200's 4.25 TB/s copy rate that is 0.20 ns per token and layer (16 x 32k: 107 us per layer). FLOPs per token and KV head: 2 * 128 * 8
 // (scores, n padded to 8) + 2 * 128 * 8 (values) = 4.1 kFLOP, 33 kFLOP per token and
 // layer: 38 FLOP/byte, far under the ridge (about 200 FLOP/byte for dense f16
 // mma.sync): memory-bound. Instruction budget (benchmarks/README.md, "What reaches
 // the bound"): an H200 issues about 1.05e12 warp instructions/s; 0.20 ns per token
 // and layer is 213 warp instructions, 26.6 per token and KV head, for issue to keep
 // up with 100 % of the copy rate at a perfect issue rate (53 at the 50 % target).
-// The Triton kernel issues about 50. This kernel, counted in its SASS (nvcc 13.0,
-// sm_90a, cuobjdump; the loop body fully unrolled), per latent key group and warp:
-//   KCT 64, V_BITS 2: 1,086 compute (80 HMMA: 16 scale fold + 32 scores + 32 values;
-//                     264 LOP3, 160 HFMA2, 112 HADD2 of code unpacking) + about 120
-//                     of copy issue and loop bookkeeping = about 19 per token and KV head;
-//   KCT 64, V_BITS 4: 1,116 + about 130 = 19.5;  KCT 32: 649 / 663 + about 95 = 23-24;
-//   an exact tile (32 positions): 656 + about 135 = 25 per position.
-// At 19 per token and KV head, issue takes 0.14 ns per token and layer against the
-// 0.20 ns of the reads: the bound is the memory if the loads are kept in flight
-// (two stages of about 9 KB per warp, 8 warps per SM).
+// The Triton kernel issues about 50. This kernel, at the `4x` layout, 16 x 32k (ncu,
+// smsp__inst_executed over tokens x KV heads): 19.7 per token and KV head with every
+// code centred by an HSUB2/HFMA2, 17.9 with the bases of the fields at bit 4 and up
+// left in (the coalesced copies add about 1 by the SASS). Per latent key group and
+// warp that is 84 HMMA (16 bias, 32 scores, 32 values, 4 probability sums).
 // Unpacking per 16-token x 128-channel key sub-tile, by construction: 2 LDS.128 +
-// 8 x (SHF + 4 LOP3 + 2 HADD2 + 2 HFMA2) + 8 HMMA; values (V_BITS 2) per 16 tokens:
-// 4 LDS.32 + 2 PRMT + 2 SHF + 16 LOP3 + 16 HADD2/HFMA2 + 8 HMMA.
+// 8 x (SHF + 4 LOP3 + 2 HADD2) + 8 HMMA; values (V_BITS 2) per 16 tokens: 4 LDS.32 +
+// 2 PRMT + 2 SHF + 16 LOP3 + 8 HADD2 + 9 HMMA.
+// Measured (H200, benchmarks/README.md, "Decode without a key rebuild"): 50 % of the
+// copy rate at 16 x 32k, 43 % at 128 x 2k; issue is not the bound (see above).
 //
 // Precision: key codes, query and probabilities as f16 (the query's bf16 -> f16
 // conversion is exact in f16's normal range), q' = q * scale rounded to f16,
 // scores, softmax state and accumulators fp32; the normalised latent accumulator
 // is rounded to f16 before the lift (fp32 sums). |q * scale_c| and the lift must
-// stay below 65504.
+// stay below 65504. A base left in a code is taken out of an fp32 tensor-core sum,
+// which keeps about 21 bits of its largest term: at base 64 that costs about 2^-15
+// of the result; bases 1024 and 256 (fields at bits 0 and 2) made split counts
+// disagree by 2e-4 (tests/kernels/test_cuda_post_rope_decode.py bounds it by 1e-4),
+// so those lose their base in f16, exactly, by one HSUB2.
 //
 // No torch here (the binding is post_rope_decode.cpp). Registers, spills and SASS:
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 --use_fast_math -cubin -Xptxas -v \
@@ -116,10 +127,19 @@ template <int KCT, int VBITS>
 struct Cfg {
   static constexpr int NM = KCT / 16;                // m16 sub-tiles of a key group
   static constexpr int VB = kD * VBITS / 8;          // value code bytes per token and head
-  // latent stage: [KCT][64] key codes | [KCT][VB] value codes | [KCT][32] value scale
-  // chunk, value zero chunk | [512] the group's scales then zeros of this head
+  // latent stage: [KCT][64] key codes | [KCT][VB] value codes, 32 bytes of padding
+  // after every VROWS rows | [KCT][32] value scale chunk, value zero chunk | [512] the
+  // group's scales then zeros of this head. The padding spreads the rows 2tc (resp.
+  // 2tc + 1, 2tc + 8, 2tc + 9) that one value-code load reads over distinct banks.
+  static constexpr int VROWS = VBITS == 2 ? 4 : 2;
+  // a latent row's 16-byte chunks (key codes, value codes, value scale, value zero) and
+  // the lanes one copy instruction gives a row (NC rounded up to 8 or 16)
+  static constexpr int NC = 4 + VB / 16 + 2;
+  static constexpr int NCP = NC <= 8 ? 8 : 16;
+  static constexpr int RPI = 32 / NCP;               // rows per copy instruction
   static constexpr int L_V = KCT * 64;
-  static constexpr int L_VS = L_V + KCT * VB;
+  static constexpr int L_VS = L_V + KCT * VB + (KCT / VROWS) * 32;
+  __host__ __device__ static constexpr int vrow(int r) { return r * VB + (r / VROWS) * 32; }
   static constexpr int L_SH = L_VS + KCT * 32;
   static constexpr int LAT_STAGE = L_SH + 512;
   // exact stage: [32][128] key codes | [32][128] value codes | [32][64] the chunks of
@@ -141,23 +161,23 @@ struct Cfg {
   static_assert(KCT == 32 || KCT == 64, "key groups of 32 or 64 positions");
   static_assert(VBITS == 2 || VBITS == 4, "2- or 4-bit values");
   static_assert(STAGE % 128 == 0, "stage alignment");
+  static_assert(RPI == VROWS, "a copy step of RPI rows is a whole padding group");
   static_assert(SMEM <= 113 * 1024, "two CTAs per SM");
 };
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return __byte_perm(a, b, sel);
 }
-template <uint32_t MASK>
-__device__ __forceinline__ uint32_t or6400(uint32_t x) {   // (x & MASK) | 0x64006400
+// (x & MASK) | BASE: a bit field of the two 16-bit halves of x placed in the mantissa of
+// the f16 pairs BASE (one lop3).
+template <uint32_t MASK, uint32_t BASE>
+__device__ __forceinline__ uint32_t put_field(uint32_t x) {
   uint32_t y;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "n"(MASK), "n"(0x64006400));
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "n"(MASK), "n"(BASE));
   return y;
 }
 __device__ __forceinline__ uint32_t hsub2c(uint32_t x, float c) {   // x - c (both halves)
   return h2_bits(__hsub2(bits_h2(x), __float2half2_rn(c)));
-}
-__device__ __forceinline__ uint32_t hfma2c(uint32_t x, float m, float c) {  // x * m + c
-  return h2_bits(__hfma2(bits_h2(x), __float2half2_rn(m), __float2half2_rn(c)));
 }
 __device__ __forceinline__ uint32_t hmul2(uint32_t x, uint32_t y) {
   return h2_bits(__hmul2(bits_h2(x), bits_h2(y)));
@@ -165,22 +185,33 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t x, uint32_t y) {
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
   return h2_bits(__floats2half2_rn(lo, hi));
 }
-// Centred 4-bit codes as f16 pairs from a word of packed codes (channel 2k in the
-// low nibble of byte k): fields in bytes 0 and 2. lo4: low nibbles; hi4: high.
-__device__ __forceinline__ uint32_t lo4(uint32_t x) { return hsub2c(or6400<0x000F000F>(x), 1032.f); }
-__device__ __forceinline__ uint32_t hi4(uint32_t x) {
-  return hfma2c(or6400<0x00F000F0>(x), 1.f / 16.f, -72.f);
+// Codes as f16 pairs: a b-bit field at bit s of each 16-bit half, put into the mantissa
+// of an f16 whose unit in the last place is 2^-s (one lop3), reads 2^(10 - s) + code
+// exactly. Fields at s >= 4 are used so, "biased": their base (64 or 16) is taken out
+// once per tile (keys: an mma of the query against the bases; values: the
+// probability sum times the base). Fields at s < 4 (bases 1024, 256) lose the base by
+// one HSUB2 instead: taken out of fp32 sums it would cost about 2^-11 of the result
+// (tensor-core fp32 accumulation keeps about 21 bits); 64 costs about 2^-15.
+//   4-bit codes (channel 2k in the low nibble of byte k, bytes 0 and 2 of x):
+//   lo4 = low nibble, hi4 = 64 + high nibble.
+__device__ __forceinline__ uint32_t lo4(uint32_t x) {
+  return hsub2c(put_field<0x000F000Fu, 0x64006400u>(x), 1024.f);
 }
-// Centred 2-bit codes (field f of bytes 0 and 2: bits 2f .. 2f + 1), offset 2.
+__device__ __forceinline__ uint32_t hi4(uint32_t x) { return put_field<0x00F000F0u, 0x54005400u>(x); }
+constexpr uint32_t kNegHiBase4 = 0xD400D400u;   // {-64, -64}
+//   2-bit field F (bits 2F, 2F + 1 of bytes 0 and 2): code (F = 0, 1), 2^(10 - 2F) + code
+//   (F = 2, 3: bases 64, 16).
 template <int F>
 __device__ __forceinline__ uint32_t c2(uint32_t x) {
-  const uint32_t y = or6400<(0x00030003u << (2 * F))>(x);
-  if (F == 0) return hsub2c(y, 1026.f);
-  return hfma2c(y, 1.f / float(1 << (2 * F)), -(1024.f / float(1 << (2 * F))) - 2.f);
+  const uint32_t y = put_field<(0x00030003u << (2 * F)), (0x64006400u - 0x08000800u * F)>(x);
+  return F < 2 ? hsub2c(y, float(1024 >> (2 * F))) : y;
 }
+// The base left in accumulator row group f of the values (f = 2 (mt & 1) + (x >> 1) for
+// 2-bit codes, 2 (x >> 1) for 4-bit: rows gr + 8 hold the high nibbles).
+__device__ __forceinline__ constexpr float value_base(int f) { return f >= 2 ? float(1024 >> (2 * f)) : 0.f; }
 // Centred int8 codes (byte selected into bytes 0 and 2 by `sel` from a, b), offset 128.
 __device__ __forceinline__ uint32_t c8(uint32_t a, uint32_t b, uint32_t sel) {
-  return hsub2c(or6400<0x00FF00FF>(prmt(a, b, sel)), 1152.f);
+  return hsub2c(put_field<0x00FF00FFu, 0x64006400u>(prmt(a, b, sel)), 1152.f);
 }
 __device__ __forceinline__ float half_at(const uint8_t* p) {
   return __half2float(*reinterpret_cast<const __half*>(p));
@@ -200,10 +231,10 @@ __device__ __forceinline__ uint32_t bf2_to_h2(uint32_t x) {
 // m (column maxima over the 8 row lanes by 3 shuffles), mu the maxima the tile's
 // probabilities are taken against (0 for a column with nothing seen yet), and the
 // sums l, z and the accumulator rescaled by alpha = 2^(m_old - mu).
-template <int NM>
+template <int NM, int NA>
 __device__ __forceinline__ void online_softmax_step(const float (&sc)[NM][4], float (&m)[2],
                                                     float (&l)[2], float (&z)[2],
-                                                    float (&acc)[8][4], float (&mu)[2]) {
+                                                    float (&acc)[NA][4], float (&mu)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int r = 0; r < NM; ++r)
@@ -223,7 +254,7 @@ __device__ __forceinline__ void online_softmax_step(const float (&sc)[NM][4], fl
     z[e] *= alpha[e];
   }
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt) {
+  for (int mt = 0; mt < NA; ++mt) {
     acc[mt][0] *= alpha[0]; acc[mt][1] *= alpha[1];
     acc[mt][2] *= alpha[0]; acc[mt][3] *= alpha[1];
   }
@@ -233,10 +264,10 @@ template <int KCT, int VBITS>
 __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Params p) {
   using C = Cfg<KCT, VBITS>;
   constexpr int NM = C::NM, VB = C::VB;
-  constexpr float VOFF = float(1 << (VBITS - 1));
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int split = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
+  constexpr float VOFF = float(1 << (VBITS - 1));   // the value codes' centre
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tc = lane & 3;
   const int n = p.seq_lens[b];
@@ -297,6 +328,33 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   const int evs_at = p.ex_vscale_off + 2 * j, evz_at = p.ex_vzero_off + 2 * j;
 
   uint8_t* my_pipe = smem + warp * kStages * C::STAGE;
+  const int v_lane = C::vrow(2 * tc) + gr * (VB / 8);   // this lane's value-code bytes
+  // this lane's latent copies: chunk cp_chunk of rows cp_row + RPI i, from byte cp_src of
+  // the row to cp_dst + i cp_step of the stage. A row's chunks go to consecutive lanes
+  // of one instruction, so its key codes are one L2 request, not one per 16 bytes.
+  const int cp_chunk = lane % C::NCP, cp_row = lane / C::NCP;
+  int cp_src, cp_dst, cp_step;
+  if (cp_chunk < 4) {
+    cp_src = j * 64 + 16 * cp_chunk;
+    cp_dst = cp_row * 64 + 16 * cp_chunk;
+    cp_step = C::RPI * 64;
+  } else if (cp_chunk < C::NC - 2) {   // vrow(cp_row + RPI i) = vrow(cp_row) + i vrow(RPI)
+    cp_src = p.v_codes_off + j * VB + 16 * (cp_chunk - 4);
+    cp_dst = C::L_V + C::vrow(cp_row) + 16 * (cp_chunk - 4);
+    cp_step = C::vrow(C::RPI);
+  } else {
+    const bool zero = cp_chunk == C::NC - 1;
+    cp_src = (zero ? vz_at : vs_at) & ~15;
+    cp_dst = C::L_VS + cp_row * 32 + (zero ? 16 : 0);
+    cp_step = C::RPI * 32;
+  }
+  // this lane's exact copies: chunk lane % 16 of a row's key codes (0-7) and value codes
+  // (8-15); parameter chunk lane % 4 (key scale, key zero, value scale, value zero)
+  const int ex_c = lane & 15;
+  const int ex_src = ex_c < 8 ? j * kD + 16 * ex_c : p.ex_vcodes_off + j * kD + 16 * (ex_c - 8);
+  const int ex_dst = ex_c < 8 ? 16 * ex_c : C::E_V + 16 * (ex_c - 8);
+  const int ep_at = (lane & 3) == 0 ? ek_at : (lane & 3) == 1 ? ekz_at : (lane & 3) == 2 ? evs_at : evz_at;
+  const int ep_src = ep_at & ~15;
   auto tile_of = [&](int k) { return t_lo + warp + k * kNW; };
   // block of the warp's k-th tile when it is a latent group (else 0)
   auto lat_block = [&](int k) -> int {
@@ -315,35 +373,35 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         const uint8_t* base = p.cache + (int64_t)blk * p.s_blk +
                               (int64_t)(p0 % p.page) * p.s_tok;
 #pragma unroll
-        for (int r = lane; r < KCT; r += 32) {
-          const uint8_t* row = base + (int64_t)r * p.s_tok;
-          const int nb = p0 + r < lat_end ? 16 : 0;
-#pragma unroll
-          for (int c = 0; c < 4; ++c) cp_async16(st + r * 64 + 16 * c, row + j * 64 + 16 * c, nb);
-#pragma unroll
-          for (int c = 0; c < VB / 16; ++c)
-            cp_async16(st + C::L_V + r * VB + 16 * c, row + p.v_codes_off + j * VB + 16 * c, nb);
-          cp_async16(st + C::L_VS + r * 32, row + (vs_at & ~15), nb);
-          cp_async16(st + C::L_VS + r * 32 + 16, row + (vz_at & ~15), nb);
+        for (int i = 0; i < KCT / C::RPI; ++i) {
+          const int r = cp_row + C::RPI * i;
+          if (cp_chunk < C::NC)
+            cp_async16(st + cp_dst + i * cp_step, base + (int64_t)r * p.s_tok + cp_src,
+                       p0 + r < lat_end ? 16 : 0);
         }
         cp_async16(st + C::L_SH + 16 * lane, base + sh_src, 16);
       } else {
-        const int idx = (t - n_lat) * kEB + lane;   // this lane's row of the exact set
+        // lane r finds row r of the tile (exact-set index e0 + r); its chunks are then
+        // copied by consecutive lanes (shuffled row addresses): 16 lanes a row for the
+        // key and value codes, 4 for the parameter chunks
+        const int e0 = (t - n_lat) * kEB, idx = e0 + lane;
         const bool valid = idx < n_ex;
         const int pos = idx < n_sink ? idx : tail + idx - n_sink;
         const int eblk = valid ? __ldg(p.exact_table + (int64_t)b * p.s_ebt + pos / p.epage) : 0;
-        const uint8_t* row = p.exact + (int64_t)eblk * p.s_eblk +
-                             (int64_t)(valid ? pos % p.epage : 0) * p.s_etok;
-        const int nb = valid ? 16 : 0;
+        const unsigned long long row = reinterpret_cast<unsigned long long>(
+            p.exact + (int64_t)eblk * p.s_eblk + (int64_t)(valid ? pos % p.epage : 0) * p.s_etok);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          cp_async16(st + lane * 128 + 16 * c, row + j * kD + 16 * c, nb);
-          cp_async16(st + C::E_V + lane * 128 + 16 * c, row + p.ex_vcodes_off + j * kD + 16 * c, nb);
+        for (int i = 0; i < kEB / 2; ++i) {
+          const int r = 2 * i + (lane >> 4);
+          const auto* rp = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, row, r));
+          cp_async16(st + ex_dst + r * 128, rp + ex_src, e0 + r < n_ex ? 16 : 0);
         }
-        cp_async16(st + C::E_P + lane * 64, row + (ek_at & ~15), nb);
-        cp_async16(st + C::E_P + lane * 64 + 16, row + (ekz_at & ~15), nb);
-        cp_async16(st + C::E_P + lane * 64 + 32, row + (evs_at & ~15), nb);
-        cp_async16(st + C::E_P + lane * 64 + 48, row + (evz_at & ~15), nb);
+#pragma unroll
+        for (int i = 0; i < kEB / 8; ++i) {
+          const int r = 8 * i + (lane >> 2);
+          const auto* rp = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, row, r));
+          cp_async16(st + C::E_P + r * 64 + 16 * (lane & 3), rp + ep_src, e0 + r < n_ex ? 16 : 0);
+        }
       }
     }
     cp_async_commit();
@@ -353,7 +411,10 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   // channel of accumulator element (mt, x) of lane (gr, tc): 16 gr + 2 mt + (x >> 1)
   float mL[2] = {-INFINITY, -INFINITY}, lL[2] = {0.f, 0.f}, zL[2] = {0.f, 0.f};
   float mE[2] = {-INFINITY, -INFINITY}, lE[2] = {0.f, 0.f}, zE[2] = {0.f, 0.f};
-  float accL[8][4], accE[8][4];
+  // accL[8]: the probability sum S = sum_t p_t scale_t of the value codes' bases
+  float accL[9][4], accE[8][4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) accL[8][x] = 0.f;
 #pragma unroll
   for (int mt = 0; mt < 8; ++mt)
 #pragma unroll
@@ -372,7 +433,10 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
       // =================== a latent key group: positions p0 .. p0 + KCT - 1
       const int p0 = p.sink + t * KCT;
       uint32_t qs[8][2];                    // q * scale (f16 pairs, the key order)
-      float bias[4] = {0.f, 0.f, 0.f, 0.f};  // sum_c q_c (zero_c + 8 scale_c), heads 2tc, 2tc+1
+      // sum_c q_c zero_c - 64 sum_{c high nibble} q'_c of heads 2tc, 2tc + 1 (the high
+      // nibbles' f16 base), in two chains of 8 mma (e = 0, 1)
+      float bz[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const uint32_t neg_base[4] = {0u, 0u, kNegHiBase4, kNegHiBase4};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint4 s = lds128(st + C::L_SH + 64 * tc + 16 * i);
@@ -387,10 +451,8 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
           qs[s_][0] = hmul2(qf[s_][0], sp[e][0]);
           qs[s_][1] = hmul2(qf[s_][1], sp[e][1]);
           const uint32_t az[4] = {zp[e][0], zp[e][0], zp[e][1], zp[e][1]};
-          mma_f16(bias, az, qf[s_][0], qf[s_][1]);
-          const uint32_t s8a = hmul2(sp[e][0], 0x48004800u), s8b = hmul2(sp[e][1], 0x48004800u);  // x 8
-          const uint32_t as[4] = {s8a, s8a, s8b, s8b};
-          mma_f16(bias, as, qf[s_][0], qf[s_][1]);
+          mma_f16(bz[e], az, qf[s_][0], qf[s_][1]);
+          mma_f16(bz[e], neg_base, qs[s_][0], qs[s_][1]);
         }
       }
       // scores of the KCT rows, base 2
@@ -399,7 +461,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
       for (int m = 0; m < NM; ++m) {
         const uint4 w0 = lds128(st + (16 * m + gr) * 64 + 16 * tc);
         const uint4 w1 = lds128(st + (16 * m + gr + 8) * 64 + 16 * tc);
-        float acc[4] = {bias[0], bias[1], bias[2], bias[3]};
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};   // independent of the zero term's chains
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           uint32_t x0 = word(w0, i), x1 = word(w1, i);
@@ -412,11 +474,12 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         }
 #pragma unroll
         for (int x = 0; x < 4; ++x)
-          sc[m][x] = p0 + 16 * m + gr + 8 * (x >> 1) < lat_end ? acc[x] * p.qk_scale : -INFINITY;
+          sc[m][x] = p0 + 16 * m + gr + 8 * (x >> 1) < lat_end
+                         ? (acc[x] + bz[0][x] + bz[1][x]) * p.qk_scale : -INFINITY;
       }
       // online softmax of the latent state
       float mu[2];
-      online_softmax_step<NM>(sc, mL, lL, zL, accL, mu);
+      online_softmax_step<NM, 9>(sc, mL, lL, zL, accL, mu);
 #pragma unroll
       for (int m = 0; m < NM; ++m) {
         // P * value scale of rows gr, gr + 8, transposed into the B layout
@@ -435,14 +498,20 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         }
         const uint32_t pb0 = movmatrix_t(pack_h2(pr[0] * vs0, pr[1] * vs0));
         const uint32_t pb1 = movmatrix_t(pack_h2(pr[2] * vs1, pr[3] * vs1));
+        {   // S += sum of the tile's P * scale as the mma sees it (A: ones)
+          const uint32_t ones[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};
+          mma_f16(accL[8], ones, pb0, pb1);
+        }
         // value codes of tokens 2tc, 2tc + 1 (k 2tc..) and 2tc + 8, 2tc + 9 (k 2tc + 8..):
         // lane gr's bytes of each row, channels 16 gr .. 16 gr + 15
-        const uint8_t* vrow = st + C::L_V + (16 * m + 2 * tc) * VB;
+        // (rows 2tc + k of sub-tile m sit at vrow(2tc) + vrow(16 m + k): 2tc + 1 shares
+        // 2tc's padding group, and 16 m, 8 are multiples of VROWS)
+        const uint8_t* vrow = st + C::L_V + v_lane + C::vrow(16 * m);
         if (VBITS == 4) {
-          const uint2 ta = *reinterpret_cast<const uint2*>(vrow + 8 * gr);
-          const uint2 tb = *reinterpret_cast<const uint2*>(vrow + VB + 8 * gr);
-          const uint2 tc8 = *reinterpret_cast<const uint2*>(vrow + 8 * VB + 8 * gr);
-          const uint2 td = *reinterpret_cast<const uint2*>(vrow + 9 * VB + 8 * gr);
+          const uint2 ta = *reinterpret_cast<const uint2*>(vrow);
+          const uint2 tb = *reinterpret_cast<const uint2*>(vrow + C::vrow(1));
+          const uint2 tc8 = *reinterpret_cast<const uint2*>(vrow + C::vrow(8));
+          const uint2 td = *reinterpret_cast<const uint2*>(vrow + C::vrow(9));
 #pragma unroll
           for (int wi = 0; wi < 2; ++wi) {
             const uint32_t wa = wi ? ta.y : ta.x, wb = wi ? tb.y : tb.x;
@@ -463,10 +532,10 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
             }
           }
         } else {
-          const uint32_t wa = *reinterpret_cast<const uint32_t*>(vrow + 4 * gr);
-          const uint32_t wb = *reinterpret_cast<const uint32_t*>(vrow + VB + 4 * gr);
-          const uint32_t wc = *reinterpret_cast<const uint32_t*>(vrow + 8 * VB + 4 * gr);
-          const uint32_t wd = *reinterpret_cast<const uint32_t*>(vrow + 9 * VB + 4 * gr);
+          const uint32_t wa = *reinterpret_cast<const uint32_t*>(vrow);
+          const uint32_t wb = *reinterpret_cast<const uint32_t*>(vrow + C::vrow(1));
+          const uint32_t wc = *reinterpret_cast<const uint32_t*>(vrow + C::vrow(8));
+          const uint32_t wd = *reinterpret_cast<const uint32_t*>(vrow + C::vrow(9));
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             uint32_t u = prmt(wa, wb, hh ? 0x7632 : 0x5410);
@@ -522,7 +591,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         }
       }
       float mu[2];
-      online_softmax_step<2>(sc, mE, lE, zE, accE, mu);
+      online_softmax_step<2, 8>(sc, mE, lE, zE, accE, mu);
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         float pr[4];
@@ -584,7 +653,9 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
 #pragma unroll
       for (int x = 0; x < 4; ++x) {
         const int h = 2 * tc + (x & 1), ch = 16 * gr + 2 * mt + (x >> 1);
-        mine[48 + h * kD + ch] = accL[mt][x];
+        // the value codes' bases out (value_base)
+        const int f = VBITS == 4 ? 2 * (x >> 1) : 2 * (mt & 1) + (x >> 1);
+        mine[48 + h * kD + ch] = accL[mt][x] - (value_base(f) + VOFF) * accL[8][x & 1];
         mine[48 + kMaxQ * kD + h * kD + ch] = accE[mt][x];
       }
   }
