@@ -37,11 +37,13 @@ count and its reduce).
     source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
         --settings prk-4x,prk-4x-cuda,prk-v4,prk-v4-cuda --shapes 16x32768,128x2048
     source .gpuvllm/env.sh && python3 -P benchmarks/decode_roofline.py \\
-        --settings prk-4x-cuda --shapes 128x32768 --kv-heads 1   # 16 x 32k's bytes, 1-head slots
+        --settings prk-4x --shapes 128x32768 --kv-heads 1   # 16 x 32k's bytes, 1-head slots
 
 A CTA of the post-RoPE-keys kernels reads one KV head's share of every slot (about
-150 of the ``4x`` layout's 1,184 bytes per token at 8 KV heads); ``--kv-heads 1`` reads
-whole slots, so the pair tells whether that striding costs bandwidth.
+110 of the ``4x`` layout's 864 bytes per token at 8 KV heads, and the 16-byte chunk of
+value scales that all heads share); ``--kv-heads 1`` reads whole slots, so the pair
+tells what that striding costs. The CUDA decoder refuses 1-head slots (their
+regions are not 16-byte aligned), so the pair is the Triton kernel's.
 """
 
 from __future__ import annotations
