@@ -800,7 +800,10 @@ def main() -> None:
             except subprocess.TimeoutExpired as exc:
                 stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else x or ""
                                   for x in (exc.stdout, exc.stderr))
-                got = [dict(config=name, error=f"timeout after {args.timeout} s")]
+                jit = (" (FlashInfer JIT-compiles its kernels in a machine's first engine of "
+                       "each KV dtype: about 165 s of start-up on an H200)"
+                       if CONFIGS[name].get("backend") == "FLASHINFER" else "")
+                got = [dict(config=name, error=f"timeout after {args.timeout} s{jit}")]
             if args.log_dir:
                 os.makedirs(args.log_dir, exist_ok=True)
                 with open(os.path.join(args.log_dir, f"{name}-{mode}.log"), "w") as f:
