@@ -264,10 +264,10 @@ template <int KCT, int VBITS>
 __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Params p) {
   using C = Cfg<KCT, VBITS>;
   constexpr int NM = C::NM, VB = C::VB;
+  constexpr float VOFF = float(1 << (VBITS - 1));   // the value codes' centre
   extern __shared__ __align__(128) uint8_t smem[];
 
   const int split = blockIdx.x, j = blockIdx.y, b = blockIdx.z;
-  constexpr float VOFF = float(1 << (VBITS - 1));   // the value codes' centre
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gr = lane >> 2, tc = lane & 3;
   const int n = p.seq_lens[b];
