@@ -582,6 +582,11 @@ def _table(rows: list[dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def uses_flashinfer(name: str) -> bool:
+    """Config ``name`` runs vLLM's FlashInfer attention backend."""
+    return CONFIGS[name].get("backend") == "FLASHINFER"
+
+
 def is_stock(name: str) -> bool:
     """A stock vLLM row: ``stock`` or ``stock-*`` (TRITON_ATTN, FlashInfer, FP8 KV)."""
     return name == "stock" or name.startswith("stock-")
@@ -648,7 +653,7 @@ def prebuild(env: dict) -> None:
 def _flashinfer_missing(name: str, env: dict) -> str | None:
     """Why config ``name`` (the FlashInfer backend) cannot start on the GPU recipe
     (``GPUVLLM_SITE`` set by ``.gpuvllm/env.sh``), or ``None``."""
-    if CONFIGS[name].get("backend") != "FLASHINFER" or not env.get("GPUVLLM_SITE"):
+    if not uses_flashinfer(name) or not env.get("GPUVLLM_SITE"):
         return None
     site = env.get("GPUVLLM_FLASHINFER_SITE", "")
     if not os.path.isdir(os.path.join(site, "flashinfer")):
@@ -669,7 +674,7 @@ def engine_env(env: dict, name: str) -> dict:
     spec = CONFIGS[name]
     out = dict(env, **spec.get("env", {}))
     site = env.get("GPUVLLM_FLASHINFER_SITE")
-    if spec.get("backend") == "FLASHINFER" and site:
+    if uses_flashinfer(name) and site:
         out["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), site) if p)
     return out
 
@@ -802,7 +807,7 @@ def main() -> None:
                                   for x in (exc.stdout, exc.stderr))
                 jit = (" (FlashInfer JIT-compiles its kernels in a machine's first engine of "
                        "each KV dtype: about 165 s of start-up on an H200)"
-                       if CONFIGS[name].get("backend") == "FLASHINFER" else "")
+                       if uses_flashinfer(name) else "")
                 got = [dict(config=name, error=f"timeout after {args.timeout} s{jit}")]
             if args.log_dir:
                 os.makedirs(args.log_dir, exist_ok=True)
