@@ -146,6 +146,10 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "4x recipe, sink 64 + recent 128": ("ours", {"preset": "4x", "sink_tokens": 64}),
     "4x recipe, sink 64 + recent 64": ("ours", {"preset": "4x", "sink_tokens": 64,
                                                 "recent_tokens": 64}),
+    # no sink block (the exact windows alone: one 64-token block fewer per sequence)
+    "4x recipe, no sink, recent 128": ("ours", {"preset": "4x", "sink_tokens": 0}),
+    "4x recipe, no sink, recent 192": ("ours", {"preset": "4x", "sink_tokens": 0,
+                                                "recent_tokens": 192}),
     # per-head groups (G = 1), the grouping the GPU decodes fastest (benchmarks/README.md)
     "G=1 latent 0.75, K4 per channel, V4, sink 32 + recent 128": (
         "ours", {**TALE, "head_group_size": 1, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4}),

@@ -113,7 +113,7 @@ PRESETS = {p.name: p for p in (
            "the latent span and the exact tokens in one softmax), CUDA graphs: the "
            "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.45x stock attention's "
            "time per layer at 16 x 32k; in vLLM 0.83x stock's decode step at 16 x 4k and "
-           "1.86x its throughput at equal KV memory), the "
+           "1.86x its throughput at equal KV memory, 1.73x FlashInfer's), the "
            "Triton kernel otherwise (benchmarks/README.md, \"Decode without a key "
            "rebuild: post-RoPE keys\")",
            block_size=64),
