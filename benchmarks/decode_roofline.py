@@ -147,7 +147,7 @@ def build(name: str, bsz: int, length: int, device, g, kv_heads: int = KV_HEADS)
         fill_f16(cache, layout.k_scale_offset, layout.natural_bytes, g)
         exact = torch.randint(0, 256, (cache.shape[0], 1, block, slot.slot_bytes),
                               dtype=torch.uint8, device=device, generator=g)
-        lay8 = slot.quantized_layout
+        lay8 = slot.int8_layout
         fill_f16(exact, lay8.k_scale_offset, lay8.natural_bytes, g)
         v_up = torch.zeros(plan.v_width, shape.kv_width, device=device)
         for j in range(kv_heads):

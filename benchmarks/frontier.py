@@ -146,11 +146,6 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "4x recipe, sink 64 + recent 128": ("ours", {"preset": "4x", "sink_tokens": 64}),
     "4x recipe, sink 64 + recent 64": ("ours", {"preset": "4x", "sink_tokens": 64,
                                                 "recent_tokens": 64}),
-    # exact values at 4 bits, Hadamard-rotated (the exact slot: two latent slots instead
-    # of three), and with the bytes that frees spent on a longer recent window
-    "4x recipe, exact values 4-bit": ("ours", {"preset": "4x", "exact_v_bits": 4}),
-    "4x recipe, exact values 4-bit, recent 192": ("ours", {"preset": "4x", "exact_v_bits": 4,
-                                                           "recent_tokens": 192}),
     # no sink block (the exact windows alone: one 64-token block fewer per sequence)
     "4x recipe, no sink, recent 128": ("ours", {"preset": "4x", "sink_tokens": 0}),
     "4x recipe, no sink, recent 192": ("ours", {"preset": "4x", "sink_tokens": 0,
@@ -328,8 +323,7 @@ def allocated_bytes(layers: dict, cfg: dict, head_dim: int, context: int,
             staged = rk if layout is not None and layout.k_per_channel \
                 and not settings.post_rope_keys else 0
             allocated += (exact.count / context * ExactSlot(
-                kvw, head_dim, torch.float16, exact.bits, staged, slot,
-                v_bits=exact.v_bits).slot_bytes)
+                kvw, head_dim, torch.float16, exact.bits, staged, slot).slot_bytes)
     return original, allocated
 
 

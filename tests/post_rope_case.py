@@ -20,13 +20,11 @@ D = 128
 
 
 def build(lens, *, group_size, rv, k_bits, v_bits, exact_bits, kct, page, sink, recent,
-          heads, kv_heads, d, lat_page=None, q_lens=None, seed=0, dtype=torch.bfloat16,
-          exact_v_bits=None):
+          heads, kv_heads, d, lat_page=None, q_lens=None, seed=0, dtype=torch.bfloat16):
     """A post-RoPE-keys layer and its caches for sequences of ``lens`` tokens: a
     paged latent cache (blocks of ``lat_page``, default ``page``; keys 4- or 2-bit
     per channel over ``kct`` tokens, every key group complete, an outlier channel)
-    and an exact cache (blocks of ``page``, ``exact_bits`` 16 or 8, values at
-    ``exact_v_bits`` if given) over shuffled
+    and an exact cache (blocks of ``page``, ``exact_bits`` 16 or 8) over shuffled
     blocks, the exact rows outside each sequence's exact set poisoned (0xFF, as
     freed blocks may hold; with ``q_lens``, a verify step's, the window is kept from
     its first new token), the value up-projection, and float32 queries ``[sum(q_lens)
@@ -41,8 +39,7 @@ def build(lens, *, group_size, rv, k_bits, v_bits, exact_bits, kct, page, sink, 
     ng = kv_heads // group_size
     plan = LayerPlan(shape, group_size, (group_size * d,) * ng, (rv,) * ng)
     layout = SlotLayout(plan.k_ranks, plan.v_ranks, k_bits, v_bits, k_channel_tokens=kct)
-    slot = ExactSlot(shape.kv_width, d, dtype, exact_bits, 0, layout.slot_bytes,
-                     v_bits=exact_v_bits)
+    slot = ExactSlot(shape.kv_width, d, dtype, exact_bits, 0, layout.slot_bytes)
 
     def paged(blk):
         per = [max(1, math.ceil(n / blk)) for n in lens]

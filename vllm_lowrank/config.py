@@ -53,7 +53,6 @@ Method = Literal["svd", "whitened", "eigen", "kq", "post_rope", "fisher", "rope_
 RankAllocation = Literal["uniform", "energy", "fisher"]
 StorageBits = Literal[16, 8, 4, 3, 2]
 ExactBits = Literal[16, 8]
-ExactValueBits = Literal[8, 4]
 KQuantAxis = Literal["token", "channel"]
 CalibrationText = Literal["wikipedia", "mix"]
 """Built-in calibration texts (:data:`vllm_lowrank.calibration.text.CALIBRATION_TEXTS`)."""
@@ -63,8 +62,6 @@ RANK_ALLOCATIONS = get_args(RankAllocation)
 STORAGE_BITS = get_args(StorageBits)
 EXACT_BITS = get_args(ExactBits)
 """Storage of the token-adaptive mode's exact keys and values (16: model dtype)."""
-EXACT_VALUE_BITS = get_args(ExactValueBits)
-"""Code widths of the exact values beside int8 exact keys (``exact_v_bits``)."""
 K_QUANT_AXES = get_args(KQuantAxis)
 LOSS_METHODS = ("fisher", "rope_equivariant")
 """Methods whose basis energies are estimated loss increases (the Fisher
@@ -165,12 +162,6 @@ class LowRankConfig:
             float16 scale/zero: half the bytes, +0.0 % perplexity on the
             embedded model when the whole cache is stored so; see
             :class:`~vllm_lowrank.format.exact.ExactSlot`).
-        exact_v_bits: With ``exact_bits`` 8, the exact values' code width:
-            8 (``None``: as the keys) or 4 (per token and head, float16
-            scale/zero): an exact slot of ``head_dim`` 128 then takes 1,600
-            instead of 2,112 bytes, two slots of the ``4x`` preset's latent
-            (864 bytes) instead of three. The keys stay int8 (the per-channel
-            key groups are quantized from them).
         admission_watermark: The token-adaptive mode's admission watermark
             (vLLM's ``--watermark``): ``None`` sets
             :data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK` (0.1) when
@@ -271,10 +262,6 @@ class LowRankConfig:
     exact_bits: Annotated[ExactBits, _key(
         "storage of the exact tokens' keys and values: `16` (model dtype) or `8` (int8 per "
         "token and head, float16 scale/zero: half their bytes)")] = 16
-    exact_v_bits: Annotated[ExactValueBits | None, _key(
-        "with `exact_bits` 8, the exact values' bits: `8` or `4` (per token and head, "
-        "float16 scale/zero); `null`: as the keys. On a GPU only the post-RoPE-keys Triton "
-        "kernel reads them (the CUDA kernels read int8)")] = None
     admission_watermark: Annotated[float | None, _key(
         "token-adaptive mode: vLLM's admission watermark (`--watermark`, the fraction of KV "
         "blocks kept free when admitting requests), `0 <= admission_watermark < 1`; `null`: "
@@ -398,10 +385,6 @@ class LowRankConfig:
             raise LowRankConfigError(
                 f"exact_bits={self.exact_bits} sets how the token-adaptive mode stores its "
                 "exact sink and recent tokens; add \"token_adaptive\": true or drop exact_bits")
-        if self.exact_v_bits is not None and self.exact_bits != 8:
-            raise LowRankConfigError(
-                f"exact_v_bits={self.exact_v_bits} sets the bits of int8 exact tokens' "
-                f"values; it needs \"exact_bits\": 8 (got {self.exact_bits})")
         if self.admission_watermark is not None and not self.token_adaptive:
             raise LowRankConfigError(
                 f"admission_watermark={self.admission_watermark} sets the token-adaptive "

@@ -77,17 +77,14 @@ def _slots(g, n, blocks, page):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("staged", [True, False])
-@pytest.mark.parametrize("v_bits", [None, 4])
-def test_exact_write_matches_torch_encode(dtype, staged, v_bits):
+def test_exact_write_matches_torch_encode(dtype, staged):
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.kernels.triton.cache_write import supports_exact, write_exact_slots
 
     rk = 48
-    # room for a wider staged latent than this layer's, and padding to a latent slot;
-    # int8 keys with int8 or 4-bit values
+    # room for a wider staged latent than this layer's, and padding to a latent slot
     slot = ExactSlot(kv_width=64, head_dim=32, dtype=dtype, bits=8,
-                     staged_width=rk if staged else 0, latent_slot_bytes=44, staged_room=56,
-                     v_bits=v_bits)
+                     staged_width=rk if staged else 0, latent_slot_bytes=44, staged_room=56)
     assert supports_exact(slot)
     g = torch.Generator().manual_seed(3)
     t, blocks, page = 13, 5, 8
@@ -123,7 +120,6 @@ POST_ROPE_KEY_GROUPS = {
     # post-RoPE keys: the key latent is the exact key (64 channels), nothing staged
     "post-rope-k4-g8-int8-exact": ((32, 32), (16, 16), 4, 8, 16, 8, 8),
     "post-rope-k2-g16-16bit-exact": ((64,), (24,), 2, 16, 16, 32, 16),
-    "post-rope-k4-g8-int8-keys-4-bit-values": ((32, 32), (16, 16), 4, 8, 16, 8, 8, 4),
 }
 
 
@@ -148,8 +144,7 @@ def test_key_group_write_matches_torch(name, dtype):
     rk = sum(k_ranks)
     slot = ExactSlot(kv_width=64, head_dim=32, dtype=dtype, bits=exact_bits[0] if post_rope
                      else 8, staged_width=0 if post_rope else rk,
-                     latent_slot_bytes=layout.slot_bytes,
-                     v_bits=exact_bits[1] if len(exact_bits) > 1 else None)
+                     latent_slot_bytes=layout.slot_bytes)
     assert supports_key_groups(layout, slot)
     g = torch.Generator().manual_seed(7)
     lens = [grp * 3, grp * 2 + 1, grp * 4 - 1, grp, 5 * grp + 2]

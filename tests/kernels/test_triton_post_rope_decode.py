@@ -29,13 +29,10 @@ SCALE = 0.2
 def make_case(group_size, rv, k_bits, v_bits, exact_bits, lens, sink, recent, seed=0,
               heads=4, kv_heads=2, d=64, lat_page=PAGE, q_lens=None):
     """:func:`post_rope_case.build` with key groups and exact blocks of ``PAGE``;
-    float32 queries and the kernel's dtype (float32 on a CPU, bf16 on a GPU).
-    ``exact_bits`` ``(8, 4)``: int8 exact keys, 4-bit exact values."""
+    float32 queries and the kernel's dtype (float32 on a CPU, bf16 on a GPU)."""
     dtype = torch.float32 if DEV == "cpu" else torch.bfloat16
-    exact_bits, exact_v_bits = exact_bits if isinstance(exact_bits, tuple) \
-        else (exact_bits, None)
     return (*build(lens, group_size=group_size, rv=rv, k_bits=k_bits, v_bits=v_bits,
-                   exact_bits=exact_bits, exact_v_bits=exact_v_bits, kct=PAGE, page=PAGE, sink=sink, recent=recent,
+                   exact_bits=exact_bits, kct=PAGE, page=PAGE, sink=sink, recent=recent,
                    heads=heads, kv_heads=kv_heads, d=d, lat_page=lat_page, q_lens=q_lens,
                    seed=seed, dtype=dtype), dtype)
 
@@ -57,7 +54,6 @@ CASES = [
     (1, 64, 2, 4, 16, [100, 33], 0, 16, 1),
     (2, 64, 2, 2, 8, [120, 49, 2], 16, 16, 4),
     (1, 32, 4, 4, 8, [0, 70], 16, 16, 2),       # a CUDA graph's padding row (length 0)
-    (1, 64, 4, 2, (8, 4), [5, 40, 97, 130], 16, 32, 2),  # 4-bit exact values
 ]
 
 

@@ -23,13 +23,11 @@ from vllm_lowrank.kernels.cuda import ext
 D = 128
 
 
-def layer_4x(kv=8, qpk=4, kct=64, v_bits=2, v_rank=D, exact_bits=8, k_bits=4, group=1,
-             exact_v_bits=None):
+def layer_4x(kv=8, qpk=4, kct=64, v_bits=2, v_rank=D, exact_bits=8, k_bits=4, group=1):
     shape = AttentionShape(qpk * kv * D, qpk * kv, kv, D)
     plan = LayerPlan(shape, group, (group * D,) * (kv // group), (v_rank,) * (kv // group))
     layout = SlotLayout(plan.k_ranks, plan.v_ranks, k_bits, v_bits, k_channel_tokens=kct)
-    slot = ExactSlot(shape.kv_width, D, torch.bfloat16, exact_bits, 0, layout.slot_bytes,
-                     v_bits=exact_v_bits)
+    slot = ExactSlot(shape.kv_width, D, torch.bfloat16, exact_bits, 0, layout.slot_bytes)
     return plan, layout, slot
 
 
@@ -44,7 +42,7 @@ def test_the_4x_layout_is_in_scope():
     (dict(kct=16), "key groups of 16"),
     (dict(v_bits=8), "8-bit values"),
     (dict(v_rank=64), "full rank"),
-    (dict(exact_bits=16), "at 16/16 bits"),
+    (dict(exact_bits=16), "16-bit exact"),
     (dict(k_bits=2), "4-bit per channel"),
     (dict(qpk=16), "8 query heads"),
     (dict(group=2), "head groups"),
@@ -54,24 +52,6 @@ def test_scope_reasons(change, reason):
     plan, layout, slot = layer_4x(**change)
     why = ext.post_rope_scope(plan, layout, slot, block_size=64, sink=64)
     assert why is not None and reason in why, why
-
-
-def test_4_bit_exact_values_take_the_triton_kernel():
-    """Exact values at 4 bits (stored rotated): the Triton post-RoPE-keys kernel
-    reads them (``tests/kernels/test_triton_post_rope_decode.py``); the CUDA
-    kernel and the token-adaptive exact kernel read int8 exact values and say
-    so."""
-    from vllm_lowrank.kernels.triton import decode_post_rope
-
-    plan, layout, slot = layer_4x(exact_v_bits=4)
-    assert slot.slot_bytes == 1728  # two 864-byte latent slots
-    assert "8/4 bits" in ext.post_rope_scope(plan, layout, slot, block_size=64, sink=64)
-    assert decode_post_rope.blocker(plan, layout, slot, post_rope=True, window=None,
-                                    block_size=64) is None
-    layer = types.SimpleNamespace(plan=plan, layout=layout, post_rope=True,
-                                  exact=types.SimpleNamespace(sink=64, recent=128, slot=slot))
-    ctx = decoders.DecoderContext(torch.bfloat16, torch.device("cuda"), 64, None, 4096)
-    assert "reads int8" in decoders.TokenAdaptiveDecoder.supports(layer, ctx)
 
 
 def test_scope_needs_groups_dividing_the_block_and_the_sink():

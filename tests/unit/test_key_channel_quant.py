@@ -108,12 +108,12 @@ class PagedSequence:
     latent cache (blocks of 32) and an exact cache (blocks of 16, slots
     ``[k | v | c_k]``), both on shuffled non-contiguous blocks."""
 
-    def __init__(self, plan, layout, n_max, exact_bits=16, exact_v_bits=None):
+    def __init__(self, plan, layout, n_max, exact_bits=16):
         torch.manual_seed(0)
         kvw = plan.shape.kv_width
         self.plan, self.layout = plan, layout
         self.slot = ExactSlot(kvw, plan.shape.head_dim, torch.float32, exact_bits,
-                              plan.k_width, layout.slot_bytes, v_bits=exact_v_bits)
+                              plan.k_width, layout.slot_bytes)
         self.lat = torch.randn(n_max, plan.k_width + plan.v_width)
         self.lat[:, 3] *= 25  # outlier key channel
         self.k_ex, self.v_ex = torch.randn(n_max, kvw), torch.randn(n_max, kvw)
@@ -203,18 +203,17 @@ def test_groups_are_quantized_once_complete_and_read_back(pad, path, monkeypatch
         assert not seq.cache[0].any() and bool((seq.exact[0] == 0xFF).all())
 
 
-@pytest.mark.parametrize("n,sink,recent,pad,exact_bits,exact_v_bits", [
-    (90, 16, 16, 0, 16, None), (61, 0, 32, 0, 16, None), (40, 16, 16, 0, 16, None),
-    (90, 16, 16, 6, 16, None), (90, 16, 16, 0, 8, None), (90, 16, 16, 0, 8, 4)])
-def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad, exact_bits,
-                                                           exact_v_bits):
+@pytest.mark.parametrize("n,sink,recent,pad,exact_bits", [
+    (90, 16, 16, 0, 16), (61, 0, 32, 0, 16), (40, 16, 16, 0, 16), (90, 16, 16, 6, 16),
+    (90, 16, 16, 0, 8)])
+def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad, exact_bits):
     """TALE decode at the last position of a sequence written step by step:
     the latent span reads only complete groups and matches the float64 loop
     over the stored (dequantized) latents and the exact tokens (int8 exact
-    tokens, 4-bit exact values: their float64 reference dequantization; the
-    staged key latents stay float32 either way)."""
+    tokens: their float64 reference dequantization; the staged key latents
+    stay float32 either way)."""
     plan, layout = make_layer(pad)
-    seq = PagedSequence(plan, layout, n, exact_bits, exact_v_bits)
+    seq = PagedSequence(plan, layout, n, exact_bits)
     for count in [7, 9, 1, 16, 3] + [1] * n:
         if seq.n + count > n:
             count = n - seq.n
@@ -234,11 +233,8 @@ def test_token_adaptive_decode_over_channel_quantized_keys(n, sink, recent, pad,
     is_exact = lambda t: t < sink or t >= max(sink, n - 1 - recent)  # noqa: E731
     assert all(is_exact(t) for t in range(complete, n))  # partial group: never latent
     d = plan.shape.head_dim
-    v_stored = as_stored(seq.v_ex, exact_bits, d) if exact_v_bits is None else \
-        seq.slot.rotate_values(as_stored(seq.slot.rotate_values(seq.v_ex), exact_v_bits, d),
-                               inverse=True).double()  # 4-bit values: stored rotated
     ref = reference(plan, k_up, v_up, rope, q, lat, as_stored(seq.k_ex, exact_bits, d),
-                    v_stored, [n - 1], is_exact)
+                    as_stored(seq.v_ex, exact_bits, d), [n - 1], is_exact)
     assert torch.allclose(out.view(8, 16).double(), ref[0], rtol=1e-4, atol=1e-4)
 
 

@@ -445,8 +445,6 @@ class TokenAdaptiveDecoder(Decoder):
             return "head_dim not a power of two in 16..256"
         if layer.exact.slot.bits == 16 and layer.exact.slot.dtype != ctx.dtype:
             return "16-bit exact slots in another dtype than the queries"
-        if layer.exact.slot.value_bits != layer.exact.slot.bits:
-            return "exact values at other bits than the exact keys (the exact kernel reads int8)"
         return cls.span_family.supports(layer, ctx)
 
     def __init__(self, layer, ctx: DecoderContext) -> None:

@@ -134,7 +134,7 @@ def exact_costs(cfg: LowRankConfig, kv_widths: dict[int, int], head_dim: int, co
     """``{layer: f(choice, slot)}``: amortised bytes per token of the exact
     tokens in a 16-bit deployment (``None`` without ``token_adaptive``): their
     slots (:class:`~vllm_lowrank.format.exact.ExactSlot`, stored at
-    ``cfg.exact_bits`` / ``cfg.exact_v_bits``) times their share of a ``context``-token sequence."""
+    ``cfg.exact_bits``) times their share of a ``context``-token sequence."""
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.format.exact import exact_tokens
 
@@ -148,7 +148,7 @@ def exact_costs(cfg: LowRankConfig, kv_widths: dict[int, int], head_dim: int, co
             staged = sum(choice.k.ranks) if (cfg.k_quant == "channel"
                                               and choice.k.bits < 16) else 0
             return share * ExactSlot(kvw, head_dim, torch.float16, exact.bits, staged,
-                                     slot, v_bits=exact.v_bits).slot_bytes
+                                     slot).slot_bytes
         return f
 
     return {i: cost(w) for i, w in kv_widths.items()}

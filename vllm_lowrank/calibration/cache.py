@@ -118,10 +118,7 @@ def load_or_allocate(model_path: str, cfg: LowRankConfig, base: art.Artifact,
         NotCached: none cached and ``create`` false.
     """
     preset = get_preset(cfg.preset)
-    # a key added after allocations were cached names the path only when set, so that
-    # those caches keep their names (exact_v_bits: None = as exact_bits)
-    serving = "-".join(f"{k}{getattr(cfg, k)}" for k in SERVING_KEYS
-                       if k != "exact_v_bits" or cfg.exact_v_bits is not None)
+    serving = "-".join(f"{k}{getattr(cfg, k)}" for k in SERVING_KEYS)
     digest = hashlib.blake2b(serving.encode(), digest_size=6).hexdigest()
     path = f"{base_path}-alloc{preset.allocate:g}-b{block_size}-{digest}"
     if not create:

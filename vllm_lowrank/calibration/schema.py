@@ -50,8 +50,8 @@ ALLOCATIONS = (*RANK_ALLOCATIONS, "bytes")
 _MODEL_STRINGS = ("architecture", "fingerprint")
 _MODEL_INTEGERS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
 
-SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "exact_bits", "exact_v_bits",
-                "k_quant", "k_channel_tokens", "quant_group_size", "hadamard")
+SERVING_KEYS = ("token_adaptive", "sink_tokens", "recent_tokens", "exact_bits", "k_quant",
+                "k_channel_tokens", "quant_group_size", "hadamard")
 """Settings an allocation assumes and records; serving takes them from the artifact."""
 
 

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from vllm_lowrank.config import EXACT_BITS, EXACT_VALUE_BITS, LowRankConfig, LowRankConfigError
-from vllm_lowrank.format.latent import SlotLayout, hadamard_rotation
+from vllm_lowrank.config import EXACT_BITS, LowRankConfig, LowRankConfigError
+from vllm_lowrank.format.latent import SlotLayout
 
 
 PREFILL_CHUNK_TOKENS = 128
@@ -66,8 +66,7 @@ def exact_tokens(cfg: LowRankConfig, block_size: int) -> ExactTokens | None:
             f"{block_size} (a per-channel key group lies inside one block); use a "
             f"divisor of {block_size} or change --block-size")
     return ExactTokens(-(-cfg.sink_tokens // block_size) * block_size,
-                       -(-cfg.recent_tokens // block_size) * block_size, cfg.exact_bits,
-                       v_bits=cfg.exact_v_bits)
+                       -(-cfg.recent_tokens // block_size) * block_size, cfg.exact_bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +83,12 @@ class ExactTokens:
             (per-channel keys), 0 if none does. One exact slot size for every
             layer puts all exact caches in one vLLM cache group
             (:meth:`ExactSlot.for_layer`).
-        v_bits: The values' code width when ``bits`` is 8
-            (:data:`~vllm_lowrank.config.EXACT_VALUE_BITS`); ``None``: ``bits``.
     """
 
     sink: int
     recent: int
     bits: int = 16
     staged_room: int = 0
-    v_bits: int | None = None
 
     @property
     def count(self) -> int:
@@ -113,12 +109,7 @@ class ExactSlot:
       format of :class:`~vllm_lowrank.format.latent.SlotLayout`, ``head_dim``
       channels per group). On the embedded model this storage costs +0.0 %
       perplexity when applied to the whole cache (``../shared/notes/baselines.md``,
-      row q2) and halves the bytes of the exact tokens. ``v_bits=4``: the
-      values' codes at 4 bits in the same format (KIVI's per-token values,
-      sec. 3.2), a quarter of their 16-bit bytes, each head's values rotated
-      first by :attr:`value_rotation` (Palu eq. 8). Measured on the ``4x``
-      preset (frontier.py, four domains): +1.8 % worst (code) at 4.18x against
-      +1.1 % at 4.01x with int8 values; unrotated +2.0 %.
+      row q2) and halves the bytes of the exact tokens.
     - ``c_k``: ``staged_width`` elements of ``dtype`` (per-channel key
       quantization, :func:`vllm_lowrank.attention.token_adaptive.write_key_groups`),
       kept in the model dtype at both settings: they are quantized again, per
@@ -136,12 +127,9 @@ class ExactSlot:
         latent_slot_bytes: Bytes of the owning layer's latent slot.
         staged_room: Staged elements the slot has room for (a model's widest
             ``staged_width``, :attr:`ExactTokens.staged_room`).
-        v_bits: The values' code width at ``bits=8``
-            (:data:`~vllm_lowrank.config.EXACT_VALUE_BITS`); ``None``: ``bits``.
 
     Raises:
-        ValueError: ``bits`` not in ``EXACT_BITS``, ``v_bits`` not in
-            ``EXACT_VALUE_BITS`` or given at ``bits=16``, or ``head_dim`` not
+        ValueError: ``bits`` not in ``EXACT_BITS``, or ``head_dim`` not
             dividing ``kv_width``.
     """
 
@@ -152,7 +140,6 @@ class ExactSlot:
     staged_width: int = 0
     latent_slot_bytes: int = 1
     staged_room: int = 0
-    v_bits: int | None = None
 
     @classmethod
     def for_layer(cls, plan, layout, dtype: torch.dtype, exact: ExactTokens,
@@ -175,56 +162,29 @@ class ExactSlot:
         staged = plan.k_width if stage_keys and layout is not None and layout.k_per_channel \
             else 0
         return cls(plan.shape.kv_width, plan.shape.head_dim, dtype, exact.bits, staged,
-                   latent_bytes, exact.staged_room, exact.v_bits)
+                   latent_bytes, exact.staged_room)
 
     def __post_init__(self) -> None:
         if self.bits not in EXACT_BITS:
             raise ValueError(f"exact_bits={self.bits} not in {EXACT_BITS}")
-        if self.v_bits is not None and (self.bits != 8 or self.v_bits not in EXACT_VALUE_BITS):
-            raise ValueError(f"exact values at {self.v_bits} bits need int8 exact keys and "
-                             f"one of {EXACT_VALUE_BITS} (got exact_bits={self.bits})")
         if self.kv_width % self.head_dim:
             raise ValueError(f"head_dim {self.head_dim} does not divide kv_width {self.kv_width}")
 
-    @property
-    def value_bits(self) -> int:
-        """Bits of a stored exact value (``bits`` unless ``v_bits`` is given)."""
-        return self.bits if self.v_bits is None else self.v_bits
-
     @functools.cached_property
-    def value_rotation(self) -> torch.Tensor | None:
-        """``R`` ``[head_dim, head_dim]`` float32, the randomised Hadamard rotation
-        (:func:`~vllm_lowrank.format.latent.hadamard_rotation`, seed 0) of every
-        head's values before 4-bit codes (stored: ``v R``; read back: ``. R^T``),
-        or ``None`` (int8 and 16-bit values are stored as they are)."""
-        return hadamard_rotation(self.head_dim) if self.value_bits == 4 else None
-
-    def rotate_values(self, value: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """``value [..., kv_width]`` with every head rotated by
-        :attr:`value_rotation` (``v R``; ``inverse``: ``v R^T``), float32;
-        ``value`` itself when the slot has no rotation."""
-        rot = self.value_rotation
-        if rot is None:
-            return value
-        heads = value.float().reshape(*value.shape[:-1], -1, self.head_dim)
-        rot = rot.to(heads.device)
-        return (heads @ (rot.T if inverse else rot)).reshape(value.shape)
-
-    @functools.cached_property
-    def quantized_layout(self):
+    def int8_layout(self):
         """The :class:`~vllm_lowrank.format.latent.SlotLayout` of ``[k | v]`` at
         ``bits=8`` (one group per head and side: ``head_dim`` codes, one float16
-        scale/zero pair per token; values at :attr:`value_bits`), else ``None``."""
+        scale/zero pair per token), else ``None``."""
         if self.bits == 16:
             return None
         heads = (self.head_dim,) * (self.kv_width // self.head_dim)
-        return SlotLayout(heads, heads, self.bits, self.value_bits)
+        return SlotLayout(heads, heads, self.bits, self.bits)
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of ``[k | v]`` (with their scales and zeros)."""
-        if self.quantized_layout is not None:
-            return self.quantized_layout.natural_bytes
+        if self.int8_layout is not None:
+            return self.int8_layout.natural_bytes
         return 2 * self.kv_width * self.dtype.itemsize
 
     @property
@@ -237,9 +197,8 @@ class ExactSlot:
                staged: torch.Tensor | None = None) -> torch.Tensor:
         """``key``/``value`` ``[T, kv_width]`` and ``staged`` ``[T,
         staged_width]`` (or ``None``) -> ``[T, slot_bytes]`` uint8 rows."""
-        value = self.rotate_values(value)
-        if self.quantized_layout is not None:
-            parts = [self.quantized_layout.encode(key, value)]
+        if self.int8_layout is not None:
+            parts = [self.int8_layout.encode(key, value)]
         else:
             parts = [torch.cat((key, value), -1).to(self.dtype).contiguous().view(torch.uint8)]
         if staged is not None:
@@ -249,9 +208,8 @@ class ExactSlot:
 
     def decode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[..., slot_bytes]`` uint8 -> ``(k, v)``, each ``[..., kv_width]`` float32."""
-        if self.quantized_layout is not None:
-            k, v = self.quantized_layout.decode(rows[..., :self.kv_bytes])
-            return k, self.rotate_values(v, inverse=True)
+        if self.int8_layout is not None:
+            return self.int8_layout.decode(rows[..., :self.kv_bytes])
         kv = rows[..., :self.kv_bytes].clone().view(self.dtype).float()  # clone: aligned
         return kv[..., :self.kv_width], kv[..., self.kv_width:]
 

@@ -319,9 +319,8 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
         return "values not at full rank with one scale per token and head"
     if sh.queries_per_kv > 8:
         return "more than 8 query heads per KV head"
-    if exact_slot.bits != 8 or exact_slot.value_bits != 8:
-        return (f"exact keys/values at {exact_slot.bits}/{exact_slot.value_bits} bits "
-                "(int8 only)")
+    if exact_slot.bits != 8:
+        return f"{exact_slot.bits}-bit exact tokens (int8 only)"
     if (layout.slot_bytes % 16 or layout.v_codes_offset % 16 or layout.k_share_offset % 16
             or layout.k_share_bytes % 16 or exact_slot.slot_bytes % 16):
         return "slot regions not 16-byte aligned"
@@ -395,8 +394,7 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     """
     if (not layout.k_per_channel or layout.k_bits != 4
             or layout.k_channel_tokens not in POST_ROPE_KEY_GROUPS
-            or layout.v_bits not in POST_ROPE_VALUE_BITS or exact_slot.bits != 8
-            or exact_slot.value_bits != 8):
+            or layout.v_bits not in POST_ROPE_VALUE_BITS or exact_slot.bits != 8):
         raise ValueError("post_rope_decode cannot decode this layer: keys "
                          f"{layout.k_bits}-bit per channel over {layout.k_channel_tokens} "
                          f"tokens, {layout.v_bits}-bit values, {exact_slot.bits}-bit exact "
@@ -407,7 +405,7 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             or query.data_ptr() % 16:
         query = query.contiguous()
     bsz, heads = seq_lens.shape[0], query.shape[1]
-    lay8 = exact_slot.quantized_layout
+    lay8 = exact_slot.int8_layout
     offs = [layout.v_codes_offset, layout.v_scale_offset, layout.v_zero_offset,
             layout.k_share_offset, layout.k_share_bytes, sum(layout.k_ranks),
             lay8.v_codes_offset, lay8.k_scale_offset, lay8.k_zero_offset, lay8.v_scale_offset,

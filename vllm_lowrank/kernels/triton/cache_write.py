@@ -232,7 +232,7 @@ def supports_exact(slot) -> bool:
     """Whether :func:`write_exact_slots` writes this exact slot
     (:class:`~vllm_lowrank.format.exact.ExactSlot`): int8 keys and values
     (``bits=8``) in a 16- or 32-bit model dtype."""
-    return slot.quantized_layout is not None and supports(slot.quantized_layout) \
+    return slot.int8_layout is not None and supports(slot.int8_layout) \
         and slot.dtype.itemsize in (2, 4)
 
 
@@ -242,10 +242,8 @@ def write_exact_slots(exact_cache: torch.Tensor, slot, key: torch.Tensor, value:
     the scatter by slot mapping in one launch: the same bytes as
     :func:`vllm_lowrank.attention.token_adaptive.write_exact`'s torch path.
 
-    Keys and values are quantized per token and head to int8 (values at the
-    slot's ``value_bits``, rotated first where the slot rotates them:
-    :meth:`~vllm_lowrank.format.exact.ExactSlot.rotate_values`) by
-    :func:`cache_write_kernel` (the slot's ``quantized_layout``: one program per
+    Keys and values are quantized per token and head to int8 by
+    :func:`cache_write_kernel` (the slot's ``int8_layout``: one program per
     token and head and side); its last program per token copies the staged
     key latents bit for bit and zeroes the padding.
 
@@ -270,8 +268,8 @@ def write_exact_slots(exact_cache: torch.Tensor, slot, key: torch.Tensor, value:
     n = slot_mapping.shape[0]
     if n == 0:
         return
-    key, value = _rows(key, n), _rows(slot.rotate_values(value[:n]), n)
-    layout = slot.quantized_layout
+    key, value = _rows(key, n), _rows(value, n)
+    layout = slot.int8_layout
     table, n_k, k_oct, v_oct = _group_table(layout, exact_cache.device)
     if staged is None or not slot.staged_width:
         raw, n_raw, raw_bytes = key, 0, 0
@@ -452,8 +450,8 @@ def write_key_groups(kv_cache: torch.Tensor, exact_cache: torch.Tensor, slot,
         return
     rk = sum(layout.k_ranks)
     staged = slot.staged_width > 0
-    int8 = not staged and slot.quantized_layout is not None
-    ks_off, kz_off = ((slot.quantized_layout.k_scale_offset, slot.quantized_layout.k_zero_offset)
+    int8 = not staged and slot.int8_layout is not None
+    ks_off, kz_off = ((slot.int8_layout.k_scale_offset, slot.int8_layout.k_zero_offset)
                       if int8 else (0, 0))
     key_group_write_kernel[(n, triton.cdiv(rk, KEY_GROUP_CHANNELS))](
         slot_mapping, exact_slots, exact_cache, exact_cache.stride(0), exact_cache.stride(2),

@@ -180,8 +180,7 @@ def blocker(plan, slot, query: torch.Tensor, exact_cache: torch.Tensor,
     Its scope: a CUDA device (or the Triton interpreter); no sliding window;
     ``head_dim`` a power of two from 16 to 256; at most 64 query heads per KV
     head; exact slots at 16 bits in the query's dtype with an even slot size,
-    or at 8 bits (keys and values alike); an exact cache ``[num_blocks, 1,
-    block_size, slot_bytes]``."""
+    or at 8 bits; an exact cache ``[num_blocks, 1, block_size, slot_bytes]``."""
     sh = plan.shape
     d = sh.head_dim
     checks = (
@@ -194,7 +193,6 @@ def blocker(plan, slot, query: torch.Tensor, exact_cache: torch.Tensor,
                             and slot.slot_bytes % query.element_size() == 0),
          "16-bit exact slots in another dtype than the queries, or not a whole number "
          "of its elements"),
-        (slot.value_bits == slot.bits, "exact values at other bits than the exact keys"),
         (exact_cache.dim() == 4 and exact_cache.shape[1] == 1
          and exact_cache.dtype == torch.uint8, "exact cache layout"),
         (exact_cache.shape[2] >= 16 and exact_cache.shape[2] & (exact_cache.shape[2] - 1) == 0,
@@ -246,7 +244,7 @@ def exact_merge_decode(plan, scale: float, query: torch.Tensor,
     if out is None:
         out = torch.empty(bsz, h * d, dtype=torch.float32, device=query.device)
     lat_up = lat_up if lat_up.stride(-1) == 1 else lat_up.contiguous()
-    lay = slot.quantized_layout
+    lay = slot.int8_layout
     offs = ((0, 0, 0, 0, 0) if lay is None else
             (lay.v_codes_offset, lay.k_scale_offset, lay.k_zero_offset, lay.v_scale_offset,
              lay.v_zero_offset))

@@ -31,9 +31,7 @@ scales allow:
   code - 2^(b-1)``, ``sum_t p_t v_t = (p * scale) C' + (sum_t p_t (zero_t +
   2^(b-1) scale_t)) 1`` (the last added to every channel before the lift);
 - int8 exact tokens: the same per-token algebra on both sides
-  (:mod:`.decode_exact`); 4-bit exact values (``exact_v_bits``) are stored
-  rotated per head (``v R``, :attr:`~vllm_lowrank.format.exact.ExactSlot.value_rotation`):
-  their normalised sum is rotated back once, ``. R^T``.
+  (:mod:`.decode_exact`).
 
 A byte of ``b``-bit codes holds ``8 / b`` channels; the channels ``n, n + 8/b,
 ...`` of a byte position are one operand (the query and the lift's rows are
@@ -119,25 +117,23 @@ def post_rope_decode_kernel(
     q_ptr, s_qb, s_qh,
     cache_ptr, s_blk, s_tok, bt_ptr, s_bt,
     ex_ptr, s_eblk, s_etok, ebt_ptr, s_ebt,
-    lens_ptr, vup_ptr, vsum_ptr, rot_ptr,
+    lens_ptr, vup_ptr, vsum_ptr,
     v_codes_off, v_scale_off, v_zero_off, share_off,
     ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off, ex_vzero_off,
     po_ptr, plse_ptr, n_splits, qk_scale, sink, recent, kv_width, k_width, qsl_ptr,
     D: tl.constexpr, QPK: tl.constexpr, Q_PAD: tl.constexpr, G: tl.constexpr,
     RV: tl.constexpr, RV_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     KCT: tl.constexpr, SHARE: tl.constexpr, EB: tl.constexpr, E_BITS: tl.constexpr,
-    EV_BITS: tl.constexpr, PAGE: tl.constexpr, EPAGE: tl.constexpr, DT: tl.constexpr,
-    F16: tl.constexpr,
+    PAGE: tl.constexpr, EPAGE: tl.constexpr, DT: tl.constexpr, F16: tl.constexpr,
     SPLIT: tl.constexpr, QT: tl.constexpr,
 ):
     """One program per ``(split s, KV head j, sequence b)``; see the module
     docstring. Pointers: queries ``[B, H, D]``; the latent cache (uint8,
     strides in bytes) and its block table; the exact cache (``E_BITS`` 16:
-    viewed in the model dtype, strides in elements; 8: uint8, bytes, int8 keys
-    and ``EV_BITS``-bit values) and its block table; ``lens [B]``; ``vup
-    [num_kv_heads, RV_PAD, D]`` each KV head's value lift ``B_v[g][:, j]`` (zero
-    rows past ``RV``) in ``DT``, ``vsum [num_kv_heads, D]`` float32 its column
-    sums; ``rot [D, D]`` in ``DT``, ``R^T`` of 4-bit exact values (``EV_BITS`` 4). ``SPLIT``: store the
+    viewed in the model dtype, strides in elements; 8: uint8, bytes) and its
+    block table; ``lens [B]``; ``vup [num_kv_heads, RV_PAD, D]`` each KV head's
+    value lift ``B_v[g][:, j]`` (zero rows past ``RV``) in ``DT``, ``vsum
+    [num_kv_heads, D]`` float32 its column sums. ``SPLIT``: store the
     normalised partial ``[row, s, H * D]`` and its base-2 log-sum-exp ``[row,
     s, H]``; else the output row ``[row, H * D]`` (its dtype).
 
@@ -286,9 +282,9 @@ def post_rope_decode_kernel(
         else:
             k, ks, kz = load_latent(ex_ptr, roff, valid, j * D, D, j, ex_kscale_off,
                                     ex_kzero_off, DT, True, 8, D, 0, True, 1, True)
-            v, vs, vz = load_latent(ex_ptr, roff, valid, ex_vcodes_off + j * D * EV_BITS // 8,
-                                    D, j, ex_vscale_off, ex_vzero_off, DT, True, EV_BITS, D, 0,
-                                    True, 1, True)
+            v, vs, vz = load_latent(ex_ptr, roff, valid, ex_vcodes_off + j * D, D, j,
+                                    ex_vscale_off, ex_vzero_off, DT, True, 8, D, 0, True, 1,
+                                    True)
             sc = tl.dot(q_dt, tl.trans(k)) * ks[None, :] + q_sum[:, None] * kz[None, :]
         if QT == 1:
             sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
@@ -320,8 +316,6 @@ def post_rope_decode_kernel(
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
     vrow = vup_ptr + j.to(tl.int64) * RV_PAD * D
     o = (acc_e + ze_i[:, None]) * inv_l[:, None]
-    if EV_BITS == 4:  # 4-bit exact values are stored rotated (v R): the sum back by R^T
-        o = tl.dot(o.to(DT), tl.load(rot_ptr + c[:, None] * D + c[None, :]))
     vsum = tl.load(vsum_ptr + j.to(tl.int64) * D + c)
     o += (zl_i * inv_l)[:, None] * vsum[None, :]
     w0 = tl.load(vrow + (VC * vj)[:, None] * D + c[None, :])
@@ -391,7 +385,7 @@ def blocker(plan, layout, exact_slot, *, post_rope: bool, window: int | None,
     scale/zero pair per token and head group, one value rank for every group
     (at most ``head_dim``, at least ``16 * 8 / v_bits`` channels); ``head_dim``
     a power of two in 16..256; at most 16 query heads per KV head; exact slots
-    at 16 bits or int8 (values int8 or 4-bit); no sliding window."""
+    at 16 bits or int8; no sliding window."""
     sh = plan.shape
     d = sh.head_dim
     if not post_rope or plan.k_width != sh.kv_width:
@@ -462,9 +456,7 @@ class PostRopeLaunch:
         rv_pad = pow2(rv, 16)
         lift, self.vsum = value_lift(plan, v_up, rv_pad)
         self.lift = lift.to(self.dt).contiguous()
-        rot = exact_slot.value_rotation
-        self.rot = self.vsum if rot is None else rot.T.to(v_up.device, self.dt).contiguous()
-        lay = exact_slot.quantized_layout
+        lay = exact_slot.int8_layout
         self.ex_offs = ((0, 0, 0, 0, 0) if lay is None else
                         (lay.v_codes_offset, lay.k_scale_offset, lay.k_zero_offset,
                          lay.v_scale_offset, lay.v_zero_offset))
@@ -472,8 +464,7 @@ class PostRopeLaunch:
             D=d, QPK=sh.queries_per_kv,
             G=plan.group_size, RV=rv, RV_PAD=rv_pad, K_BITS=layout.k_bits,
             V_BITS=layout.v_bits, KCT=layout.k_channel_tokens, SHARE=layout.k_share_bytes,
-            EB=16 if f32 else EXACT_BLOCK, E_BITS=exact_slot.bits,
-            EV_BITS=exact_slot.value_bits, DT=TL_DTYPES[self.dt],
+            EB=16 if f32 else EXACT_BLOCK, E_BITS=exact_slot.bits, DT=TL_DTYPES[self.dt],
             F16=not f32,
             num_warps=WARPS, num_stages=1 if f32 else STAGES)
 
@@ -529,7 +520,7 @@ class PostRopeLaunch:
             query, query.stride(0), query.stride(1),
             kv_cache, kv_cache.stride(0), kv_cache.stride(2), block_table, block_table.stride(0),
             ex, ex.stride(0), ex.stride(2), exact_block_table, exact_block_table.stride(0),
-            seq_lens, self.lift, self.vsum, self.rot,
+            seq_lens, self.lift, self.vsum,
             lay.v_codes_offset, lay.v_scale_offset, lay.v_zero_offset, lay.k_share_offset,
             *self.ex_offs,
             po, plse, num_splits, self.qk_scale, self.sink, self.recent, sh.kv_width,
