@@ -146,6 +146,8 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "4x recipe, sink 64 + recent 128": ("ours", {"preset": "4x", "sink_tokens": 64}),
     "4x recipe, sink 64 + recent 64": ("ours", {"preset": "4x", "sink_tokens": 64,
                                                 "recent_tokens": 64}),
+    # the `4x` recipe with 4-bit values (a 1,120-byte latent slot instead of 864)
+    "4x recipe, 4-bit values": ("ours", {"preset": "4x", "v_bits": 4}),
     # no sink block (the exact windows alone: one 64-token block fewer per sequence)
     "4x recipe, no sink, recent 128": ("ours", {"preset": "4x", "sink_tokens": 0}),
     "4x recipe, no sink, recent 192": ("ours", {"preset": "4x", "sink_tokens": 0,
@@ -577,6 +579,8 @@ GPU_CONFIGS = {
     "preset 2x": "default",
     "preset lossless": "preset-lossless",
     "preset 4x": "preset-4x",
+    "4x recipe, 4-bit values": "preset-4x-v4",
+    "4x recipe, no sink, recent 128": "preset-4x-nosink",
     "post-RoPE full rank, K4/V4 per token": "pr-k4v4",
     "post-RoPE keys K4/32 per channel, values full rank V2 G=1, int8 exact": "prk-v2r1.0",
     "post-RoPE keys K4/32 per channel, values full rank V4 G=1, int8 exact": "prk-v4r1.0",
