@@ -354,7 +354,7 @@ def _load(llm, prompts, max_tokens: int) -> dict:
         engine.add_request(f"r{next(_REQ)}", p, sp)
     running, queued = [], []
     counts = dict(preemptions=0, mixed_steps=0)
-    mixed = [False, 0.0]  # this step scheduled prefill tokens; seconds of such steps
+    mixed_s = 0.0
     preempt, schedule = scheduler._preempt_request, scheduler.schedule
 
     def counted_preempt(*a, **kw):
@@ -363,8 +363,7 @@ def _load(llm, prompts, max_tokens: int) -> dict:
 
     def counted_schedule(*a, **kw):
         out = schedule(*a, **kw)
-        mixed[0] = out.total_num_scheduled_tokens > len(out.num_scheduled_tokens)
-        counts["mixed_steps"] += mixed[0]
+        counts["mixed_steps"] += out.total_num_scheduled_tokens > len(out.num_scheduled_tokens)
         return out
 
     scheduler._preempt_request, scheduler.schedule = counted_preempt, counted_schedule
@@ -372,10 +371,10 @@ def _load(llm, prompts, max_tokens: int) -> dict:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
-            mixed[0], t = False, time.perf_counter()
+            mixed, t = counts["mixed_steps"], time.perf_counter()
             engine.step()
-            if mixed[0]:
-                mixed[1] += time.perf_counter() - t
+            if counts["mixed_steps"] > mixed:  # this step scheduled prefill tokens
+                mixed_s += time.perf_counter() - t
             running.append(len(scheduler.running))
             if len(scheduler.waiting):
                 queued.append(running[-1])
@@ -386,7 +385,7 @@ def _load(llm, prompts, max_tokens: int) -> dict:
     return dict(wall_s=wall, peak_running=max(running),
                 mean_running=sum(running) / len(running),
                 queued_running=sum(queued) / len(queued) if queued else None,
-                steps=len(running), mixed_s=mixed[1], **counts)
+                steps=len(running), mixed_s=mixed_s, **counts)
 
 
 def _stepped(llm, prompts, max_tokens: int) -> tuple[float, float]:
