@@ -60,34 +60,36 @@ PATCHES = [
 """``(file under vllm/, old text, new text)``: each old text must occur exactly once."""
 
 
-def patch_text(rel: str, text: str) -> str:
-    """``text`` (vLLM's ``rel``) with every patch for ``rel`` applied.
+def patch_text(rel: str, text: str, patches: list = PATCHES) -> str:
+    """``text`` (vLLM's ``rel``) with every patch of ``patches`` for ``rel`` applied.
 
     Raises:
         ValueError: a target text missing or not unique (vLLM changed).
     """
-    for target, old, new in PATCHES:
+    for target, old, new in patches:
         if target != rel:
             continue
         if text.count(old) != 1:
-            raise ValueError(f"gpuvllm_flashinfer: {text.count(old)} copies of "
+            raise ValueError(f"gpuvllm patch: {text.count(old)} copies of "
                              f"{old.strip()!r} in {rel} (want 1: vLLM changed)")
         text = text.replace(old, new, 1)
     return text
 
 
-def main(root: str) -> None:
+def main(root: str, patches: list = PATCHES) -> None:
+    """Apply ``patches`` to the staged vLLM sources under ``root``, one line per patch;
+    exits non-zero when a file is already patched or a target text moved."""
     base = Path(root)
-    for rel in sorted({p[0] for p in PATCHES}):
+    for rel in sorted({p[0] for p in patches}):
         path = base / rel
         text = path.read_text()
         if "gpuvllm patch" in text:
             sys.exit(f"{rel} is already patched")
         try:
-            path.write_text(patch_text(rel, text))
+            path.write_text(patch_text(rel, text, patches))
         except ValueError as exc:
             sys.exit(str(exc))
-        for target, old, _ in PATCHES:
+        for target, old, _ in patches:
             if target == rel:
                 print(f"patched: {rel}: {old.strip()[:60]}")
 

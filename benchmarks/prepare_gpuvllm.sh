@@ -103,6 +103,8 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s.0\n' "$VER" > "$STAGE/vll
 PATCHED=$(python3 "$RECIPE/shim/patch_vllm.py" "$STAGE/vllm")
 NPATCH=$(python3 -c "import runpy, sys; print(len(runpy.run_path(sys.argv[1])['PATCHES']))" "$RECIPE/shim/patch_vllm.py")
 [ "$(grep -c '^patched: ' <<< "$PATCHED")" = "$NPATCH" ] || { echo "patch_vllm.py: $PATCHED" >&2; exit 1; }
+# vLLM's embedding at tensor_parallel_size > 1 without its compiled lookup
+python3 "$BENCH/gpuvllm_tp.py" "$STAGE/vllm"
 # --flashinfer: vLLM's FlashInfer backend without compiled vLLM ops (exits non-zero
 # when a target text moved); gpu_serving.py refuses FlashInfer engines without it
 if [ "$FLASHINFER" = 1 ]; then python3 "$BENCH/gpuvllm_flashinfer.py" "$STAGE/vllm"; fi

@@ -137,3 +137,44 @@ def test_probe_random_checkpoint_is_a_llama_state_dict(recipe, tmp_path):
     (other / "config.json").write_text(json.dumps(small))
     again = load_file(os.path.join(probe.random_checkpoint(str(other)), "model.safetensors"))
     assert all(torch.equal(got[k], again[k]) for k in got)
+
+
+@pytest.mark.parametrize("version", ["0.32", "0.33"])
+def test_the_recipe_patch_sends_the_tp_embedding_to_torch(version):
+    """``benchmarks/gpuvllm_tp.py`` applies to vLLM 0.32 and 0.33, and with the
+    recipe's stub (no compiled ``vocab_parallel_embedding``) vLLM's choice of the
+    fused lookup at TP=2 on CUDA comes out ``False`` (its torch path), while with
+    the op present it stays ``True``: vLLM's own expression, evaluated as patched."""
+    import ast
+    import types
+
+    vllm = pytest.importorskip("vllm")
+    from conftest import release_sources
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpuvllm_flashinfer
+    import gpuvllm_tp
+
+    try:
+        root = (os.path.dirname(vllm.__file__) if version == "0.32"
+                else str(release_sources("0.33.0") / "vllm"))
+    except RuntimeError as exc:  # no wheel and no network
+        pytest.skip(str(exc))
+    with open(os.path.join(root, gpuvllm_tp.EMBEDDING)) as f:
+        text = gpuvllm_flashinfer.patch_text(gpuvllm_tp.EMBEDDING, f.read(), gpuvllm_tp.PATCHES)
+    (expr,) = [node.value for node in ast.walk(ast.parse(text))
+               if isinstance(node, ast.Assign)
+               and any(ast.unparse(t) == "self.use_fused_embedding" for t in node.targets)]
+
+    class Unquantized:
+        pass
+
+    def fused(ops_c) -> bool:
+        env = {"self": types.SimpleNamespace(tp_size=2), "Unquantized": Unquantized,
+               "current_platform": types.SimpleNamespace(is_cuda=lambda: True),
+               "quant_method": Unquantized(), "UnquantizedEmbeddingMethod": Unquantized,
+               "torch": types.SimpleNamespace(ops=types.SimpleNamespace(_C=ops_c))}
+        return eval(compile(ast.Expression(expr), "<patched>", "eval"), env)
+
+    assert fused(types.SimpleNamespace()) is False  # the stub: hasattr answers False
+    assert fused(types.SimpleNamespace(vocab_parallel_embedding=print)) is True
