@@ -68,7 +68,7 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
         "ours", {**TALE, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4}),
     "latent 0.5, K4 per channel, V4, sink 32 + recent 128": (
         "ours", {**TALE, "rank_fraction": 0.5, "k_bits": 4, "v_bits": 4}),
-    # the lossless recipe with int8 exact tokens (half their bytes), and a little
+    # J-LRD latents at 0.75 with int8 exact tokens (half their bytes), and a little
     # less rank: the >= 4x at <= 1 % on every domain target of issue 25
     "latent 0.75, K4 per channel, V4, sink 32 + recent 128 int8": (
         "ours", {**TALE, "rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, "exact_bits": 8}),
@@ -146,8 +146,6 @@ SETTINGS: dict[str, tuple[str, dict | None]] = {
     "4x recipe, sink 64 + recent 128": ("ours", {"preset": "4x", "sink_tokens": 64}),
     "4x recipe, sink 64 + recent 64": ("ours", {"preset": "4x", "sink_tokens": 64,
                                                 "recent_tokens": 64}),
-    # the `4x` recipe with 4-bit values (a 1,120-byte latent slot instead of 864)
-    "4x recipe, 4-bit values": ("ours", {"preset": "4x", "v_bits": 4}),
     # no sink block (the exact windows alone: one 64-token block fewer per sequence)
     "4x recipe, no sink, recent 128": ("ours", {"preset": "4x", "sink_tokens": 0}),
     "4x recipe, no sink, recent 192": ("ours", {"preset": "4x", "sink_tokens": 0,
@@ -579,7 +577,6 @@ GPU_CONFIGS = {
     "preset 2x": "default",
     "preset lossless": "preset-lossless",
     "preset 4x": "preset-4x",
-    "4x recipe, 4-bit values": "preset-4x-v4",
     "4x recipe, no sink, recent 128": "preset-4x-nosink",
     "post-RoPE full rank, K4/V4 per token": "pr-k4v4",
     "post-RoPE keys K4/32 per channel, values full rank V2 G=1, int8 exact": "prk-v2r1.0",

@@ -18,7 +18,7 @@ and those two packages (:data:`CONVERT_PACKAGES`); the GPU joins and converts th
 
     # here (CPU): pack, the artifacts, then the CPU column
     .venv/bin/python -P benchmarks/gpu_perplexity.py pack gpurun/ppl
-    .venv/bin/python -P benchmarks/gpu_perplexity.py calibrate gpurun/ppl/artifacts --configs lossless,8x
+    .venv/bin/python -P benchmarks/gpu_perplexity.py calibrate gpurun/ppl/artifacts --configs 8x
     .venv/bin/python -P benchmarks/gpu_perplexity.py run --model smollm2-135m --windows gpurun/ppl/windows.json \
         --configs stock,2x,4x,lossless,8x --artifact-dir gpurun/ppl/artifacts --json gpurun/ppl/cpu.json
     # GPU machine: one call per part and per artifact, each copying what it carried
@@ -34,7 +34,7 @@ and those two packages (:data:`CONVERT_PACKAGES`); the GPU joins and converts th
 
 Configs are preset names (``2x``, ``4x``, ``lossless``, ``8x``), ``stock``, or a
 ``--kv-compression-config`` JSON object. Settings that read a calibration
-artifact (``lossless``, ``8x``) on the GPU need it carried: ``--artifact-dir``.
+artifact (``8x``, J-LRD latents) on the GPU need it carried: ``--artifact-dir``.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def main() -> None:
     k = sub.add_parser("calibrate", help="presets' calibration artifacts for --artifact-dir")
     k.add_argument("out")
     k.add_argument("--model", default="smollm2-135m")
-    k.add_argument("--configs", default="lossless")
+    k.add_argument("--configs", default="8x")
     c = sub.add_parser("convert", help="join and convert the packed GGUF (GPU machine)")
     c.add_argument("packed")
     c.add_argument("out")

@@ -121,16 +121,18 @@ CONFIGS = {
     # 8x allocates from a calibration artifact, which the GPU machine cannot make
     "preset-2x": {"compression": {"preset": "2x"}},
     "preset-4x": {"compression": {"preset": "4x"}},
-    # `4x` with 4-bit values (3.25x at +0.4 % worst on SmolLM2, the same kernel), and
-    # without exact sinks (one exact block fewer per request, +3.1 %)
-    "preset-4x-v4": {"compression": {"preset": "4x", "v_bits": 4}},
+    "preset-lossless": {"compression": {"preset": "lossless"}},
+    # `4x` without exact sinks (one exact block fewer per request, +3.1 %)
     "preset-4x-nosink": {"compression": {"preset": "4x", "sink_tokens": 0}},
     # J-LRD latents at 0.5 with per-channel 4-bit keys and 4-bit values, exact sinks and
     # recent tokens (the keys rebuilt at each step: the wide-group kernel)
     "jlrd-0.5-tale": {"compression": {"rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
                                       **TALE_CHANNEL_KEYS},
                       "block_size": 32},
-    "preset-lossless": {"compression": {"preset": "lossless"}},
+    # the same at 0.75 with int8 exact tokens (4.04x, +0.6 % on SmolLM2)
+    "jlrd-0.75-tale": {"compression": {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
+                                       **TALE_CHANNEL_KEYS, "exact_bits": 8},
+                       "block_size": 32},
     # the 8x preset's settings (without its allocation, which needs calibration
     # text) with its SmolLM2 allocation's ranks stretched to 32 layers of 1,024
     # channels (allocations.py), 4-bit where it allocated 3 or 2 bits (a config
@@ -160,9 +162,12 @@ CONFIGS = {
         "v_bits": vb, "exact_bits": 8, "head_group_size": 1, "rank_allocation": "uniform",
         "rank_fraction": (1 + vr) / 2}, "block_size": 32}
        for vb, vr in ((2, 1.0), (4, 1.0), (4, 0.5), (4, 0.75), (8, 0.5))},
-    # lossless's recipe with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel
-    # keys on the grid kernel
-    "g1-lossless": {"compression": {"preset": "lossless", "head_group_size": 1}},
+    # latent 0.75 with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel keys
+    # on the grid kernel
+    "g1-jlrd-0.75-tale": {"compression": {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
+                                          **TALE_CHANNEL_KEYS, "exact_bits": 8,
+                                          "head_group_size": 1},
+                          "block_size": 32},
     # vLLM's own compressed caches (Triton kernels, no calibration; TurboQuant:
     # vLLM picks its backend per layer, its 16-bit boundary layers included)
     "int8_per_token_head": {"kv_cache_dtype": "int8_per_token_head"},

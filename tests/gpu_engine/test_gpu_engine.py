@@ -52,10 +52,15 @@ SETTINGS = {
     "token-adaptive-k4c": {"rank_fraction": 0.5, "head_group_size": 1, "token_adaptive": True,
                            "sink_tokens": 16, "recent_tokens": 64, "k_bits": 4, "v_bits": 4,
                            "k_quant": "channel", "k_channel_tokens": 16},
-    # the presets above 3x: J-LRD, per-channel keys on the wide-group kernel, value
-    # rank 768 (lossless) in the varlen prefill
+    # the presets above 3x: post-RoPE key codes beside value latents, no key rebuild
     "preset-4x": {"preset": "4x"},
     "preset-lossless": {"preset": "lossless"},
+    # J-LRD latents at 0.75, per-channel keys on the wide-group kernel (the keys
+    # rebuilt), value rank 768 in the varlen prefill, int8 exact tokens (key groups
+    # of 16 tokens: vLLM's default block)
+    "jlrd-0.75-tale": {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, "token_adaptive": True,
+                       "sink_tokens": 32, "recent_tokens": 128, "k_quant": "channel",
+                       "k_channel_tokens": 16, "exact_bits": 8},
     # the 8x recipe's storage with key bases that commute with RoPE (weight-only
     # rope_equivariant bases: artifact "none"): the latent span decodes with the
     # queries absorbed (decode_latent_rope)
@@ -237,7 +242,7 @@ def test_post_rope_keys_decode_in_one_kernel_inside_graphs(model):
 
 
 SPECULATED = ["default", "jlrd", "token-adaptive-k4c", "preset-4x", "preset-lossless",
-              "rope-equivariant-tale", "post-rope-keys"]
+              "jlrd-0.75-tale", "rope-equivariant-tale", "post-rope-keys"]
 
 
 @pytest.mark.parametrize("setting", SPECULATED)
@@ -256,7 +261,7 @@ def test_speculative_decoding_keeps_the_tokens(setting):
     # 2e-4 nats: a verify step computes 4 query tokens per request where the plain
     # engine computes 1, so every matmul of the model reduces in another order; at
     # a log-probability of -10.38 (128k vocabulary) vLLM 0.33 on an H200 gave
-    # 1.06e-4 (preset-lossless) and 1.02e-4 (preset-4x), 1e-5 of the value
+    # 1.06e-4 (the J-LRD 0.75 recipe) and 1.02e-4 (preset-4x), 1e-5 of the value
     assert _float32_steps_agree(spec, plain, 2e-4) >= 19
 
 

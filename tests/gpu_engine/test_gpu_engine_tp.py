@@ -52,7 +52,8 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 8, 128  # probe.MODELS["small-h128"]
 
 TP_SETTINGS = {
     **{name: (SETTINGS[name], None) for name in (
-        "default", "preset-4x", "preset-lossless", "jlrd", "g1-uniform", "post-rope-keys")},
+        "default", "preset-4x", "preset-lossless", "jlrd-0.75-tale", "jlrd", "g1-uniform",
+        "post-rope-keys")},
     # the 8x preset's recipe with its SmolLM2 allocation's ranks stretched to these
     # layers (multiples of 16: 8 per rank) and its block size; its own allocation
     # needs calibration text, which the GPU machine has not
@@ -99,14 +100,16 @@ def test_stock_tp2_capacity_is_per_rank():
 
 @pytest.mark.parametrize("setting", PRESET_SETTINGS)
 def test_preemption_recomputes_the_same_tokens_at_tp2(setting):
-    """A cache of about 3,072 tokens by vLLM's count (192 blocks of 16 tokens
-    without exact tokens; 1.5 requests of ``max_model_len``, so the engine
-    starts) for the 10 prompts of 40..1,500 tokens + 24 generated of ``mixed``
-    (about 6,500 tokens, besides the exact windows of token-adaptive
+    """A cache too small for the 10 prompts of 40..1,500 tokens + 24 generated of
+    ``mixed`` (about 6,500 tokens, besides the exact windows of token-adaptive
     settings): requests are preempted, recomputed, and give the tokens of the
-    roomy run."""
+    roomy run. Token-adaptive settings get about 3,072 tokens by vLLM's count
+    (1.5 requests of ``max_model_len``, so the engine starts); the others the
+    one-GPU test's 260 blocks of 16 (the scheduler is the same at any TP size:
+    with 192 blocks the default's run was never preempted, H200 x2)."""
     base = _tp_probe(setting)
-    blocks = round(base["num_gpu_blocks"] * 3072 / base["kv_tokens"])
+    blocks = (round(base["num_gpu_blocks"] * 3072 / base["kv_tokens"])
+              if expand(TP_SETTINGS[setting][0]).get("token_adaptive") else 260)
     tight = _tp_probe(setting, blocks=blocks)
     assert tight["preemptions"] > 0
     _check_run(tight, expect_hit=False)

@@ -453,7 +453,7 @@ def test_wide_decode_serving_shape_bf16(group_size, ratio, quant):
 
 
 @pytest.mark.parametrize("group_size,ratio", [
-    (1, 0.75),  # per-head groups at the lossless preset's ratio: the grid kernel
+    (1, 0.75),  # per-head groups at ratio 0.75: the grid kernel
     (1, 0.5),
     (8, 0.5),   # the 4x preset's J-LRD: the wide kernel
 ])

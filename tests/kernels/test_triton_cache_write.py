@@ -26,6 +26,9 @@ LAYOUTS = {
                         k_group=16, v_group=32),
     "channel-keys": dict(k_ranks=(32, 16), v_ranks=(24, 24), k_bits=4, v_bits=4,
                          k_channel_tokens=8),
+    # the 4x preset's sides: per-channel keys, 2-bit values
+    "channel-keys-v2": dict(k_ranks=(64, 64), v_ranks=(64, 64), k_bits=4, v_bits=2,
+                            k_channel_tokens=8),
     "padded": dict(k_ranks=(16,), v_ranks=(16,), k_bits=3, v_bits=8, pad_to=52),
 }
 

@@ -155,7 +155,7 @@ def test_kernel_against_float64_loop():
 
 @pytest.mark.parametrize("with_prefix", [False, True])
 def test_wide_value_latents(with_prefix):
-    """J-LRD's value rank 768 on 8 KV heads of 128 (the ``lossless`` preset on a
+    """J-LRD's value rank 768 on 8 KV heads of 128 (latent 0.75 on a
     Llama-3-8B shape; on an H100 its first launch asked for 262,144 bytes of
     shared memory, over the limit) against a float64 reference; with a prefix,
     a second key source that every query sees ahead of the causal context (the

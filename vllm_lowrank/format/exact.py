@@ -24,7 +24,7 @@ token-adaptive mode sets when the user did not: every token of a chunk is
 written to the exact cache for the step, so the chunk bounds the exact blocks a
 request holds and vLLM reserves (sink + recent + chunk tokens), which keeps
 the capacity gain under vLLM's default 8,192-token step budget. 128 rather than
-256: 31-33 % more KV capacity for the ``lossless`` and ``4x`` presets and 1.5-1.8x
+256: 31-33 % more KV capacity for the J-LRD latent-0.75 and ``4x`` recipes and 1.5-1.8x
 the concurrent sequences in the CPU load test (more preemptions, wall time within
 its run-to-run spread); on a GPU, 1.67x the prefill time of 16 x 4k prompts when
 prefill ran one request at a time (benchmarks/README.md's history in git, "The presets under load").

@@ -160,7 +160,7 @@ def prefill_tiles(dk: int, dv: int, elem: int, on_gpu: bool) -> tuple[int, int]:
     from ``dk`` 256) on a GPU, halved while the key and value tiles of two
     stages exceed :data:`PREFILL_SHARED_BYTES` (``BLOCK_N``) or the float32
     accumulator ``[BLOCK_M, dv]`` exceeds 32 K elements (``BLOCK_M``): J-LRD's
-    value rank 768 (``dv`` 1,024, the ``lossless`` preset on 8 KV heads of 128)
+    value rank 768 (``dv`` 1,024, latent 0.75 on 8 KV heads of 128)
     asked for 262,144 bytes at 64 x 64. 16 x 16 under the interpreter.
 
     Args:
