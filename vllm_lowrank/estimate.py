@@ -14,7 +14,9 @@ bytes per token)``, times ``block_size``; ``get_kv_cache_config_from_groups``,
 in ``vllm/v1/core/kv_cache_utils.py`` in 0.32 and ``kv_cache_planning.py`` in
 0.33, the same code). The token-adaptive mode keeps a
 second group of exact tokens per sequence; for it the estimate gives the
-sequences of ``context`` tokens that fit (latent slots plus exact slots).
+sequences of ``context`` tokens that fit by pages (latent blocks plus exact
+blocks, :func:`resident_sequences`) and those vLLM admits by its worst case
+(:func:`admitted_sequences`).
 """
 
 from __future__ import annotations
@@ -172,7 +174,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         "tokens": tokens(stored),
         "stock_tokens": tokens(original),
         "context": context,
-        "sequences": kv_bytes // (stored * context + exact_per_seq),
+        "sequences": resident_sequences(kv_bytes, len(comp.plans), stored // len(comp.plans),
+                                        block_size, context, exact),
         "stock_sequences": kv_bytes // (original * context),
         "admitted_sequences": round(admitted, 2),
         "stock_admitted_sequences": round(stock_admitted, 2),
@@ -181,6 +184,26 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
             "chosen per layer at start-up and logged ('vllm-lowrank: decode path ...'); "
             "see the README, 'On a GPU'"),
     }
+
+
+def _pages(kv_bytes: int, num_layers: int, slot_bytes: int, block_size: int, context: int,
+           exact: dict | None):
+    """``(blocks, latent blocks per request of context tokens, ExactTokensSpec or
+    None)`` of the cache :func:`admitted_sequences` describes."""
+    from vllm.utils.math_utils import cdiv
+
+    if exact is None:
+        return (kv_bytes // (num_layers * block_size * slot_bytes), cdiv(context, block_size),
+                None)
+    from vllm_lowrank.attention.exact_cache import ExactTokensSpec
+
+    page = block_size * exact["slot_bytes"]
+    spec = ExactTokensSpec(block_size=block_size, num_kv_heads=1, head_size=1,
+                           dtype=torch.uint8, state_content_bytes=exact["slot_bytes"],
+                           sliding_window=exact["recent"] + 1, sink=exact["sink"],
+                           max_request_tokens=exact["request_tokens"])
+    return (kv_bytes // (num_layers * page), cdiv(context, page // exact["latent_slot_bytes"]),
+            spec)
 
 
 def admitted_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_size: int,
@@ -215,18 +238,32 @@ def admitted_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_si
     Returns:
         Requests that fit at once, float (vLLM logs it as ``x``).
     """
+    blocks, latent, spec = _pages(kv_bytes, num_layers, slot_bytes, block_size, context, exact)
+    if spec is None:
+        return blocks / latent
+    return blocks / (latent + spec.max_admission_blocks_per_request(max_in_flight_tokens,
+                                                                    context))
+
+
+def resident_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_size: int,
+                       context: int, exact: dict | None = None) -> int:
+    """Requests of ``context`` tokens whose blocks fit at once once prefilled: what
+    the cache holds, page by page (arguments as for :func:`admitted_sequences`).
+    Each holds its latent blocks and, with exact tokens, the sink blocks and the
+    blocks the ``recent + 1``-token window spans at worst (``ceil(recent /
+    block_size) + 1``; no more than the context's): the exact tokens round up
+    to whole blocks, so this is below the bytes' count. At a 2k context the
+    ``4x`` preset at the Llama-3-8B shape holds 15 blocks (11 latent, 4 exact) of
+    the 1,618 that 8 GiB gives: 107 requests (benchmarks/README.md, "GPU serving
+    inside vLLM", where 111-114 ran while requests were still short).
+
+    Returns:
+        Whole requests.
+    """
     from vllm.utils.math_utils import cdiv
 
-    if exact is None:
-        blocks = kv_bytes // (num_layers * block_size * slot_bytes)
-        return blocks / cdiv(context, block_size)
-    from vllm_lowrank.attention.exact_cache import ExactTokensSpec
-
-    page = block_size * exact["slot_bytes"]
-    spec = ExactTokensSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                           dtype=torch.uint8, state_content_bytes=exact["slot_bytes"],
-                           sliding_window=exact["recent"] + 1, sink=exact["sink"],
-                           max_request_tokens=exact["request_tokens"])
-    per_request = cdiv(context, page // exact["latent_slot_bytes"]) \
-        + spec.max_admission_blocks_per_request(max_in_flight_tokens, context)
-    return (kv_bytes // (num_layers * page)) / per_request
+    blocks, latent, spec = _pages(kv_bytes, num_layers, slot_bytes, block_size, context, exact)
+    if spec is None:
+        return blocks // latent
+    window = cdiv(exact["recent"], block_size) + 1
+    return blocks // (latent + min(spec.sink_blocks + window, cdiv(context, block_size)))

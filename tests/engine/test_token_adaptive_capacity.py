@@ -60,7 +60,8 @@ def test_token_adaptive_capacity_holds_under_default_scheduler_limits(model_path
     info = _estimated(model_path, config, batches)
     assert info["admitted_sequences"] == pytest.approx(concurrency, abs=0.01)
     assert info["stock_admitted_sequences"] == pytest.approx(stock_concurrency, abs=0.01)
-    # and below the bytes' count: the reservation for the window and the chunk in flight
+    # and below the pages a prefilled request holds: the reservation for the window and
+    # the chunk in flight
     assert info["admitted_sequences"] < info["sequences"]
     # a user's explicit chunk cap and watermark win; 2,048 (the model length) is the old
     # behaviour
