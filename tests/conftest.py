@@ -26,6 +26,14 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parents[1]
 """The repository root."""
 
+RECIPE_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32,
+             "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+             "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+             "tie_word_embeddings": False, "dtype": "bfloat16"}
+"""The GPU recipe's ``llama3-8b-shape/config.json`` (its 49,152-token vocabulary)."""
+
 
 def benchmark_module(name: str):
     """``benchmarks/NAME.py`` loaded as a module (the scripts are not a package),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import RECIPE_8B
 from transformers import AutoConfig
 
 from vllm_lowrank.config import LowRankConfig
@@ -66,14 +67,6 @@ def test_cli_prints_json(model_path):
     assert info["kv_cache_bytes"] == 2 * 2**30 and info["tokens"] > info["stock_tokens"]
 
 
-LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-             "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32,
-             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-             "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-             "tie_word_embeddings": False, "dtype": "bfloat16"}
-
-
 @pytest.mark.parametrize("context", [2048, 2000, 4096, 100])
 def test_token_adaptive_sequences_count_whole_blocks(tmp_path, context):
     """``sequences`` for the ``4x`` preset (Llama-3-8B shape, 8 GiB): the pages
@@ -82,10 +75,10 @@ def test_token_adaptive_sequences_count_whole_blocks(tmp_path, context):
     and its 129 newest (the window: 3 blocks of 64 wherever it ends); at 2k
     the figures of benchmarks/README.md ("GPU serving inside vLLM": pages of
     165,888 bytes, 11 latent and 4 exact blocks, about 108 requests)."""
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (tmp_path / "config.json").write_text(json.dumps(RECIPE_8B))
     info = estimate(str(tmp_path), _cfg(preset="4x"), dtype="bfloat16", kv_cache_gib=8,
                     context=context)
-    block, layers = info["block_size"], LLAMA3_8B["num_hidden_layers"]
+    block, layers = info["block_size"], RECIPE_8B["num_hidden_layers"]
     exact_tokens = min(64 + 128 + 1, context)  # the sink rounded up to its 64-token block
     page = block * info["exact_bytes_per_sequence"] // (exact_tokens * layers)
     latent_blocks = -(-context // (page // (info["stored_bytes_per_token"] // layers)))
