@@ -868,20 +868,22 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
 # ---------------------------------------------------------------------------------
 # The recommended settings (issue 20's acceptance table)
 # ---------------------------------------------------------------------------------
+JLRD_075_TALE = {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS,
+                 "exact_bits": 8}
+"""J-LRD latents at 0.75, per-channel 4-bit keys, 4-bit values, int8 exact tokens
+(``gpu_serving.py``'s ``jlrd-0.75-tale``)."""
+
 RECOMMENDED = (
     ("2x (default)", {"preset": "2x"}, None),
     ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),
-    ("J-LRD 0.75 K4c/V4 TALE int8 (4.04x)", {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
-                                             **TALE_CHANNEL_KEYS, "exact_bits": 8}, None),
+    ("J-LRD 0.75 K4c/V4 TALE int8 (4.04x)", JLRD_075_TALE, None),
     ("J-LRD 0.5 K4c/V4 TALE (5.18x)", {"rank_fraction": 0.5, "k_bits": 4, "v_bits": 4,
                                        **TALE_CHANNEL_KEYS}, None),
     ("8x (8.45x allocation)", {"preset": "8x"}, ALLOC_8X_SMOLLM2),
     # the same storage with key bases that commute with RoPE: queries absorbed
     ("8x rope_equivariant", {**PRESETS["8x"].settings, "method": "rope_equivariant"},
      ALLOC_8X_SMOLLM2),
-    ("G=1 0.75 K4c/V4 TALE (3.62x)", {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
-                                      **TALE_CHANNEL_KEYS, "exact_bits": 8,
-                                      "head_group_size": 1}, None),
+    ("G=1 0.75 K4c/V4 TALE (3.62x)", {**JLRD_075_TALE, "head_group_size": 1}, None),
     ("G=1 0.5 K4/V4 TALE", {"rank_fraction": 0.5, "head_group_size": 1, "k_bits": 4,
                             "v_bits": 4, "token_adaptive": True, "sink_tokens": 32,
                             "recent_tokens": 128}, None),

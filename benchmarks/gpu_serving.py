@@ -70,6 +70,11 @@ from vllm_lowrank.presets import PRESETS, TALE_CHANNEL_KEYS  # noqa: E402
 NO_FI_AUTOTUNE = {"enable_flashinfer_autotune": False}
 """vLLM engine arguments of the FlashInfer configs (see there)."""
 
+JLRD_075_TALE = {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS,
+                 "exact_bits": 8}
+"""J-LRD latents at 0.75, 4-bit per-channel keys and 4-bit values, 32 sink + 128
+recent tokens exact as int8 (the keys rebuilt at each step)."""
+
 CONFIGS = {
     "stock": {},
     # stock vLLM with the KV memory vLLM sizes at --gpu-memory-utilization, not
@@ -130,9 +135,7 @@ CONFIGS = {
                                       **TALE_CHANNEL_KEYS},
                       "block_size": 32},
     # the same at 0.75 with int8 exact tokens (4.04x, +0.6 % on SmolLM2)
-    "jlrd-0.75-tale": {"compression": {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
-                                       **TALE_CHANNEL_KEYS, "exact_bits": 8},
-                       "block_size": 32},
+    "jlrd-0.75-tale": {"compression": JLRD_075_TALE, "block_size": 32},
     # the 8x preset's settings (without its allocation, which needs calibration
     # text) with its SmolLM2 allocation's ranks stretched to 32 layers of 1,024
     # channels (allocations.py), 4-bit where it allocated 3 or 2 bits (a config
@@ -164,9 +167,7 @@ CONFIGS = {
        for vb, vr in ((2, 1.0), (4, 1.0), (4, 0.5), (4, 0.75), (8, 0.5))},
     # latent 0.75 with per-head groups (3.62x, +0.4 % on SmolLM2): per-channel keys
     # on the grid kernel
-    "g1-jlrd-0.75-tale": {"compression": {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4,
-                                          **TALE_CHANNEL_KEYS, "exact_bits": 8,
-                                          "head_group_size": 1},
+    "g1-jlrd-0.75-tale": {"compression": {**JLRD_075_TALE, "head_group_size": 1},
                           "block_size": 32},
     # vLLM's own compressed caches (Triton kernels, no calibration; TurboQuant:
     # vLLM picks its backend per layer, its 16-bit boundary layers included)
