@@ -450,7 +450,8 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
     ``prompts`` (after ``prefill_skip`` steps, so that a chunked prefill has
     history; none when the prefill is over by then) and of ``steps`` decode
     steps to ``path``: two tables by self device time (CUDA graph replays
-    included: CUPTI records the kernels a graph launches)."""
+    included: CUPTI records the kernels a graph launches), each headed by its
+    steps' wall time (against the table's self CUDA total: the GPU's idle time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
@@ -483,10 +484,12 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
         prefill_step()
     engine.step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as dec:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    dec_s = time.perf_counter() - t0
     while engine.has_unfinished_requests():
         engine.step()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -494,7 +497,7 @@ def _profile(llm, prompts, path: str, steps: int = 8, prefill_skip: int = 8,
         head = f"{len(prompts)} requests x {len(prompts[0]['prompt_token_ids'])} tokens"
         for what, prof in ((f"{head}, prefill steps {prefill_skip} .. "
                             f"{prefill_skip + prefill_steps - 1} ({pre_s:.3f} s)", pre),
-                           (f"{head}, {steps} decode steps", dec)):
+                           (f"{head}, {steps} decode steps ({dec_s:.3f} s)", dec)):
             f.write(what + "\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
                                               max_name_column_width=90) + "\n")

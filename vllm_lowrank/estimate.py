@@ -53,8 +53,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
             scheduling (vLLM's default on CUDA), 1 without (its CPU engine),
             for :func:`admitted_sequences`.
         prefill_chunk: vLLM's ``long_prefill_token_threshold`` (``None``: what
-            the server sets, :data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`
-            for the token-adaptive mode).
+            the server sets for the token-adaptive mode,
+            :func:`~vllm_lowrank.format.exact.prefill_chunk_tokens`).
         max_num_batched_tokens: vLLM's step budget (its default 8,192).
 
     Returns:
@@ -145,9 +145,9 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
 
     exact = None
     if slots:
-        from vllm_lowrank.format.exact import PREFILL_CHUNK_TOKENS
+        from vllm_lowrank.format.exact import prefill_chunk_tokens
 
-        chunk = PREFILL_CHUNK_TOKENS if prefill_chunk is None else prefill_chunk
+        chunk = prefill_chunk_tokens(cfg) if prefill_chunk is None else prefill_chunk
         exact = dict(slot_bytes=max(x.slot_bytes for x in slots),
                      latent_slot_bytes=max(x.latent_slot_bytes for x in slots),
                      sink=comp.exact_tokens.sink, recent=comp.exact_tokens.recent,

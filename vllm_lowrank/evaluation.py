@@ -76,12 +76,12 @@ def engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
     Every request of a compressed setting advances at most a fixed number of
     tokens per engine step, however many requests run: ``step_tokens`` when
-    given, else the plugin's prefill chunk
-    (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`, what a
-    token-adaptive server sets). The step's token budget is that times the
-    requests side by side, because vLLM 0.32's scheduler drops
-    ``long_prefill_token_threshold`` while a single request is eligible
-    (``Scheduler.schedule``: "nobody to starve"). Without the budget, one
+    given, else :data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS` (the
+    prefill chunk a token-adaptive server sets where chunks rebuild keys; the
+    same for every setting, so that settings compare at one step). The step's
+    token budget is that times the requests side by side, because vLLM 0.32's
+    scheduler drops ``long_prefill_token_threshold`` while a single request is
+    eligible (``Scheduler.schedule``: "nobody to starve"). Without the budget, one
     window (``--tokens`` equal to ``--window``) was prefilled in one step, in
     which every token sees only exact keys: a token-adaptive setting measured
     no loss at all (``vllm-lowrank perplexity smollm2-135m --tokens 4096

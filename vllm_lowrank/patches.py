@@ -18,7 +18,7 @@ its target; :func:`apply` refuses to patch twice and logs what it replaced.
   byte-budget allocation artifact the block size it was allocated for
   (:func:`~vllm_lowrank.calibration.allocate.allocated_block_size`), when
   ``--block-size`` is not set, and the token-adaptive mode a per-request
-  prefill chunk (:data:`~vllm_lowrank.format.exact.PREFILL_CHUNK_TOKENS`) when
+  prefill chunk (:func:`~vllm_lowrank.format.exact.prefill_chunk_tokens`) when
   ``--long-prefill-token-threshold`` is not set, and an admission watermark
   (the config's ``admission_watermark``, by default
   :data:`~vllm_lowrank.format.exact.PREEMPTION_WATERMARK`) when ``--watermark``
@@ -44,7 +44,7 @@ from vllm_lowrank.config import (
     keys_help,
     parse_config_text,
 )
-from vllm_lowrank.format.exact import PREEMPTION_WATERMARK, PREFILL_CHUNK_TOKENS
+from vllm_lowrank.format.exact import PREEMPTION_WATERMARK, prefill_chunk_tokens
 from vllm_lowrank.presets import get_preset
 
 logger = logging.getLogger("vllm.lowrank")
@@ -165,13 +165,13 @@ def _create_engine_config(original, self, *args, **kwargs):
         cfg = config_from_additional(self.additional_config)
     except LowRankConfigError as e:
         return _report(self, e)
-    if cfg.enabled and cfg.token_adaptive and not self.long_prefill_token_threshold and (
-            self.max_model_len is None or self.max_model_len >= PREFILL_CHUNK_TOKENS):
-        self.long_prefill_token_threshold = PREFILL_CHUNK_TOKENS
+    chunk = prefill_chunk_tokens(cfg) if cfg.enabled and cfg.token_adaptive else None
+    if chunk and not self.long_prefill_token_threshold and (
+            self.max_model_len is None or self.max_model_len >= chunk):
+        self.long_prefill_token_threshold = chunk
         logger.info("vllm-lowrank: token-adaptive mode: prefill chunks of at most %d tokens "
                     "per request (long_prefill_token_threshold; bounds the exact blocks each "
-                    "request holds; --long-prefill-token-threshold overrides)",
-                    PREFILL_CHUNK_TOKENS)
+                    "request holds; --long-prefill-token-threshold overrides)", chunk)
     if cfg.enabled and cfg.token_adaptive and not self.watermark:
         watermark = PREEMPTION_WATERMARK if cfg.admission_watermark is None \
             else cfg.admission_watermark

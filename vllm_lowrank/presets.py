@@ -104,8 +104,9 @@ PRESETS = {p.name: p for p in (
            "exact as int8; no calibration); passkey retrieval 0.80 against 0.84 "
            "uncompressed (1,024 tokens)",
            "the 4x preset's fused kernel (post-RoPE key codes and value latents, no key "
-           "rebuild), CUDA graphs: in vLLM 1.66x stock's throughput at equal KV memory "
-           "(H200, Llama-3-8B shape; benchmarks/README.md, \"GPU serving inside vLLM\")",
+           "rebuild), CUDA graphs: in vLLM 0.87-0.90x stock's decode step at 16 x 4k and "
+           "1.77x its throughput at equal KV memory, 1.64x FlashInfer's (H200, Llama-3-8B "
+           "shape; benchmarks/README.md, \"GPU serving inside vLLM\")",
            block_size=64),
     Preset("4x", POST_ROPE_KEYS_4X,
            "4.01x, +0.4 % wikipedia / +0.2 % bbc / +0.9 % shakespeare / +1.1 % code "
@@ -115,8 +116,8 @@ PRESETS = {p.name: p for p in (
            "post-RoPE key codes and value latents in one fused kernel (no key rebuild; "
            "the latent span and the exact tokens in one softmax), CUDA graphs: the "
            "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.45x stock attention's "
-           "time per layer at 16 x 32k; in vLLM 0.83x stock's decode step at 16 x 4k and "
-           "1.86x its throughput at equal KV memory, 1.73x FlashInfer's), the "
+           "time per layer at 16 x 32k; in vLLM 0.83-0.89x stock's decode step at 16 x 4k "
+           "and 2.04x its throughput at equal KV memory, 1.88x FlashInfer's), the "
            "Triton kernel otherwise (benchmarks/README.md, \"Decode without a key "
            "rebuild: post-RoPE keys\")",
            block_size=64),

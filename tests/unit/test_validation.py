@@ -171,6 +171,32 @@ def test_token_adaptive_admission_watermark(model_path, compression, engine, exp
     assert args.create_engine_config().scheduler_config.watermark == expected
 
 
+@pytest.mark.parametrize("compression,engine,expected", [
+    ({"preset": "4x"}, {}, "post_rope"),        # key codes read as stored: long chunks
+    ({"preset": "lossless"}, {}, "post_rope"),
+    ({"mode": "lowrank", "token_adaptive": True}, {}, "rebuild"),  # J-LRD: keys rebuilt
+    ({"preset": "4x"}, {"long_prefill_token_threshold": 512}, 512),  # the user's wins
+    ({"preset": "4x"}, {"max_model_len": 1024}, 0),  # no cap above the model length
+])
+def test_token_adaptive_prefill_chunk(model_path, compression, engine, expected):
+    """The per-request prefill chunk (``long_prefill_token_threshold``) a
+    token-adaptive engine gets when none is given: 2,048 tokens where the
+    history's keys are read as stored (``post_rope_keys``), 128 where every
+    chunk rebuilds them, vLLM's own (0) when the model is shorter than the
+    chunk."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_lowrank.format.exact import POST_ROPE_PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS
+
+    expected = {"post_rope": POST_ROPE_PREFILL_CHUNK_TOKENS,
+                "rebuild": PREFILL_CHUNK_TOKENS}.get(expected, expected)
+    patches.apply()
+    args = EngineArgs(model=model_path, dtype="float32", **{"max_model_len": 4096, **engine},
+                      additional_config={"kv_compression": {"mode": "lowrank", **compression}})
+    got = args.create_engine_config().scheduler_config.long_prefill_token_threshold
+    assert got == expected
+
+
 # ------------------------------------------------------------------ artifacts
 def _serving(**kw) -> dict:
     from vllm_lowrank.calibration.schema import SERVING_KEYS
