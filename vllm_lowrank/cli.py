@@ -462,8 +462,10 @@ def _estimate(args) -> None:
           f"in {args.kv_cache_gib:g} GiB; {info['sequences']:,} sequences of "
           f"{info['context']} tokens ({info['stock_sequences']:,} uncompressed)")
     print(f"admitted   {info['admitted_sequences']:g} requests of {info['context']} tokens at "
-          f"once by vLLM's worst-case rule ({info['stock_admitted_sequences']:g} "
-          f"uncompressed; {info['concurrent_batches']} batches in flight)")
+          f"once by vLLM's worst-case rule, its logged maximum concurrency "
+          f"({info['stock_admitted_sequences']:g} uncompressed; "
+          f"{info['concurrent_batches']} batches in flight; its scheduler admits by the "
+          f"blocks free)")
     print(f"GPU path   {info['gpu_path']}")
 
 

@@ -15,8 +15,10 @@ in ``vllm/v1/core/kv_cache_utils.py`` in 0.32 and ``kv_cache_planning.py`` in
 0.33, the same code). The token-adaptive mode keeps a
 second group of exact tokens per sequence; for it the estimate gives the
 sequences of ``context`` tokens that fit by pages (latent blocks plus exact
-blocks, :func:`resident_sequences`) and those vLLM admits by its worst case
-(:func:`admitted_sequences`).
+blocks, :func:`resident_sequences`) and the worst case vLLM logs as its
+"maximum concurrency" (:func:`admitted_sequences`); vLLM 0.32's scheduler
+admits by the blocks free, not by that figure (``kv_cache_max_concurrency`` is
+only logged and reported).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
         (vLLM's count for the latent group and for an uncompressed cache),
         ``sequences`` and ``stock_sequences`` of ``context`` tokens (by bytes),
         ``admitted_sequences`` (vLLM's "maximum concurrency" at ``context``
-        tokens, :func:`admitted_sequences`: the worst case it sizes and admits
-        by) and ``stock_admitted_sequences``, and
+        tokens, :func:`admitted_sequences`: the worst case it logs) and
+        ``stock_admitted_sequences``, and
         ``gpu_path`` (the preset's measured decode path, else where to read it).
 
     Raises:
@@ -210,9 +212,10 @@ def admitted_sequences(kv_bytes: int, num_layers: int, slot_bytes: int, block_si
                        context: int, max_in_flight_tokens: int,
                        exact: dict | None = None) -> float:
     """vLLM's "maximum concurrency" for requests of ``context`` tokens: the KV
-    blocks over the blocks one such request may hold at worst, by the rule its
-    scheduler sizes and admits with (``get_max_concurrency_for_kv_cache_config``
-    in ``vllm/v1/core/kv_cache_utils.py``, the same in 0.32 and 0.33).
+    blocks over the blocks one such request may hold at worst, by the rule it
+    logs and reports with (``get_max_concurrency_for_kv_cache_config`` in
+    ``vllm/v1/core/kv_cache_utils.py``, the same in 0.32 and 0.33; its
+    scheduler admits by the blocks free).
 
     Without exact tokens one cache group: ``kv_bytes // (num_layers x
     block_size x slot_bytes)`` blocks, ``ceil(context / block_size)`` per request.
