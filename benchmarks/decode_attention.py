@@ -49,6 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from allocations import ALLOC_8X_SMOLLM2, scale_rank  # noqa: E402
+from gpu_serving import JLRD_075_TALE  # noqa: E402
 from vllm_lowrank.presets import PRESETS, TALE_CHANNEL_KEYS  # noqa: E402
 from vllm_lowrank.attention.latent_attention import decode_attention  # noqa: E402
 from vllm_lowrank.attention.rope import RopeTable  # noqa: E402
@@ -868,11 +869,6 @@ def sweep(rope, shapes, ratios, bw, sdpa, only=None):
 # ---------------------------------------------------------------------------------
 # The recommended settings (issue 20's acceptance table)
 # ---------------------------------------------------------------------------------
-JLRD_075_TALE = {"rank_fraction": 0.75, "k_bits": 4, "v_bits": 4, **TALE_CHANNEL_KEYS,
-                 "exact_bits": 8}
-"""J-LRD latents at 0.75, per-channel 4-bit keys, 4-bit values, int8 exact tokens
-(``gpu_serving.py``'s ``jlrd-0.75-tale``)."""
-
 RECOMMENDED = (
     ("2x (default)", {"preset": "2x"}, None),
     ("ratio 0.75, J-LRD 16-bit", {"rank_fraction": 0.75, "rank_allocation": "uniform"}, None),

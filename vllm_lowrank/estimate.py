@@ -149,7 +149,7 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     if slots:
         from vllm_lowrank.format.exact import prefill_chunk_tokens
 
-        chunk = prefill_chunk_tokens(cfg) if prefill_chunk is None else prefill_chunk
+        chunk = prefill_chunk_tokens(cfg, context) if prefill_chunk is None else prefill_chunk
         exact = dict(slot_bytes=max(x.slot_bytes for x in slots),
                      latent_slot_bytes=max(x.latent_slot_bytes for x in slots),
                      sink=comp.exact_tokens.sink, recent=comp.exact_tokens.recent,

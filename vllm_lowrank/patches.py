@@ -165,9 +165,8 @@ def _create_engine_config(original, self, *args, **kwargs):
         cfg = config_from_additional(self.additional_config)
     except LowRankConfigError as e:
         return _report(self, e)
-    chunk = prefill_chunk_tokens(cfg) if cfg.enabled and cfg.token_adaptive else None
-    if chunk and not self.long_prefill_token_threshold and (
-            self.max_model_len is None or self.max_model_len >= chunk):
+    chunk = prefill_chunk_tokens(cfg, self.max_model_len)
+    if chunk and not self.long_prefill_token_threshold:
         self.long_prefill_token_threshold = chunk
         logger.info("vllm-lowrank: token-adaptive mode: prefill chunks of at most %d tokens "
                     "per request (long_prefill_token_threshold; bounds the exact blocks each "

@@ -22,7 +22,11 @@ import torch
 from vllm_lowrank import patches
 from vllm_lowrank.calibration import artifact as art
 from vllm_lowrank.config import LowRankConfig
-from vllm_lowrank.format.exact import PREEMPTION_WATERMARK
+from vllm_lowrank.format.exact import (
+    POST_ROPE_PREFILL_CHUNK_TOKENS,
+    PREEMPTION_WATERMARK,
+    PREFILL_CHUNK_TOKENS,
+)
 
 MAX_MODEL_LEN = 512
 
@@ -172,9 +176,9 @@ def test_token_adaptive_admission_watermark(model_path, compression, engine, exp
 
 
 @pytest.mark.parametrize("compression,engine,expected", [
-    ({"preset": "4x"}, {}, "post_rope"),        # key codes read as stored: long chunks
-    ({"preset": "lossless"}, {}, "post_rope"),
-    ({"mode": "lowrank", "token_adaptive": True}, {}, "rebuild"),  # J-LRD: keys rebuilt
+    ({"preset": "4x"}, {}, POST_ROPE_PREFILL_CHUNK_TOKENS),  # key codes read as stored
+    ({"preset": "lossless"}, {}, POST_ROPE_PREFILL_CHUNK_TOKENS),
+    ({"mode": "lowrank", "token_adaptive": True}, {}, PREFILL_CHUNK_TOKENS),  # keys rebuilt
     ({"preset": "4x"}, {"long_prefill_token_threshold": 512}, 512),  # the user's wins
     ({"preset": "4x"}, {"max_model_len": 1024}, 0),  # no cap above the model length
 ])
@@ -186,10 +190,6 @@ def test_token_adaptive_prefill_chunk(model_path, compression, engine, expected)
     chunk."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_lowrank.format.exact import POST_ROPE_PREFILL_CHUNK_TOKENS, PREFILL_CHUNK_TOKENS
-
-    expected = {"post_rope": POST_ROPE_PREFILL_CHUNK_TOKENS,
-                "rebuild": PREFILL_CHUNK_TOKENS}.get(expected, expected)
     patches.apply()
     args = EngineArgs(model=model_path, dtype="float32", **{"max_model_len": 4096, **engine},
                       additional_config={"kv_compression": {"mode": "lowrank", **compression}})

@@ -49,13 +49,18 @@ exact blocks, which a prefilled request does not hold
 (:func:`vllm_lowrank.estimate.estimate`: ``sequences`` against ``admitted``)."""
 
 
-def prefill_chunk_tokens(cfg: LowRankConfig) -> int:
+def prefill_chunk_tokens(cfg: LowRankConfig, max_model_len: int | None) -> int:
     """The per-request prefill chunk (vLLM's ``long_prefill_token_threshold``)
     that the token-adaptive mode sets when the user did not, in tokens:
     :data:`POST_ROPE_PREFILL_CHUNK_TOKENS` with ``post_rope_keys``, else
     :data:`PREFILL_CHUNK_TOKENS` (each chunk rebuilds its request's latent
-    history)."""
-    return POST_ROPE_PREFILL_CHUNK_TOKENS if cfg.post_rope_keys else PREFILL_CHUNK_TOKENS
+    history); 0, vLLM's own (no cap), when the mode is off or ``max_model_len``
+    (``None``: unknown) is shorter than that chunk. The one rule of the server
+    (:mod:`vllm_lowrank.patches`) and of :func:`vllm_lowrank.estimate.estimate`."""
+    if not (cfg.enabled and cfg.token_adaptive):
+        return 0
+    chunk = POST_ROPE_PREFILL_CHUNK_TOKENS if cfg.post_rope_keys else PREFILL_CHUNK_TOKENS
+    return chunk if max_model_len is None or max_model_len >= chunk else 0
 
 
 PREEMPTION_WATERMARK = 0.1
