@@ -115,9 +115,10 @@ PRESETS = {p.name: p for p in (
            "exact as int8; no calibration)",
            "post-RoPE key codes and value latents in one fused kernel (no key rebuild; "
            "the latent span and the exact tokens in one softmax), CUDA graphs: the "
-           "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.45x stock attention's "
-           "time per layer at 16 x 32k; in vLLM 0.83-0.89x stock's decode step at 16 x 4k "
-           "and 2.04x its throughput at equal KV memory, 1.88x FlashInfer's), the "
+           "mma.sync CUDA kernel for bf16/fp16 models (on an H200 0.39x stock attention's "
+           "time per layer at 16 x 32k; in vLLM 0.52x stock's decode step at 8 x 32k, "
+           "0.83-0.89x at 16 x 4k, and 2.03x its throughput at equal KV memory, 1.88x "
+           "FlashInfer's), the "
            "Triton kernel otherwise (benchmarks/README.md, \"Decode without a key "
            "rebuild: post-RoPE keys\")",
            block_size=64),

@@ -557,18 +557,19 @@ class PostRopeKeysCudaDecoder(Decoder):
 
         super().__init__(layer, ctx)
         self.lift_t, self.vsum = ext.post_rope_lift(layer.plan, layer.v_up.to(ctx.device))
-        self.tokens_per_step = ext.POST_ROPE_WARPS * layer.layout.k_channel_tokens
+        warps, self.ctas_per_sm = ext.post_rope_config(layer.layout.k_channel_tokens,
+                                                       layer.layout.v_bits)
+        self.tokens_per_step = warps * layer.layout.k_channel_tokens
         sh = layer.plan.shape
         self.head_of_col = head_columns(sh.num_heads, sh.head_dim, ctx.device)
 
     def plan(self, batch: DecodeBatch) -> int:
-        from vllm_lowrank.kernels.cuda.ext import POST_ROPE_CTAS_PER_SM
         from vllm_lowrank.kernels.triton.decode_prep import sm_count
         from vllm_lowrank.kernels.triton.launch import choose_num_splits
 
         return choose_num_splits(batch.size, self.layer.plan.shape.num_kv_heads,
                                  batch.max_seq_len, self.tokens_per_step,
-                                 sm_count(self.ctx.device), POST_ROPE_CTAS_PER_SM)
+                                 sm_count(self.ctx.device), self.ctas_per_sm)
 
     def run(self, query, kv_cache, batch, plan, out) -> None:
         from vllm_lowrank.kernels.cuda import ext

@@ -273,10 +273,24 @@ POST_ROPE_VALUE_BITS = (2, 4)
 """Key group sizes (``k_channel_tokens``) and value code widths with a compiled
 :func:`post_rope_decode` kernel (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``)."""
 
-POST_ROPE_WARPS = 4
-POST_ROPE_CTAS_PER_SM = 2
-"""Warps per CTA of :func:`post_rope_decode` (each takes its own tiles) and the CTAs
-its shared memory and registers keep resident per SM: the split model's constants."""
+_POST_ROPE_CFG: dict = {}
+
+
+def post_rope_config(k_channel_tokens: int, v_bits: int) -> tuple[int, int]:
+    """``(warps per CTA, CTAs resident per SM)`` of the :func:`post_rope_decode` kernel
+    for key groups of ``k_channel_tokens`` and ``v_bits``-bit values: each warp takes
+    its own tiles, and 3 CTAs stay resident where their shared memory fits (the
+    ``4x`` layout), else 2; the split model's constants.
+
+    Raises:
+        RuntimeError: the extension cannot be built (:func:`load`), or no kernel is
+            compiled for the pair.
+    """
+    key = (int(k_channel_tokens), int(v_bits))
+    if key not in _POST_ROPE_CFG:
+        cfg = load("post_rope_decode").post_rope_config(*key)
+        _POST_ROPE_CFG[key] = (int(cfg[0]), int(cfg[4]))
+    return _POST_ROPE_CFG[key]
 
 
 def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> str | None:

@@ -94,13 +94,25 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   auto stream = at::cuda::getCurrentCUDAStream();
   const int device = query.get_device();
   const dim3 grid((unsigned)num_splits, (unsigned)nkv, (unsigned)B);
-  int64_t cfg[4];
+  int64_t cfg[5];
   TORCH_CHECK(config((int)kct, (int)v_bits, cfg), "no compiled post-RoPE-keys kernel for key groups of ",
               kct, " and ", v_bits, "-bit values");
   C10_CUDA_CHECK(launch(p, (int)kct, (int)v_bits, grid, stream, device));
 }
 
+// (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
+// tile, CTAs resident per SM) of the (kct, v_bits) kernel.
+std::vector<int64_t> post_rope_config(int64_t kct, int64_t v_bits) {
+  int64_t cfg[5];
+  TORCH_CHECK(prk_decode::config((int)kct, (int)v_bits, cfg),
+              "no compiled post-RoPE-keys kernel for key groups of ", kct, " and ", v_bits,
+              "-bit values");
+  return std::vector<int64_t>(cfg, cfg + 5);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("post_rope_decode", &post_rope_decode,
         "token-adaptive decode of post-RoPE 4-bit key codes and value latents (mma.sync)");
+  m.def("post_rope_config", &post_rope_config,
+        "(warps, stages, shared memory bytes, exact tile rows, CTAs per SM) of a variant");
 }

@@ -32,16 +32,23 @@
 // row's codes: 16 lanes, its parameters: 4, row addresses shuffled from the lane that
 // looked the row up), so L2 sees one request per row and section rather than one per
 // 16 bytes: at 16 x 32k that cut L2 tag requests (69 % of peak, the busiest unit) and
-// made the kernel 1.21x faster (H200, benchmarks/README.md). The 8 states are
+// made the kernel 1.21x faster (H200, benchmarks/README.md). A latent row's copies
+// carry the .L2::128B hint: a CTA reads one KV head's 64 + 32 bytes of each 864-byte
+// slot (`4x`), and L2 then fetches whole lines, which the CTAs of the neighbouring
+// heads read soon after: 1.16x faster at 16 x 32k (217 -> 187 us, 50 -> 58 % of the
+// copy rate; H200, benchmarks/README.md). The 8 states are
 // merged at the end through shared memory, the latent accumulator is lifted with
 // 16 mma per warp, and the split's normalised output (or, with several splits, its
 // partial and base-2 log-sum-exp for tiles.reduce_splits_kernel) is stored.
 // The host picks the split count with launch.choose_num_splits' wave model, one
-// CTA step being 4 warps x KCT tokens and 2 CTAs resident per SM (at most 113 KB of
-// shared memory and 255 registers per thread each): PostRopeKeysCudaDecoder.plan.
-// With 2 warps per scheduler the kernel is latency-bound: at 128 x 2k ncu counts
-// issue active 42 % of cycles, stalls mostly on fixed-latency dependencies (19 %),
-// scoreboards (long 14 %, short 11 %) and the MIO queue (10 %).
+// CTA step being 4 warps x KCT tokens and Cfg::CTAS CTAs resident per SM:
+// PostRopeKeysCudaDecoder.plan. With 2 CTAs (2 warps per scheduler) the kernel was
+// latency-bound: at 128 x 2k ncu counted issue active 42 % of cycles, stalls mostly
+// on fixed-latency dependencies (19 %), scoreboards (long 14 %, short 11 %) and the
+// MIO queue (10 %). So where 3 CTAs' shared memory fits an SM (the `4x` layout: 72 KB
+// each, the exact tiles' parameters copied as 4-byte words) the launch bounds ask for
+// 3, which caps registers at 168; the exact tiles run in a loop after the latent
+// ones, their accumulator live only there, so that the cap costs no spills.
 //
 // Per latent tile (one key group, KCT rows), per warp, on mma.sync.m16n8k16 (f16
 // operands, f32 accumulators; the layouts in mma_common.cuh):
@@ -97,8 +104,8 @@
 // Unpacking per 16-token x 128-channel key sub-tile, by construction: 2 LDS.128 +
 // 8 x (SHF + 4 LOP3 + 2 HADD2) + 8 HMMA; values (V_BITS 2) per 16 tokens: 4 LDS.32 +
 // 2 PRMT + 2 SHF + 16 LOP3 + 8 HADD2 + 9 HMMA.
-// Measured (H200, benchmarks/README.md, "Decode without a key rebuild"): 50 % of the
-// copy rate at 16 x 32k, 43 % at 128 x 2k; issue is not the bound (see above).
+// Measured (H200, benchmarks/README.md, "Decode without a key rebuild"): 58 % of the
+// copy rate at 16 x 32k, 45 % at 128 x 2k; issue is not the bound (see above).
 //
 // Precision: key codes, query and probabilities as f16 (the query's bf16 -> f16
 // conversion is exact in f16's normal range), q' = q * scale rounded to f16,
@@ -142,11 +149,11 @@ struct Cfg {
   __host__ __device__ static constexpr int vrow(int r) { return r * VB + (r / VROWS) * 32; }
   static constexpr int L_SH = L_VS + KCT * 32;
   static constexpr int LAT_STAGE = L_SH + 512;
-  // exact stage: [32][128] key codes | [32][128] value codes | [32][64] the chunks of
-  // the key scale, key zero, value scale, value zero
+  // exact stage: [32][128] key codes | [32][128] value codes | [32][16] the 4-byte words
+  // holding the key scale, key zero, value scale, value zero of this head
   static constexpr int E_V = kEB * 128;
   static constexpr int E_P = 2 * kEB * 128;
-  static constexpr int EX_STAGE = E_P + kEB * 64;
+  static constexpr int EX_STAGE = E_P + kEB * 16;
   static constexpr int STAGE = LAT_STAGE > EX_STAGE ? LAT_STAGE : EX_STAGE;
   static constexpr int PIPE = kNW * kStages * STAGE;
   // epilogue: per warp 6 x 8 stats + two [8][128] accumulators (f32); then the merged
@@ -158,6 +165,9 @@ struct Cfg {
   static constexpr int M_ST = M_OB + kMaxQ * kD * 4;
   static constexpr int MERGE = M_ST + 2 * kMaxQ * 4;
   static constexpr int SMEM = PIPE > MERGE ? PIPE : MERGE;
+  // CTAs resident per SM: 3 where their shared memory fits beside each other (228 KB
+  // per SM, 1 KB of it reserved per CTA), registers then capped at 168 per thread
+  static constexpr int CTAS = 3 * (SMEM + 1024) <= 228 * 1024 ? 3 : 2;
   static_assert(KCT == 32 || KCT == 64, "key groups of 32 or 64 positions");
   static_assert(VBITS == 2 || VBITS == 4, "2- or 4-bit values");
   static_assert(STAGE % 128 == 0, "stage alignment");
@@ -261,7 +271,7 @@ __device__ __forceinline__ void online_softmax_step(const float (&sc)[NM][4], fl
 }
 
 template <int KCT, int VBITS>
-__global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Params p) {
+__global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_decode_kernel(const Params p) {
   using C = Cfg<KCT, VBITS>;
   constexpr int NM = C::NM, VB = C::VB;
   constexpr float VOFF = float(1 << (VBITS - 1));   // the value codes' centre
@@ -354,7 +364,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   const int ex_src = ex_c < 8 ? j * kD + 16 * ex_c : p.ex_vcodes_off + j * kD + 16 * (ex_c - 8);
   const int ex_dst = ex_c < 8 ? 16 * ex_c : C::E_V + 16 * (ex_c - 8);
   const int ep_at = (lane & 3) == 0 ? ek_at : (lane & 3) == 1 ? ekz_at : (lane & 3) == 2 ? evs_at : evz_at;
-  const int ep_src = ep_at & ~15;
+  const int ep_src = ep_at & ~3;
   auto tile_of = [&](int k) { return t_lo + warp + k * kNW; };
   // block of the warp's k-th tile when it is a latent group (else 0)
   auto lat_block = [&](int k) -> int {
@@ -375,9 +385,9 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
 #pragma unroll
         for (int i = 0; i < KCT / C::RPI; ++i) {
           const int r = cp_row + C::RPI * i;
-          if (cp_chunk < C::NC)
-            cp_async16(st + cp_dst + i * cp_step, base + (int64_t)r * p.s_tok + cp_src,
-                       p0 + r < lat_end ? 16 : 0);
+          if (cp_chunk < C::NC)   // whole 128-byte lines into L2 (the other heads' CTAs read them)
+            cp_async16<true>(st + cp_dst + i * cp_step, base + (int64_t)r * p.s_tok + cp_src,
+                             p0 + r < lat_end ? 16 : 0);
         }
         cp_async16(st + C::L_SH + 16 * lane, base + sh_src, 16);
       } else {
@@ -400,7 +410,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         for (int i = 0; i < kEB / 8; ++i) {
           const int r = 8 * i + (lane >> 2);
           const auto* rp = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, row, r));
-          cp_async16(st + C::E_P + r * 64 + 16 * (lane & 3), rp + ep_src, e0 + r < n_ex ? 16 : 0);
+          cp_async4(st + C::E_P + r * 16 + 4 * (lane & 3), rp + ep_src, e0 + r < n_ex ? 4 : 0);
         }
       }
     }
@@ -412,24 +422,34 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
   float mL[2] = {-INFINITY, -INFINITY}, lL[2] = {0.f, 0.f}, zL[2] = {0.f, 0.f};
   float mE[2] = {-INFINITY, -INFINITY}, lE[2] = {0.f, 0.f}, zE[2] = {0.f, 0.f};
   // accL[8]: the probability sum S = sum_t p_t scale_t of the value codes' bases
-  float accL[9][4], accE[8][4];
+  float accL[9][4];
 #pragma unroll
-  for (int x = 0; x < 4; ++x) accL[8][x] = 0.f;
+  for (int mt = 0; mt < 9; ++mt)
 #pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-    for (int x = 0; x < 4; ++x) accL[mt][x] = accE[mt][x] = 0.f;
+    for (int x = 0; x < 4; ++x) accL[mt][x] = 0.f;
 
   issue(0, lat_block(0));
   issue(1, lat_block(1));
   int blk_next = lat_block(2);
 
-  for (int k = 0; k < my_tiles; ++k) {
+  // A warp's tiles ascend: its latent key groups, then its exact tiles, each in a loop
+  // of its own so that the exact accumulator is live only in the second (at 3 CTAs per
+  // SM registers are capped at 168).
+  auto landed = [&](int k) {
     cp_async_wait<kStages - 1>();   // tile k landed (this lane's copies) ...
     __syncwarp();                   // ... and every lane's
-    const uint8_t* st = my_pipe + (k % kStages) * C::STAGE;
+    return my_pipe + (k % kStages) * C::STAGE;
+  };
+  auto refill = [&](int k, int& blk_next) {
+    __syncwarp();   // every lane is done with the stage before it is refilled
+    issue(k + kStages, blk_next);
+    blk_next = lat_block(k + kStages + 1);
+  };
+  int k = 0;
+  for (; k < my_tiles && tile_of(k) < n_lat; ++k) {
+    const uint8_t* st = landed(k);
     const int t = tile_of(k);
-    if (t < n_lat) {
+    {
       // =================== a latent key group: positions p0 .. p0 + KCT - 1
       const int p0 = p.sink + t * KCT;
       uint32_t qs[8][2];                    // q * scale (f16 pairs, the key order)
@@ -555,7 +575,18 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
           }
         }
       }
-    } else {
+    }
+    refill(k, blk_next);
+  }
+  float accE[8][4];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int x = 0; x < 4; ++x) accE[mt][x] = 0.f;
+  for (; k < my_tiles; ++k) {
+    const uint8_t* st = landed(k);
+    const int t = tile_of(k);
+    {
       // =================== exact tile: exact-set indices e0 .. e0 + 31, int8
       const int e0 = (t - n_lat) * kEB;
       float sc[2][4];
@@ -580,11 +611,11 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const int r = 16 * m + gr + 8 * hr;
-          const uint8_t* pr = st + C::E_P + r * 64;
-          const float ks = half_at(pr + (ek_at & 15));
-          const float kz = half_at(pr + 16 + (ekz_at & 15)) + 128.f * ks;
-          vsr[m][hr] = half_at(pr + 32 + (evs_at & 15));
-          vzr[m][hr] = half_at(pr + 48 + (evz_at & 15)) + 128.f * vsr[m][hr];
+          const uint8_t* pr = st + C::E_P + r * 16;
+          const float ks = half_at(pr + (ek_at & 3));
+          const float kz = half_at(pr + 4 + (ekz_at & 3)) + 128.f * ks;
+          vsr[m][hr] = half_at(pr + 8 + (evs_at & 3));
+          vzr[m][hr] = half_at(pr + 12 + (evz_at & 3)) + 128.f * vsr[m][hr];
           const bool ok = e0 + r < n_ex;
           sc[m][2 * hr] = ok ? (acc[2 * hr] * ks + kz * qsum0) * p.qk_scale : -INFINITY;
           sc[m][2 * hr + 1] = ok ? (acc[2 * hr + 1] * ks + kz * qsum1) * p.qk_scale : -INFINITY;
@@ -619,9 +650,7 @@ __global__ void __launch_bounds__(kNW * 32, 2) post_rope_decode_kernel(const Par
         }
       }
     }
-    __syncwarp();   // every lane is done with the stage before it is refilled
-    issue(k + kStages, blk_next);
-    blk_next = lat_block(k + kStages + 1);
+    refill(k, blk_next);
   }
   cp_async_wait<0>();
 
@@ -764,10 +793,11 @@ cudaError_t launch(const Params& p, int kct, int v_bits, dim3 grid, cudaStream_t
   return cudaErrorInvalidValue;
 }
 
-bool config(int kct, int v_bits, int64_t out[4]) {
+bool config(int kct, int v_bits, int64_t out[5]) {
 #define POST_ROPE_CFG(K, V)                                                   \
   if (kct == K && v_bits == V) {                                              \
     out[0] = kNW; out[1] = kStages; out[2] = Cfg<K, V>::SMEM; out[3] = kEB;    \
+    out[4] = Cfg<K, V>::CTAS;                                                 \
     return true;                                                              \
   }
   POST_ROPE_CFG(32, 2) POST_ROPE_CFG(32, 4) POST_ROPE_CFG(64, 2) POST_ROPE_CFG(64, 4)

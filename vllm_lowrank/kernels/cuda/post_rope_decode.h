@@ -51,7 +51,8 @@ cudaError_t launch(const Params& p, int kct, int v_bits, dim3 grid, cudaStream_t
                    int device);
 
 // (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
-// tile) of the (kct, v_bits) kernel into `out`; false when none is compiled.
-bool config(int kct, int v_bits, int64_t out[4]);
+// tile, CTAs resident per SM) of the (kct, v_bits) kernel into `out`; false when none
+// is compiled.
+bool config(int kct, int v_bits, int64_t out[5]);
 
 }  // namespace prk_decode
