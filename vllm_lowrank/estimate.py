@@ -82,16 +82,15 @@ def estimate(model_path: str, cfg: LowRankConfig, *, dtype: str = "bfloat16",
     """
     from transformers import AutoConfig
 
-    from vllm_lowrank.calibration.allocate import allocated_block_size
+    from vllm_lowrank.calibration.allocate import default_block_size
     from vllm_lowrank.calibration.cache import NotCached
     from vllm_lowrank.format.exact import ExactSlot
     from vllm_lowrank.models.compression import resolve
     from vllm_lowrank.presets import get_preset
 
     preset = get_preset(cfg.preset) if cfg.preset is not None else None
-    if block_size is None:  # what the engine takes (vllm_lowrank.patches)
-        block_size = ((preset.block_size if preset is not None else None)
-                      or allocated_block_size(cfg.artifact) or 16)
+    if block_size is None:  # what the engine takes (vllm_lowrank.patches), else vLLM's 16
+        block_size = default_block_size(cfg)[0] or 16
     if dtype not in DTYPES:
         raise LowRankConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     sizes = dict(kv_cache_gib=kv_cache_gib, block_size=block_size, context=context,

@@ -180,21 +180,21 @@ def _create_engine_config(original, self, *args, **kwargs):
                         "KV blocks free for running requests: a preempted request recomputes "
                         "in prefill chunks; a nonzero --watermark overrides, "
                         "\"admission_watermark\": 0 turns it off)", watermark)
-    if cfg.enabled and cfg.preset is not None and self.block_size is None:
-        self.block_size = get_preset(cfg.preset).block_size
-        if self.block_size is not None:
-            logger.info("vllm-lowrank: preset %s: KV block size %d (as measured; "
-                        "--block-size overrides)", cfg.preset, self.block_size)
     allocated = None
     if cfg.enabled:
-        from vllm_lowrank.calibration.allocate import allocated_block_size
+        from vllm_lowrank.calibration.allocate import allocated_block_size, default_block_size
 
         allocated = allocated_block_size(cfg.artifact)
-    if allocated is not None and self.block_size is None:
-        self.block_size = allocated
-        logger.info("vllm-lowrank: artifact %s: KV block size %d, as it was allocated for "
-                    "(--block-size overrides)", cfg.artifact, allocated)
-    elif allocated is not None and self.block_size != allocated:
+        size, source = default_block_size(cfg)
+        if self.block_size is None and size is not None:
+            self.block_size = size
+            if source == "preset":
+                logger.info("vllm-lowrank: preset %s: KV block size %d (as measured; "
+                            "--block-size overrides)", cfg.preset, size)
+            else:
+                logger.info("vllm-lowrank: artifact %s: KV block size %d, as it was "
+                            "allocated for (--block-size overrides)", cfg.artifact, size)
+    if allocated is not None and self.block_size != allocated:
         logger.warning("vllm-lowrank: artifact %s was allocated for KV blocks of %d tokens, "
                        "served with %d: its exact tokens round to other blocks, so the bytes "
                        "per token differ from its budget's (drop --block-size or allocate "

@@ -353,8 +353,9 @@ def test_an_allocation_is_served_at_the_block_size_it_was_allocated_for(
     assumes what the engine takes."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_lowrank.calibration.allocate import allocated_block_size
+    from vllm_lowrank.calibration.allocate import allocated_block_size, default_block_size
     from vllm_lowrank.estimate import estimate
+    from vllm_lowrank.presets import get_preset
 
     path = str(tmp_path / "allocated")
     shutil.copytree(valid_artifact, path)
@@ -363,6 +364,11 @@ def test_an_allocation_is_served_at_the_block_size_it_was_allocated_for(
     for other in (valid_artifact, "auto", "none", str(tmp_path / "missing")):
         assert allocated_block_size(other) is None  # no budget / not an allocation
     cfg = LowRankConfig.from_dict({"mode": "lowrank", "artifact": path})
+    assert default_block_size(cfg) == (64, "artifact")
+    four = LowRankConfig.from_dict({"mode": "lowrank", "preset": "4x"})
+    assert default_block_size(four) == (get_preset("4x").block_size, "preset")
+    assert default_block_size(LowRankConfig.from_dict(
+        {"mode": "lowrank", "artifact": valid_artifact})) == (None, None)
     assert estimate(model_path, cfg)["block_size"] == 64  # what the engine takes
     assert estimate(model_path, cfg, block_size=16)["block_size"] == 16
 

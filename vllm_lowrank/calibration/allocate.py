@@ -333,6 +333,22 @@ def allocated_block_size(artifact: str | None) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
+def default_block_size(cfg: LowRankConfig) -> tuple[int | None, str | None]:
+    """The KV block size (tokens) ``cfg`` is served with when the user gives no
+    ``--block-size``, and where it comes from: the preset's, as measured
+    (``"preset"``); else the one a byte-budget allocation artifact was solved for
+    (``"artifact"``, :func:`allocated_block_size`); else ``(None, None)``: vLLM's
+    own. The one rule of the engine (:mod:`vllm_lowrank.patches`) and of
+    ``vllm-lowrank estimate``."""
+    from vllm_lowrank.presets import get_preset
+
+    if cfg.preset is not None and (size := get_preset(cfg.preset).block_size) is not None:
+        return size, "preset"
+    if (size := allocated_block_size(cfg.artifact)) is not None:
+        return size, "artifact"
+    return None, None
+
+
 def exact_window_variants(cfg: LowRankConfig, choose: bool) -> list[LowRankConfig]:
     """The exact recent windows an allocation tries: ``cfg``'s, and with
     ``choose`` (token-adaptive mode) twice as many recent tokens. Each needs
