@@ -8,6 +8,16 @@
 
 #include "post_rope_decode.h"
 
+// (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
+// tile, CTAs resident per SM) of the (kct, v_bits) kernel; an error when none is compiled.
+std::vector<int64_t> post_rope_config(int64_t kct, int64_t v_bits) {
+  int64_t cfg[5];
+  TORCH_CHECK(prk_decode::config((int)kct, (int)v_bits, cfg),
+              "no compiled post-RoPE-keys kernel for key groups of ", kct, " and ", v_bits,
+              "-bit values");
+  return std::vector<int64_t>(cfg, cfg + 5);
+}
+
 // See vllm_lowrank/kernels/cuda/ext.py: post_rope_decode (the Python checks, shapes,
 // and the merge of the split partials). layout: [v_codes_off, v_scale_off, v_zero_off,
 // share_off, share, k_width, ex_vcodes_off, ex_kscale_off, ex_kzero_off, ex_vscale_off,
@@ -94,20 +104,8 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   auto stream = at::cuda::getCurrentCUDAStream();
   const int device = query.get_device();
   const dim3 grid((unsigned)num_splits, (unsigned)nkv, (unsigned)B);
-  int64_t cfg[5];
-  TORCH_CHECK(config((int)kct, (int)v_bits, cfg), "no compiled post-RoPE-keys kernel for key groups of ",
-              kct, " and ", v_bits, "-bit values");
+  post_rope_config(kct, v_bits);   // the variant exists
   C10_CUDA_CHECK(launch(p, (int)kct, (int)v_bits, grid, stream, device));
-}
-
-// (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
-// tile, CTAs resident per SM) of the (kct, v_bits) kernel.
-std::vector<int64_t> post_rope_config(int64_t kct, int64_t v_bits) {
-  int64_t cfg[5];
-  TORCH_CHECK(prk_decode::config((int)kct, (int)v_bits, cfg),
-              "no compiled post-RoPE-keys kernel for key groups of ", kct, " and ", v_bits,
-              "-bit values");
-  return std::vector<int64_t>(cfg, cfg + 5);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
     __syncwarp();                   // ... and every lane's
     return my_pipe + (k % kStages) * C::STAGE;
   };
-  auto refill = [&](int k, int& blk_next) {
+  auto refill = [&](int k) {
     __syncwarp();   // every lane is done with the stage before it is refilled
     issue(k + kStages, blk_next);
     blk_next = lat_block(k + kStages + 1);
@@ -576,7 +576,7 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
         }
       }
     }
-    refill(k, blk_next);
+    refill(k);
   }
   float accE[8][4];
 #pragma unroll
@@ -650,7 +650,7 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
         }
       }
     }
-    refill(k, blk_next);
+    refill(k);
   }
   cp_async_wait<0>();
 
