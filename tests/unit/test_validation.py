@@ -407,3 +407,43 @@ def test_calibrate_refusals(capsys, tmp_path, extra, fragment):
 
     argv = ["calibrate", "smollm2-135m", "--output", str(tmp_path / "out"), *extra(tmp_path)]
     assert fragment in _refused(capsys, lambda: main(argv))
+
+
+FORK_AFTER_CHECK = """
+import os, sys, time, torch
+torch.set_num_threads(2)  # a thread team to leave behind, on any machine
+from vllm.engine.arg_utils import EngineArgs
+from vllm_lowrank import patches
+patches.apply()
+EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=512, additional_config={
+    "kv_compression": {"mode": "lowrank", "artifact": sys.argv[2]}}).create_engine_config()
+pid = os.fork()  # what vLLM does to start its engine core on CUDA (not on CPU: spawn)
+if pid == 0:
+    torch.randn(1 << 22).mul(2).abs().sum()  # a parallel region, as weight loading runs
+    os._exit(0)
+deadline = time.time() + 60
+while time.time() < deadline:
+    if os.waitpid(pid, os.WNOHANG)[0]:
+        print("child done")
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, 9)
+    print("child hung")
+"""
+
+
+def test_an_engine_forked_after_the_artifact_check_runs_torch(model_path, valid_artifact):
+    """The front-end's artifact check (loading every basis, fingerprinting the
+    checkpoint) must not leave an OpenMP thread team behind: vLLM forks its
+    engine core from the front end on CUDA, and GNU OpenMP is not fork-safe,
+    so the worker's first parallel region (its weight loading) waited forever
+    (an H200 engine with ``artifact: PATH`` never got past loading the model)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-P", "-c", FORK_AFTER_CHECK, model_path,
+                           valid_artifact], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                               "OMP_NUM_THREADS": "2"})
+    assert "child done" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])

@@ -9,6 +9,8 @@ model or setting is refused before any engine process starts.
 
 from __future__ import annotations
 
+import contextlib
+
 from vllm_lowrank.config import LowRankConfig, LowRankConfigError
 from vllm_lowrank.models.architectures import ARCHITECTURES
 from vllm_lowrank.presets import get_preset
@@ -20,6 +22,37 @@ def supported_list() -> str:
 
 
 def check_model(vllm_config, cfg: LowRankConfig) -> None:
+    """Refuse models and settings the latent cache cannot serve
+    (:func:`_check_model`), with torch on one thread (:func:`one_torch_thread`).
+    """
+    with one_torch_thread():
+        _check_model(vllm_config, cfg)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run the block's torch work on one thread, then restore the thread count.
+
+    The checks run in vLLM's front-end process, from which vLLM forks its
+    engine core on CUDA (``VLLM_WORKER_MULTIPROC_METHOD``'s default; its CPU
+    platform spawns). GNU OpenMP is not fork-safe: once a parallel region has
+    run in the parent, the child's first one waits forever. An artifact's
+    check (every basis loaded and validated, the checkpoint fingerprinted) ran
+    such regions, and the engine core then hung in its weight loading (H200,
+    ``artifact: PATH``). On one thread torch runs no parallel region, so no
+    OpenMP thread team exists to be forked.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_model(vllm_config, cfg: LowRankConfig) -> None:
     """Refuse models and settings the latent cache cannot serve.
 
     Checks: attention kind (no MLA, no cross-attention), architecture and its
