@@ -9,8 +9,11 @@ setup:
 demo: setup
 	.venv/bin/python scripts/demo.py
 
+# Two workers (pytest-xdist), one core each (tests/conftest.py), each test file
+# whole on one of them (its module-scoped engines are built once), the longest
+# files first (tests/conftest.py: LONGEST_FILES; xdist's reordering by test count off).
 test: setup
-	.venv/bin/python -P -m pytest -q -ra --durations=20 tests
+	.venv/bin/python -P -m pytest -q -ra --durations=20 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Unit tests only (no vLLM engine).
 test-fast: setup

@@ -64,12 +64,51 @@ ISOLATED_CHILD_ENV = "VLLM_LOWRANK_ISOLATED_CHILD"
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""``gw0``, ``gw1``, ... in a pytest-xdist worker (``make test`` runs two), else ``None``."""
+
+if XDIST_WORKER is not None:
+    # One core per worker, for it and the processes it starts (servers, engine
+    # workers), one torch thread. vLLM's CPU engine otherwise binds its OpenMP
+    # threads to every core, so two workers' engines spun against each other
+    # on both (a test 2-4x slower than alone; the suite barely faster than serial).
+    _core = sorted(os.sched_getaffinity(0))
+    _core = _core[int(XDIST_WORKER[2:]) % len(_core)]
+    os.sched_setaffinity(0, {_core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 if not torch.cuda.is_available():
     # Triton kernels (ours and vLLM's) run in the interpreter on CPU tensors. Set
     # before any test module imports triton: triton.language's own @jit helpers
     # (tl.max, tl.sum, ...) are built in interpreter mode only if the variable is
     # set when triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+LONGEST_FILES = ("engine/test_presets_engine.py", "engine/test_token_adaptive_engine.py",
+                 "engine/test_speculative.py", "engine/test_gemma3.py", "serving/test_soak.py",
+                 "serving/test_cloze.py", "engine/test_engine.py", "engine/test_budget_engine.py")
+"""The files that take longest on one core (minutes each: the ``8x`` allocation,
+Gemma-3's conversion, engines with preemption and speculation, servers under load)."""
+
+SLOW_FOLDERS = ("engine", "serving", "deploy")
+"""Test folders whose files start engines or servers."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (:data:`LONGEST_FILES`), then the other files of
+    :data:`SLOW_FOLDERS`, then the rest, each file's order kept. pytest-xdist
+    (``--dist loadfile --no-loadscope-reorder``) hands files out in this order,
+    so the short unit and kernel files fill the end instead of one long file
+    running alone on one core."""
+    def rank(item) -> tuple[int, int]:
+        rel = pathlib.Path(str(item.fspath)).relative_to(REPO / "tests").as_posix()
+        if rel in LONGEST_FILES:
+            return 0, LONGEST_FILES.index(rel)
+        return (1 if rel.split("/")[0] in SLOW_FOLDERS else 2), 0
+    items.sort(key=rank)  # stable
 
 
 def pytest_pyfunc_call(pyfuncitem):

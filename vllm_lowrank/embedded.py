@@ -19,6 +19,8 @@ import os
 import shutil
 import tempfile
 
+from filelock import FileLock
+
 from vllm_lowrank.config import LowRankConfigError
 
 logger = logging.getLogger("vllm.lowrank")
@@ -183,10 +185,19 @@ def prepare(name: str = DEFAULT_MODEL, cache_dir: str | None = None) -> str:
     target = os.path.join(cache_dir or cache_root(), "models", name)
     if is_complete(target):
         return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with FileLock(target + ".lock"):  # one conversion when processes start together
+        return _prepare_locked(model, target)
+
+
+def _prepare_locked(model: EmbeddedModel, target: str) -> str:
+    """:func:`prepare`'s conversion into ``target``, under its lock."""
+    if is_complete(target):
+        return target
+    name = os.path.basename(target)
     if os.path.exists(target):
         logger.warning("vllm-lowrank: %s is partial or corrupt; rebuilding it", target)
         shutil.rmtree(target)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(target))
     work = tempfile.mkdtemp(prefix=f".{name}-gguf-", dir=os.path.dirname(target))
     try:
