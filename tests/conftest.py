@@ -104,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
     so the short unit and kernel files fill the end instead of one long file
     running alone on one core."""
     def rank(item) -> tuple[int, int]:
-        rel = pathlib.Path(str(item.fspath)).relative_to(REPO / "tests").as_posix()
+        rel = pathlib.Path(os.path.relpath(str(item.fspath), REPO / "tests")).as_posix()
         if rel in LONGEST_FILES:
             return 0, LONGEST_FILES.index(rel)
         return (1 if rel.split("/")[0] in SLOW_FOLDERS else 2), 0
