@@ -72,8 +72,8 @@ if XDIST_WORKER is not None:
     # workers), one torch thread. vLLM's CPU engine otherwise binds its OpenMP
     # threads to every core, so two workers' engines spun against each other
     # on both (a test 2-4x slower than alone; the suite barely faster than serial).
-    _core = sorted(os.sched_getaffinity(0))
-    _core = _core[int(XDIST_WORKER[2:]) % len(_core)]
+    _cores = sorted(os.sched_getaffinity(0))
+    _core = _cores[int(XDIST_WORKER[2:]) % len(_cores)]
     os.sched_setaffinity(0, {_core})
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
     os.environ["OMP_NUM_THREADS"] = "1"

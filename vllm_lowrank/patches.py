@@ -184,8 +184,9 @@ def _create_engine_config(original, self, *args, **kwargs):
     if cfg.enabled:
         from vllm_lowrank.calibration.allocate import allocated_block_size, default_block_size
 
-        allocated = allocated_block_size(cfg.artifact)
         size, source = default_block_size(cfg)
+        # the manifest is read once unless a preset's size came first
+        allocated = size if source == "artifact" else allocated_block_size(cfg.artifact)
         if self.block_size is None and size is not None:
             self.block_size = size
             if source == "preset":
