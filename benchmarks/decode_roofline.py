@@ -22,11 +22,12 @@ Settings (``--settings``): ``prk-0.5`` (post-RoPE 4-bit keys per channel over
 recent exact int8 tokens: :mod:`vllm_lowrank.kernels.triton.decode_post_rope`),
 ``prk-0.5-k2`` (the same with 2-bit keys), ``prk-0.75`` (value rank 96 of 128),
 ``prk-0.5-v8`` (8-bit values), ``prk-v2`` / ``prk-v4`` (2- / 4-bit values at full rank),
+``prk-v2-0.5`` (2-bit values of rank 64),
 ``pr-k4v4`` (post-RoPE keys and values, 4 bits per token, per KV head: the
 packed kernel of :mod:`vllm_lowrank.kernels.triton.decode_packed`), ``prk-4x`` (the
 ``4x`` preset's layout: keys per channel over 64 tokens, 2-bit values at full rank,
 64 sink + 128 recent int8 tokens, blocks of 64). A ``-cuda`` suffix on a
-post-RoPE-keys setting (``prk-4x-cuda``, ``prk-v2-cuda``, ``prk-v4-cuda``) times the
+post-RoPE-keys setting (``prk-4x-cuda``, ``prk-v4-cuda``, ``prk-0.5-cuda``, ...) times the
 CUDA decoder (:class:`vllm_lowrank.attention.decoders.PostRopeKeysCudaDecoder`,
 ``vllm_lowrank/kernels/cuda/post_rope_decode.cu``) on the same layout instead of
 the Triton kernel, through the decoder object the plugin serves (its own split
@@ -65,6 +66,7 @@ SETTINGS = {
     "prk-0.75": ("post_rope_keys", 4, 4, 96, 8),
     "prk-0.5-v8": ("post_rope_keys", 4, 8, 64, 8),
     "prk-v2": ("post_rope_keys", 4, 2, 128, 8),
+    "prk-v2-0.5": ("post_rope_keys", 4, 2, 64, 8),
     "prk-v4": ("post_rope_keys", 4, 4, 128, 8),
     "pr-k4v4": ("packed", 4, 4, 128, None),
 }

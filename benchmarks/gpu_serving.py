@@ -158,7 +158,8 @@ CONFIGS = {
                                 "rank_allocation": "uniform"}},
     # post-RoPE keys as stored codes (4-bit per channel over 32 tokens) beside value
     # latents per KV head, exact sinks and recent tokens: one fused kernel
-    # (decode_post_rope); "prk-vXrY": values at X bits and rank fraction Y
+    # (post_rope_decode.cu for 2/4-bit values, decode_post_rope for 8-bit);
+    # "prk-vXrY": values at X bits and rank fraction Y
     **{f"prk-v{vb}r{vr}": {"compression": {
         "post_rope_keys": True, "token_adaptive": True, "sink_tokens": 32,
         "recent_tokens": 128, "k_quant": "channel", "k_channel_tokens": 32, "k_bits": 4,

@@ -76,10 +76,11 @@ def build(lens, *, group_size, rv, k_bits, v_bits, exact_bits, kct, page, sink, 
 
 
 def make_case(lens, *, kct, page, v_bits, qpk, sink, recent, kv_heads=4, lat_page=None,
-              seed=0, dtype=torch.bfloat16):
+              seed=0, dtype=torch.bfloat16, rv=D):
     """:func:`build` for the CUDA kernel's scope: ``head_dim`` 128, one KV head per
-    group at full value rank, 4-bit keys, int8 exact tokens; queries in ``dtype``."""
-    *case, q = build(lens, group_size=1, rv=D, k_bits=4, v_bits=v_bits, exact_bits=8, kct=kct,
+    group at value rank ``rv`` (full rank by default), 4-bit keys, int8 exact tokens;
+    queries in ``dtype``."""
+    *case, q = build(lens, group_size=1, rv=rv, k_bits=4, v_bits=v_bits, exact_bits=8, kct=kct,
                      page=page, sink=sink, recent=recent, heads=qpk * kv_heads,
                      kv_heads=kv_heads, d=D, lat_page=lat_page, seed=seed, dtype=dtype)
     return (*case, q.to(dtype))

@@ -77,21 +77,26 @@ CASES = [
     (32, 64, 64, 2, 3, 64, 64, [1, 129, 130, 161, 500, 2049], 4),
     (32, 32, 64, 4, 4, 32, 32, [65, 66, 97, 400, 0], 2),
     (32, 64, 64, 4, 8, 0, 64, [65, 66, 300], 1),                 # no sinks, 8 query heads
+    # value ranks under 128 per KV head (64 at 2 and 4 bits, 96 at 4 bits)
+    (64, 64, 192, 2, 4, 64, 128, [1, 193, 257, 300, 0, 1000], 3, 64),
+    (32, 32, 64, 4, 4, 32, 32, [65, 66, 97, 400, 0], 2, 64),
+    (64, 64, 64, 4, 4, 64, 128, [70, 193, 450, 0, 777], 2, 96),
+    (32, 64, 64, 4, 8, 0, 64, [65, 66, 300], 1, 96),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"kct{c[0]}-p{c[1]}-lp{c[2]}-v{c[3]}"
-                         f"-q{c[4]}-s{c[5]}-r{c[6]}-x{c[8]}")
+                         f"-q{c[4]}-s{c[5]}-r{c[6]}-x{c[8]}-rv{(c[9:] or (D,))[0]}")
 def test_cuda_post_rope_decode_matches_torch_and_triton(case):
     """The CUDA kernel equals the torch path (latent span and exact tokens merged
-    by log-sum-exp) and the Triton kernel, over key groups, value code widths,
-    query heads per KV head, block sizes, a latent cache of larger blocks, split
-    counts, sequences shorter than the exact window and at its boundaries; a
+    by log-sum-exp) and the Triton kernel, over key groups, value code widths and
+    ranks, query heads per KV head, block sizes, a latent cache of larger blocks,
+    split counts, sequences shorter than the exact window and at its boundaries; a
     padding row (length 0) gets zeros."""
-    kct, page, lat_page, v_bits, qpk, sink, recent, lens, splits = case
+    kct, page, lat_page, v_bits, qpk, sink, recent, lens, splits, *rv = case
     scale = D ** -0.5
     args = make_case(lens, kct=kct, page=page, v_bits=v_bits, qpk=qpk, sink=sink,
-                     recent=recent, lat_page=lat_page)
+                     recent=recent, lat_page=lat_page, rv=rv[0] if rv else D)
     kw = dict(sink=sink, recent=recent, scale=scale)
     got = run_cuda(*args, lens, splits=splits, **kw)
     assert torch.isfinite(got).all()

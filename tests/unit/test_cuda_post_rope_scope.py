@@ -38,10 +38,20 @@ def test_the_4x_layout_is_in_scope():
             assert ext.post_rope_scope(plan, layout, slot, block_size=64, sink=64) is None
 
 
+@pytest.mark.parametrize("v_bits,v_rank", [(2, 64), (4, 64), (4, 96)])
+def test_lower_value_ranks_are_in_scope(v_bits, v_rank):
+    """Values below full rank keep the CUDA kernel (a lower value rank must not
+    fall back to the slower Triton one): ranks whose code rows are whole 16-byte
+    chunks."""
+    plan, layout, slot = layer_4x(v_bits=v_bits, v_rank=v_rank)
+    assert ext.post_rope_scope(plan, layout, slot, block_size=64, sink=64) is None
+
+
 @pytest.mark.parametrize("change,reason", [
     (dict(kct=16), "key groups of 16"),
     (dict(v_bits=8), "8-bit values"),
-    (dict(v_rank=64), "full rank"),
+    (dict(v_rank=32), "value ranks [32]"),
+    (dict(v_rank=96, v_bits=2), "value ranks [96]"),
     (dict(exact_bits=16), "16-bit exact"),
     (dict(k_bits=2), "4-bit per channel"),
     (dict(qpk=16), "8 query heads"),
@@ -100,6 +110,21 @@ def test_lift_is_each_kv_heads_block_transposed():
         assert torch.allclose(vsum[j], block.sum(0), atol=1e-5, rtol=1e-5)
 
 
+def test_lift_below_full_rank_is_rank_wide():
+    """At value rank 64 the lift is ``[kv, 128, 64]``: each KV head's ``[64, 128]``
+    block of ``v_up`` transposed (the kernel's lift reads ``r < Rv`` only)."""
+    plan, _, _ = layer_4x(kv=2, qpk=2, v_rank=64)
+    v_up = torch.zeros(plan.v_width, plan.shape.kv_width)
+    for j, off in enumerate(plan.v_offsets()):
+        v_up[off:off + 64, j * D:(j + 1) * D] = torch.randn(64, D)
+    lift_t, vsum = ext.post_rope_lift(plan, v_up)
+    assert lift_t.shape == (2, D, 64)
+    for j in range(2):
+        block = v_up[64 * j:64 * (j + 1), j * D:(j + 1) * D]
+        assert torch.allclose(lift_t[j].float(), block.T, atol=1e-2, rtol=1e-3)
+        assert torch.allclose(vsum[j], block.sum(0), atol=1e-4, rtol=1e-5)
+
+
 def _nvcc():
     return shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                     if shutil.os.path.exists("/usr/local/cuda/bin/nvcc") else None)
@@ -109,7 +134,7 @@ def _nvcc():
 def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
     """ptxas' resource report of every compiled variant: no spill stores or loads,
     at most 255 registers (two CTAs of 128 threads per SM need at most 256), and
-    the ``4x`` preset's variant (key groups of 64, 2-bit values) at most 168, which
+    the ``4x`` preset's variant (key groups of 64, 2-bit values, rank 128) at most 168, which
     keeps three CTAs resident per SM."""
     src = ext.source_dir() / "post_rope_decode.cu"
     res = subprocess.run(
@@ -119,12 +144,12 @@ def test_kernel_compiles_for_sm90a_without_spills(tmp_path):
         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     report = res.stderr
-    assert len(re.findall(r"Compiling entry function", report)) == 4, report
+    assert len(re.findall(r"Compiling entry function", report)) == 10, report
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert regs and max(regs) <= 255, regs
-    entries = re.findall(r"post_rope_decode_kernelILi(\d+)ELi(\d)E[^\n]*\n[^\n]*\n[^\n]*?Used (\d+) registers",
-                         report)
-    regs_of = {(int(k), int(v)): int(r) for k, v, r in entries}
-    assert regs_of[(64, 2)] <= 168, regs_of
+    entries = re.findall(r"post_rope_decode_kernelILi(\d+)ELi(\d)ELi(\d+)E[^\n]*\n[^\n]*\n"
+                         r"[^\n]*?Used (\d+) registers", report)
+    regs_of = {(int(k), int(v), int(rv)): int(r) for k, v, rv, r in entries}
+    assert regs_of[(64, 2, 128)] <= 168, regs_of

@@ -516,7 +516,8 @@ class PostRopeKeysCudaDecoder(Decoder):
     """A ``4x``-preset-style post-RoPE-keys layer on the mma.sync CUDA kernel
     (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``,
     :func:`vllm_lowrank.kernels.cuda.ext.post_rope_decode`): 4-bit key codes per
-    channel over 32 or 64 tokens, full-rank 2- or 4-bit value latents per KV head,
+    channel over 32 or 64 tokens, 2- or 4-bit value latents per KV head (rank 128,
+    64, or 96 at 4 bits: a lower rank reads fewer bytes at full rank's mma count),
     int8 exact tokens, ``head_dim`` 128; the latent span and the exact set in one
     kernel, split partials merged by log-sum-exp. One query token per sequence:
     with speculative decoding the layer keeps :class:`PostRopeKeysDecoder`, which
@@ -558,7 +559,8 @@ class PostRopeKeysCudaDecoder(Decoder):
         super().__init__(layer, ctx)
         self.lift_t, self.vsum = ext.post_rope_lift(layer.plan, layer.v_up.to(ctx.device))
         warps, self.ctas_per_sm = ext.post_rope_config(layer.layout.k_channel_tokens,
-                                                       layer.layout.v_bits)
+                                                       layer.layout.v_bits,
+                                                       layer.plan.v_ranks[0])
         self.tokens_per_step = warps * layer.layout.k_channel_tokens
         sh = layer.plan.shape
         self.head_of_col = head_columns(sh.num_heads, sh.head_dim, ctx.device)

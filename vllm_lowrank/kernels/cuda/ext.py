@@ -270,23 +270,27 @@ def latent_decode_pre_rope(query, kv_cache, block_table, seq_lens, key_weights_t
 
 POST_ROPE_KEY_GROUPS = (32, 64)
 POST_ROPE_VALUE_BITS = (2, 4)
-"""Key group sizes (``k_channel_tokens``) and value code widths with a compiled
-:func:`post_rope_decode` kernel (``vllm_lowrank/kernels/cuda/post_rope_decode.cu``)."""
+POST_ROPE_VALUE_RANKS = {2: (64, 128), 4: (64, 96, 128)}
+"""Key group sizes (``k_channel_tokens``), value code widths and, per width, value
+ranks per KV head with a compiled :func:`post_rope_decode` kernel
+(``vllm_lowrank/kernels/cuda/post_rope_decode.cu``: a rank's code row must be whole
+16-byte chunks, so 2-bit values skip rank 96)."""
 
 _POST_ROPE_CFG: dict = {}
 
 
-def post_rope_config(k_channel_tokens: int, v_bits: int) -> tuple[int, int]:
+def post_rope_config(k_channel_tokens: int, v_bits: int, v_rank: int = DECODE_HEAD_DIM
+                     ) -> tuple[int, int]:
     """``(warps per CTA, CTAs resident per SM)`` of the :func:`post_rope_decode` kernel
-    for key groups of ``k_channel_tokens`` and ``v_bits``-bit values: each warp takes
-    its own tiles, and 3 CTAs stay resident where their shared memory fits (the
-    ``4x`` layout), else 2; the split model's constants.
+    for key groups of ``k_channel_tokens`` and ``v_bits``-bit values of rank ``v_rank``
+    per KV head: each warp takes its own tiles, and 3 CTAs stay resident where their
+    shared memory fits (the ``4x`` layout), else 2; the split model's constants.
 
     Raises:
         RuntimeError: the extension cannot be built (:func:`load`), or no kernel is
-            compiled for the pair.
+            compiled for the triple.
     """
-    key = (int(k_channel_tokens), int(v_bits))
+    key = (int(k_channel_tokens), int(v_bits), int(v_rank))
     if key not in _POST_ROPE_CFG:
         cfg = load("post_rope_decode").post_rope_config(*key)
         _POST_ROPE_CFG[key] = (int(cfg[0]), int(cfg[4]))
@@ -302,7 +306,8 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
     width, 4 bits per channel over groups of :data:`POST_ROPE_KEY_GROUPS` tokens that
     divide the block size and the sink (the caches' blocks may be any multiple of
     it: vLLM enlarges the latent cache's); values per KV head (``group_size`` 1) at
-    full rank 128, :data:`POST_ROPE_VALUE_BITS`, one scale/zero per token and head;
+    :data:`POST_ROPE_VALUE_BITS`, one rank for every KV head out of
+    :data:`POST_ROPE_VALUE_RANKS`, one scale/zero per token and head;
     ``head_dim`` 128; at most 8 query heads per KV head; int8 exact tokens; slots
     and the regions the kernel copies 16-byte aligned.
 
@@ -328,9 +333,12 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
         return f"head_dim {sh.head_dim} != {DECODE_HEAD_DIM}"
     if plan.group_size != 1:
         return "value head groups of several KV heads"
-    if any(r != DECODE_HEAD_DIM for r in plan.v_ranks) or \
-            any(q != r for q, r in zip(layout.v_groups, layout.v_ranks)):
-        return "values not at full rank with one scale per token and head"
+    ranks = POST_ROPE_VALUE_RANKS[layout.v_bits]
+    if len(set(plan.v_ranks)) != 1 or plan.v_ranks[0] not in ranks:
+        return (f"value ranks {sorted(set(plan.v_ranks))} per KV head: not one of {ranks} "
+                f"at {layout.v_bits} bits")
+    if any(q != r for q, r in zip(layout.v_groups, layout.v_ranks)):
+        return "values without one scale per token and head"
     if sh.queries_per_kv > 8:
         return "more than 8 query heads per KV head"
     if exact_slot.bits != 8:
@@ -343,19 +351,19 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
 
 def post_rope_lift(plan, v_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each KV head's value lift for :func:`post_rope_decode`: ``(lift_t, vsum)``,
-    ``lift_t [num_kv_heads, 128 (d), 128 (r)]`` float16 contiguous (``B_v[j]^T``)
-    and ``vsum [num_kv_heads, 128]`` float32, the float32 column sums ``sum_r
-    B_v[j][r, d]`` (the lift of the value zero term; as
+    ``lift_t [num_kv_heads, 128 (d), Rv (r)]`` float16 contiguous (``B_v[j]^T``, ``Rv``
+    the value rank per KV head) and ``vsum [num_kv_heads, 128]`` float32, the float32
+    column sums ``sum_r B_v[j][r, d]`` (the lift of the value zero term; as
     :class:`~vllm_lowrank.kernels.triton.decode_post_rope.PostRopeLaunch`).
 
     Args:
-        plan: LayerPlan in :func:`post_rope_scope`'s scope (``group_size`` 1, value
-            rank 128).
+        plan: LayerPlan in :func:`post_rope_scope`'s scope (``group_size`` 1, one
+            value rank of :data:`POST_ROPE_VALUE_RANKS`).
         v_up: ``[Rv, num_kv_heads * 128]`` block-diagonal value up-projection.
     """
     from vllm_lowrank.kernels.triton.decode_post_rope import value_lift
 
-    lift, vsum = value_lift(plan, v_up, plan.shape.head_dim)
+    lift, vsum = value_lift(plan, v_up, plan.v_ranks[0])
     return lift.transpose(1, 2).to(torch.float16).contiguous(), vsum
 
 
@@ -408,11 +416,13 @@ def post_rope_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     """
     if (not layout.k_per_channel or layout.k_bits != 4
             or layout.k_channel_tokens not in POST_ROPE_KEY_GROUPS
-            or layout.v_bits not in POST_ROPE_VALUE_BITS or exact_slot.bits != 8):
+            or layout.v_bits not in POST_ROPE_VALUE_BITS or exact_slot.bits != 8
+            or lift_t.shape[-1] not in POST_ROPE_VALUE_RANKS[layout.v_bits]):
         raise ValueError("post_rope_decode cannot decode this layer: keys "
                          f"{layout.k_bits}-bit per channel over {layout.k_channel_tokens} "
-                         f"tokens, {layout.v_bits}-bit values, {exact_slot.bits}-bit exact "
-                         "tokens (post_rope_scope says what it reads)")
+                         f"tokens, {layout.v_bits}-bit values of rank {lift_t.shape[-1]}, "
+                         f"{exact_slot.bits}-bit exact tokens (post_rope_scope says what "
+                         "it reads)")
     if int(num_splits) < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if query.stride(-1) != 1 or query.stride(0) % 8 or query.stride(1) % 8 \

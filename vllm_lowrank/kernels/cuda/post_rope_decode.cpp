@@ -9,12 +9,13 @@
 #include "post_rope_decode.h"
 
 // (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
-// tile, CTAs resident per SM) of the (kct, v_bits) kernel; an error when none is compiled.
-std::vector<int64_t> post_rope_config(int64_t kct, int64_t v_bits) {
+// tile, CTAs resident per SM) of the (kct, v_bits, value rank rv) kernel; an error when
+// none is compiled.
+std::vector<int64_t> post_rope_config(int64_t kct, int64_t v_bits, int64_t rv) {
   int64_t cfg[5];
-  TORCH_CHECK(prk_decode::config((int)kct, (int)v_bits, cfg),
-              "no compiled post-RoPE-keys kernel for key groups of ", kct, " and ", v_bits,
-              "-bit values");
+  TORCH_CHECK(prk_decode::config((int)kct, (int)v_bits, (int)rv, cfg),
+              "no compiled post-RoPE-keys kernel for key groups of ", kct, ", ", v_bits,
+              "-bit values and value rank ", rv);
   return std::vector<int64_t>(cfg, cfg + 5);
 }
 
@@ -51,7 +52,8 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
               "block tables [B, max_blocks] and seq_lens [B] must be int32");
   const int64_t nkv = lift_t.size(0), qpk = layout[15];
   TORCH_CHECK(lift_t.scalar_type() == torch::kHalf && lift_t.is_contiguous() && lift_t.dim() == 3 &&
-              lift_t.size(1) == kD && lift_t.size(2) == kD, "lift_t must be contiguous f16 [num_kv_heads, 128, 128]");
+              lift_t.size(1) == kD, "lift_t must be contiguous f16 [num_kv_heads, 128, value rank]");
+  const int64_t rv = lift_t.size(2);   // the value rank
   TORCH_CHECK(vsum.scalar_type() == torch::kFloat32 && vsum.is_contiguous() && vsum.numel() == nkv * kD,
               "vsum must be contiguous f32 [num_kv_heads, 128]");
   TORCH_CHECK(qpk >= 1 && qpk <= kMaxQ && H == nkv * qpk, "num_heads must be num_kv_heads x (<= 8)");
@@ -104,8 +106,8 @@ void post_rope_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor bl
   auto stream = at::cuda::getCurrentCUDAStream();
   const int device = query.get_device();
   const dim3 grid((unsigned)num_splits, (unsigned)nkv, (unsigned)B);
-  post_rope_config(kct, v_bits);   // the variant exists
-  C10_CUDA_CHECK(launch(p, (int)kct, (int)v_bits, grid, stream, device));
+  post_rope_config(kct, v_bits, rv);   // the variant exists
+  C10_CUDA_CHECK(launch(p, (int)kct, (int)v_bits, (int)rv, grid, stream, device));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -7,9 +7,13 @@
 //     channel over aligned groups of KCT in {32, 64} positions (KIVI, Liu et al.
 //     2024, sec. 3.2): the group's float16 scales and zeros ("share" bytes) spread
 //     over its KCT slots (vllm_lowrank/format/latent.py, SlotLayout);
-//   - values: one KV head per head group (G = 1), full rank RV = 128 latent codes
+//   - values: one KV head per head group (G = 1), RV latent codes per token and head
 //     at V_BITS in {2, 4} with one float16 scale/zero per token and head (Palu
-//     sec. 3.4), lifted after the softmax by the KV head's [RV, D] lift;
+//     sec. 3.4), lifted after the softmax by the KV head's [RV, D] lift: RV = 128 (full
+//     rank), 64, or 96 at 4 bits (a row's RV * V_BITS / 8 code bytes whole 16-byte
+//     chunks). Lanes of row group gr hold 16 value channels each, so below RV = 128 the
+//     lanes gr >= RV / 16 multiply codes whose results are dropped: a value rank under
+//     128 reads fewer bytes at the value mma count of full rank, so it is never slower;
 //   - exact sink and recent tokens int8 per token and head (ExactSlot, bits 8);
 //   - at most 8 query heads per KV head, bf16 or fp16 queries.
 // Per sequence b (n = seq_len tokens, this step's included), KV head j, query head h:
@@ -130,23 +134,29 @@
 namespace prk_decode {
 using namespace lowrank_mma;
 
-template <int KCT, int VBITS>
+template <int KCT, int VBITS, int RV>
 struct Cfg {
   static constexpr int NM = KCT / 16;                // m16 sub-tiles of a key group
-  static constexpr int VB = kD * VBITS / 8;          // value code bytes per token and head
-  // latent stage: [KCT][64] key codes | [KCT][VB] value codes, 32 bytes of padding
-  // after every VROWS rows | [KCT][32] value scale chunk, value zero chunk | [512] the
-  // group's scales then zeros of this head. The padding spreads the rows 2tc (resp.
-  // 2tc + 1, 2tc + 8, 2tc + 9) that one value-code load reads over distinct banks.
-  static constexpr int VROWS = VBITS == 2 ? 4 : 2;
+  static constexpr int VB = RV * VBITS / 8;          // value code bytes per token and head
+  static constexpr int VG = RV / 16;                 // row groups gr holding value channels
   // a latent row's 16-byte chunks (key codes, value codes, value scale, value zero) and
   // the lanes one copy instruction gives a row (NC rounded up to 8 or 16)
   static constexpr int NC = 4 + VB / 16 + 2;
   static constexpr int NCP = NC <= 8 ? 8 : 16;
   static constexpr int RPI = 32 / NCP;               // rows per copy instruction
+  // latent stage: [KCT][64] key codes | [KCT][VB] value codes, VPAD bytes of padding
+  // after every VROWS rows | [KCT][32] value scale chunk, value zero chunk | [512] the
+  // group's scales then zeros of this head. The padding spreads the rows 2tc (resp.
+  // 2tc + 1, 2tc + 8, 2tc + 9) that one value-code load reads (lanes gr < VG: 2 VBITS
+  // bytes each from the row's start) over the 128-byte bank window in the fewest
+  // wavefronts their bytes allow: 32 bytes at VB 32 and 64; none at VB 16 and 48,
+  // whose rows alone spread (with 32, the rows of tc 0 and 3 at VB 16, of every tc at
+  // VB 48, start in one bank: rank 96 at 4 bits ran 2 % slower than rank 128).
+  static constexpr int VROWS = RPI;
+  static constexpr int VPAD = VB == 16 || VB == 48 ? 0 : 32;
   static constexpr int L_V = KCT * 64;
-  static constexpr int L_VS = L_V + KCT * VB + (KCT / VROWS) * 32;
-  __host__ __device__ static constexpr int vrow(int r) { return r * VB + (r / VROWS) * 32; }
+  static constexpr int L_VS = L_V + KCT * VB + (KCT / VROWS) * VPAD;
+  __host__ __device__ static constexpr int vrow(int r) { return r * VB + (r / VROWS) * VPAD; }
   static constexpr int L_SH = L_VS + KCT * 32;
   static constexpr int LAT_STAGE = L_SH + 512;
   // exact stage: [32][128] key codes | [32][128] value codes | [32][16] the 4-byte words
@@ -170,6 +180,8 @@ struct Cfg {
   static constexpr int CTAS = 3 * (SMEM + 1024) <= 228 * 1024 ? 3 : 2;
   static_assert(KCT == 32 || KCT == 64, "key groups of 32 or 64 positions");
   static_assert(VBITS == 2 || VBITS == 4, "2- or 4-bit values");
+  static_assert(RV % 16 == 0 && RV >= 64 && RV <= kD && VB % 16 == 0,
+                "value ranks of 64 to 128 whose code rows are whole 16-byte chunks");
   static_assert(STAGE % 128 == 0, "stage alignment");
   static_assert(RPI == VROWS, "a copy step of RPI rows is a whole padding group");
   static_assert(SMEM <= 113 * 1024, "two CTAs per SM");
@@ -270,9 +282,9 @@ __device__ __forceinline__ void online_softmax_step(const float (&sc)[NM][4], fl
   }
 }
 
-template <int KCT, int VBITS>
-__global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_decode_kernel(const Params p) {
-  using C = Cfg<KCT, VBITS>;
+template <int KCT, int VBITS, int RV>
+__global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS, RV>::CTAS) post_rope_decode_kernel(const Params p) {
+  using C = Cfg<KCT, VBITS, RV>;
   constexpr int NM = C::NM, VB = C::VB;
   constexpr float VOFF = float(1 << (VBITS - 1));   // the value codes' centre
   extern __shared__ __align__(128) uint8_t smem[];
@@ -338,7 +350,9 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
   const int evs_at = p.ex_vscale_off + 2 * j, evz_at = p.ex_vzero_off + 2 * j;
 
   uint8_t* my_pipe = smem + warp * kStages * C::STAGE;
-  const int v_lane = C::vrow(2 * tc) + gr * (VB / 8);   // this lane's value-code bytes
+  // this lane's value-code bytes: channels 16 gr .. 16 gr + 15 (row group 0's where gr
+  // holds none: results dropped, see the top)
+  const int v_lane = C::vrow(2 * tc) + (gr < C::VG ? gr : 0) * (2 * VBITS);
   // this lane's latent copies: chunk cp_chunk of rows cp_row + RPI i, from byte cp_src of
   // the row to cp_dst + i cp_step of the stage. A row's chunks go to consecutive lanes
   // of one instruction, so its key codes are one L2 request, not one per 16 bytes.
@@ -724,21 +738,21 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
   }
   __syncthreads();
 
-  // ---- the lift, O[d x heads] = lift^T [d x r] (acc / L)^T [r x heads], 16 mma per
-  // warp, and the store
+  // ---- the lift, O[d x heads] = lift^T [d x r] (acc / L)^T [r x heads], 2 RV / 16 mma
+  // per warp (channels r >= RV of the accumulator never read), and the store
   const int H = p.num_heads;
   const bool several = p.num_splits > 1;
-  const __half* lt = p.lift_t + (int64_t)j * kD * kD;
+  const __half* lt = p.lift_t + (int64_t)j * kD * RV;
   for (int mtd = warp; mtd < 8; mtd += kNW) {
     float o[4] = {0.f, 0.f, 0.f, 0.f};
     const int d0 = 16 * mtd + gr;
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
+    for (int ks = 0; ks < RV / 16; ++ks) {
       const int r0 = 16 * ks + 2 * tc;
-      const uint32_t a[4] = {__ldg(reinterpret_cast<const unsigned int*>(lt + d0 * kD + r0)),
-                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * kD + r0)),
-                             __ldg(reinterpret_cast<const unsigned int*>(lt + d0 * kD + r0 + 8)),
-                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * kD + r0 + 8))};
+      const uint32_t a[4] = {__ldg(reinterpret_cast<const unsigned int*>(lt + d0 * RV + r0)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * RV + r0)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + d0 * RV + r0 + 8)),
+                             __ldg(reinterpret_cast<const unsigned int*>(lt + (d0 + 8) * RV + r0 + 8))};
       const uint32_t b0 = *reinterpret_cast<const uint32_t*>(s_bl + gr * C::BL_PITCH + r0);
       const uint32_t b1 = *reinterpret_cast<const uint32_t*>(s_bl + gr * C::BL_PITCH + r0 + 8);
       mma_f16(o, a, b0, b1);
@@ -770,37 +784,44 @@ __global__ void __launch_bounds__(kNW * 32, Cfg<KCT, VBITS>::CTAS) post_rope_dec
 
 namespace prk_decode {
 
-template <int KCT, int VBITS>
+template <int KCT, int VBITS, int RV>
 cudaError_t launch_variant(const Params& p, dim3 grid, cudaStream_t stream, int device) {
-  using C = Cfg<KCT, VBITS>;
+  using C = Cfg<KCT, VBITS, RV>;
   static uint64_t attr_done = 0;   // the >48 KB dynamic shared memory opt-in, per device
   if (!(attr_done >> device & 1)) {
     const cudaError_t err = cudaFuncSetAttribute(
-        post_rope_decode_kernel<KCT, VBITS>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+        post_rope_decode_kernel<KCT, VBITS, RV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        C::SMEM);
     if (err != cudaSuccess) return err;
     attr_done |= uint64_t(1) << device;
   }
-  post_rope_decode_kernel<KCT, VBITS><<<grid, kNW * 32, C::SMEM, stream>>>(p);
+  post_rope_decode_kernel<KCT, VBITS, RV><<<grid, kNW * 32, C::SMEM, stream>>>(p);
   return cudaGetLastError();
 }
 
-cudaError_t launch(const Params& p, int kct, int v_bits, dim3 grid, cudaStream_t stream,
+// Every compiled (KCT, VBITS, RV): key groups of 32 or 64, 2-bit values at rank 64 or
+// 128, 4-bit values at rank 64, 96 or 128.
+#define PRK_VARIANTS(X)                                                        \
+  X(32, 2, 64) X(32, 2, 128) X(32, 4, 64) X(32, 4, 96) X(32, 4, 128)           \
+  X(64, 2, 64) X(64, 2, 128) X(64, 4, 64) X(64, 4, 96) X(64, 4, 128)
+
+cudaError_t launch(const Params& p, int kct, int v_bits, int rv, dim3 grid, cudaStream_t stream,
                    int device) {
-  if (kct == 32 && v_bits == 2) return launch_variant<32, 2>(p, grid, stream, device);
-  if (kct == 32 && v_bits == 4) return launch_variant<32, 4>(p, grid, stream, device);
-  if (kct == 64 && v_bits == 2) return launch_variant<64, 2>(p, grid, stream, device);
-  if (kct == 64 && v_bits == 4) return launch_variant<64, 4>(p, grid, stream, device);
+#define PRK_LAUNCH(K, V, R) \
+  if (kct == K && v_bits == V && rv == R) return launch_variant<K, V, R>(p, grid, stream, device);
+  PRK_VARIANTS(PRK_LAUNCH)
+#undef PRK_LAUNCH
   return cudaErrorInvalidValue;
 }
 
-bool config(int kct, int v_bits, int64_t out[5]) {
-#define POST_ROPE_CFG(K, V)                                                   \
-  if (kct == K && v_bits == V) {                                              \
-    out[0] = kNW; out[1] = kStages; out[2] = Cfg<K, V>::SMEM; out[3] = kEB;    \
-    out[4] = Cfg<K, V>::CTAS;                                                 \
-    return true;                                                              \
+bool config(int kct, int v_bits, int rv, int64_t out[5]) {
+#define POST_ROPE_CFG(K, V, R)                                                 \
+  if (kct == K && v_bits == V && rv == R) {                                    \
+    out[0] = kNW; out[1] = kStages; out[2] = Cfg<K, V, R>::SMEM; out[3] = kEB; \
+    out[4] = Cfg<K, V, R>::CTAS;                                               \
+    return true;                                                               \
   }
-  POST_ROPE_CFG(32, 2) POST_ROPE_CFG(32, 4) POST_ROPE_CFG(64, 2) POST_ROPE_CFG(64, 4)
+  PRK_VARIANTS(POST_ROPE_CFG)
 #undef POST_ROPE_CFG
   return false;
 }

@@ -9,7 +9,7 @@
 
 namespace prk_decode {
 
-constexpr int kD = 128;      // head_dim, and the value rank RV
+constexpr int kD = 128;      // head_dim, and the largest value rank RV
 constexpr int kNW = 4;       // warps per CTA
 constexpr int kStages = 2;   // pipeline stages per warp
 constexpr int kEB = 32;      // exact positions per tile (one per lane)
@@ -30,7 +30,7 @@ struct Params {
   int64_t s_ebt;
   int epage;                    // block size of the exact cache
   const int* seq_lens;          // [B]
-  const __half* lift_t;         // [num_kv_heads, 128 (d), 128 (r)]: lift^T per KV head
+  const __half* lift_t;         // [num_kv_heads, 128 (d), RV (r)]: lift^T per KV head
   const float* vsum;            // [num_kv_heads, 128]: the lift's column sums
   // latent slot (bytes): value codes, value scales, value zeros, key share region
   int v_codes_off, v_scale_off, v_zero_off, share_off, share;
@@ -45,14 +45,14 @@ struct Params {
   float* plse;                  // several splits: [B, S, H] base-2 log-sum-exp
 };
 
-// Launch the (kct, v_bits) kernel on grid (splits, KV heads, sequences) of `stream`:
-// the launch's error, cudaErrorInvalidValue when no kernel is compiled for the pair.
-cudaError_t launch(const Params& p, int kct, int v_bits, dim3 grid, cudaStream_t stream,
+// Launch the (kct, v_bits, value rank rv) kernel on grid (splits, KV heads, sequences)
+// of `stream`: the launch's error, cudaErrorInvalidValue when none is compiled for it.
+cudaError_t launch(const Params& p, int kct, int v_bits, int rv, dim3 grid, cudaStream_t stream,
                    int device);
 
 // (warps per CTA, stages per warp, dynamic shared memory bytes, exact positions per
-// tile, CTAs resident per SM) of the (kct, v_bits) kernel into `out`; false when none
-// is compiled.
-bool config(int kct, int v_bits, int64_t out[5]);
+// tile, CTAs resident per SM) of the (kct, v_bits, rv) kernel into `out`; false when
+// none is compiled.
+bool config(int kct, int v_bits, int rv, int64_t out[5]);
 
 }  // namespace prk_decode
