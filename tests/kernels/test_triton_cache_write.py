@@ -30,6 +30,8 @@ LAYOUTS = {
     "channel-keys-v2": dict(k_ranks=(64, 64), v_ranks=(64, 64), k_bits=4, v_bits=2,
                             k_channel_tokens=8),
     "padded": dict(k_ranks=(16,), v_ranks=(16,), k_bits=3, v_bits=8, pad_to=52),
+    # 2-bit sides of uneven head groups, 24 to 128 channels
+    "uneven-k2v2": dict(k_ranks=(32, 64), v_ranks=(40, 128, 24), k_bits=2, v_bits=2),
 }
 
 
