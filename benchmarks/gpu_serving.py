@@ -156,6 +156,10 @@ CONFIGS = {
     "pr-k4v4": {"compression": {"rank_fraction": 1.0, "head_group_size": 1, "k_bits": 4,
                                 "v_bits": 4, "method": "post_rope",
                                 "rank_allocation": "uniform"}},
+    # the same keys, values at rank 512 of 1,024 (64 per KV head): issue 50's last row
+    "pr-k4v4-v0.5": {"compression": {"head_group_size": 1, "k_bits": 4, "v_bits": 4,
+                                     "method": "post_rope", "rank_allocation": "uniform",
+                                     "ranks": {str(i): [1024, 512] for i in range(32)}}},
     # post-RoPE keys as stored codes (4-bit per channel over 32 tokens) beside value
     # latents per KV head, exact sinks and recent tokens: one fused kernel
     # (post_rope_decode.cu for 2/4-bit values, decode_post_rope for 8-bit);

@@ -214,7 +214,8 @@ class LowRankConfig:
     method: Annotated[Method, _key(
         "bases: `svd` (weights only), `whitened` (activation-aware SVD), `eigen` (PCA of keys "
         "with queries), `kq` (attention-aware), `post_rope` (ZACK: scores in the latent space, "
-        "no key rebuild; needs `head_group_size: 1`), `fisher` (loss-aware, K-FAC), "
+        "no key rebuild; needs `head_group_size: 1`; without a calibration artifact only at "
+        "full key width, `ranks` may cut the values), `fisher` (loss-aware, K-FAC), "
         "`rope_equivariant` (`fisher` with keys complex-linear per RoPE frequency across "
         "heads)")] = "fisher"
     rank_allocation: Annotated[RankAllocation, _key(

@@ -93,6 +93,30 @@ def test_full_rank_post_rope_mode_equals_uncompressed(model_path, stock):
     assert got == stock["short"]
 
 
+def _decode_modes(worker) -> list[str]:
+    """In a worker (``LLM.collective_rpc``): the decode modes of its latent layers."""
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+    return sorted({layer.decode_mode() for layer in ctx.values() if hasattr(layer, "decode_mode")})
+
+
+def test_values_cut_without_an_artifact_keep_post_rope_mode(model_path):
+    """``post_rope`` with keys at full width and values at half rank, no artifact:
+    the key basis is the identity, so the layers stay post-RoPE (no key rebuild)
+    and decode the same tokens as pre-RoPE layers of the same bases (``svd``)."""
+    ranks = {str(i): [192, 96] for i in range(30)}
+    base = {"mode": "lowrank", "head_group_size": 1, "rank_allocation": "uniform",
+            "artifact": "none", "ranks": ranks}
+    got, modes = {}, {}
+    for method in ("post_rope", "svd"):
+        llm = make_llm(model_path, {**base, "method": method})
+        got[method] = _greedy(llm, PROMPTS)
+        modes[method] = sorted({m for w in llm.collective_rpc(_decode_modes) for m in w})
+        del llm
+        gc.collect()
+    assert modes == {"post_rope": ["post_rope"], "svd": ["pre_rope"]}
+    assert got["post_rope"] == got["svd"]
+
+
 @pytest.fixture(scope="module")
 def half(model_path):
     return _run(model_path, {"mode": "lowrank", "rank_fraction": 0.5})

@@ -221,3 +221,27 @@ def test_rope_equivariant_needs_rope_over_the_whole_head():
     kw = dict(_kw(KV), inv_freq=torch.tensor([1.0, 0.5]))
     with pytest.raises(LowRankConfigError, match="whole head"):
         layer_bases("rope_equivariant", w_k, w_v, w_o, st, **kw)
+
+
+def test_post_rope_without_an_artifact_needs_keys_at_full_width():
+    """Without an artifact the key basis of a full-width side is the identity,
+    which commutes with RoPE: such layers stay post-RoPE whatever their value
+    ranks; a lower key rank (weight SVD, not a post-RoPE basis) does not."""
+    from vllm_lowrank.config import LowRankConfig
+    from vllm_lowrank.factorization.plan import AttentionShape, LayerPlan
+    from vllm_lowrank.models.compression import ModelCompression
+
+    shape = AttentionShape(hidden_size=HID, num_heads=H, num_kv_heads=KV, head_dim=D)
+
+    def post_rope(method, k_rank, v_rank):
+        cfg = LowRankConfig.from_dict({"mode": "lowrank", "method": method,
+                                       "head_group_size": 1, "artifact": "none",
+                                       "rank_allocation": "uniform",
+                                       "ranks": {"0": [KV * k_rank, KV * v_rank]}})
+        plans = {0: LayerPlan(shape, 1, (k_rank,) * KV, (v_rank,) * KV)}
+        return ModelCompression(cfg=cfg, plans=plans, artifact=None,
+                                artifact_path=None).post_rope
+
+    assert post_rope("post_rope", D, D // 2)
+    assert not post_rope("post_rope", D // 2, D)
+    assert not post_rope("svd", D, D // 2)

@@ -79,11 +79,17 @@ class ModelCompression:
 
     @property
     def post_rope(self) -> bool:
-        """True when keys are cached as post-RoPE latents (``post_rope`` bases)."""
+        """True when keys are cached as post-RoPE latents (``post_rope`` bases).
+
+        Without an artifact that needs keys at full width in every layer: their
+        basis is then the identity, which commutes with RoPE, while weight-SVD key
+        bases of a lower rank do not. Values may be cut (``ranks``): their bases
+        never meet RoPE, and such a layer decodes on the post-RoPE kernels rather
+        than rebuilding every key (`triton-packed`, not `triton-grid`)."""
         if self.artifact is not None:
             return self.artifact.manifest["method"] == "post_rope"
-        full_rank = self.cfg.rank_fraction == 1.0 and not self.cfg.ranks
-        return full_rank and self.cfg.method == "post_rope"
+        full_keys = all(p.k_width == p.shape.kv_width for p in self.plans.values())
+        return full_keys and self.cfg.method == "post_rope"
 
     @property
     def post_rope_keys(self) -> bool:
