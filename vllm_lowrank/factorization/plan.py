@@ -102,6 +102,12 @@ class LayerPlan:
         return sum(self.k_ranks)
 
     @property
+    def full_keys(self) -> bool:
+        """True when the keys keep their full width (``Rk == kv_width``): the key
+        basis is then the identity, which commutes with RoPE."""
+        return self.k_width == self.shape.kv_width
+
+    @property
     def v_width(self) -> int:
         """Value latent width of the layer, ``Rv = sum(v_ranks)``."""
         return sum(self.v_ranks)

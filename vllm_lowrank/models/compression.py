@@ -88,8 +88,7 @@ class ModelCompression:
         than rebuilding every key (`triton-packed`, not `triton-grid`)."""
         if self.artifact is not None:
             return self.artifact.manifest["method"] == "post_rope"
-        full_keys = all(p.k_width == p.shape.kv_width for p in self.plans.values())
-        return full_keys and self.cfg.method == "post_rope"
+        return self.cfg.method == "post_rope" and all(p.full_keys for p in self.plans.values())
 
     @property
     def post_rope_keys(self) -> bool:

@@ -111,7 +111,7 @@ class LatentSelfAttention(nn.Module):
         self.layout = layout
         self.hadamard_seed = hadamard_seed
         self.token_adaptive = exact_tokens is not None
-        if post_rope_keys and (not self.token_adaptive or plan.k_width != shape.kv_width):
+        if post_rope_keys and (not self.token_adaptive or not plan.full_keys):
             raise ValueError("post-RoPE keys need the token-adaptive mode and full key ranks")
         self.q_size = shape.num_heads * shape.head_dim
         # the key latent's columns in the fused projection (none with post-RoPE keys:

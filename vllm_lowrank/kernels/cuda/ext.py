@@ -279,8 +279,7 @@ ranks per KV head with a compiled :func:`post_rope_decode` kernel
 _POST_ROPE_CFG: dict = {}
 
 
-def post_rope_config(k_channel_tokens: int, v_bits: int, v_rank: int = DECODE_HEAD_DIM
-                     ) -> tuple[int, int]:
+def post_rope_config(k_channel_tokens: int, v_bits: int, v_rank: int) -> tuple[int, int]:
     """``(warps per CTA, CTAs resident per SM)`` of the :func:`post_rope_decode` kernel
     for key groups of ``k_channel_tokens`` and ``v_bits``-bit values of rank ``v_rank``
     per KV head: each warp takes its own tiles, and 3 CTAs stay resident where their
@@ -319,7 +318,7 @@ def post_rope_scope(plan, layout, exact_slot, *, block_size: int, sink: int) -> 
         sink: Exact sink tokens.
     """
     sh = plan.shape
-    if plan.k_width != sh.kv_width:
+    if not plan.full_keys:
         return "keys are not cached after RoPE at full width"
     if layout is None or not layout.k_per_channel or layout.k_bits != 4:
         return "keys not 4-bit per channel"

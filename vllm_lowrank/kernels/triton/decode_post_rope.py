@@ -388,7 +388,7 @@ def blocker(plan, layout, exact_slot, *, post_rope: bool, window: int | None,
     at 16 bits or int8; no sliding window."""
     sh = plan.shape
     d = sh.head_dim
-    if not post_rope or plan.k_width != sh.kv_width:
+    if not post_rope or not plan.full_keys:
         return "keys are not cached after RoPE at full width"
     if window is not None:
         return "sliding window"
